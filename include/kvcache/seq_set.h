@@ -1,0 +1,122 @@
+// seq_set: the sequences one cell belongs to.
+//
+// llama.cpp uses a fixed 256-bit bitset; kvcache has no compile-time cap on sequences. Ids below 64
+// live in one inline machine word (the common case costs what a std::bitset<64> costs); higher ids go
+// to a heap-allocated word array that grows on demand and is never shrunk by erase(), so that a cell
+// reused by the same high sequence does not allocate again.
+//
+// 16 bytes per set. Iteration is in ascending id order.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <string>
+
+#include <kvcache/types.h>
+
+namespace kvc {
+
+class seq_set {
+public:
+    seq_set() = default;
+    seq_set(std::initializer_list<seq_id_t> ids);
+    seq_set(const seq_set& other);
+    seq_set(seq_set&& other) noexcept : lo_(other.lo_), hi_(other.hi_) {
+        other.lo_ = 0;
+        other.hi_ = nullptr;
+    }
+    seq_set& operator=(const seq_set& other);
+    seq_set& operator=(seq_set&& other) noexcept;
+    ~seq_set() { delete[] hi_; }
+
+    // -- queries --
+    bool contains(seq_id_t id) const {
+        if (static_cast<uint32_t>(id) < 64) return (lo_ >> id) & 1u;
+        return id >= 0 && contains_high(id);
+    }
+    bool empty() const { return lo_ == 0 && (hi_ == nullptr || high_empty()); }
+    size_t size() const;               // number of sequences
+    seq_id_t first() const;            // smallest id; -1 when empty
+    bool is_only(seq_id_t id) const;   // the set is exactly {id}
+    bool intersects(const seq_set& other) const;
+    bool is_subset_of(const seq_set& other) const;
+    bool operator==(const seq_set& other) const;
+
+    // -- mutations (throw kvc::error on a negative id) --
+    void insert(seq_id_t id) {
+        if (static_cast<uint32_t>(id) < 64) {
+            lo_ |= uint64_t{1} << id;
+            return;
+        }
+        insert_high(id);
+    }
+    void erase(seq_id_t id) {
+        if (static_cast<uint32_t>(id) < 64) {
+            lo_ &= ~(uint64_t{1} << id);
+            return;
+        }
+        if (id > 0 && static_cast<size_t>(id / 64) < capacity_words()) hi_[id / 64] &= ~bit(id);
+    }
+    void clear();
+    seq_set& operator|=(const seq_set& other);
+    seq_set& operator&=(const seq_set& other);
+    seq_set& operator-=(const seq_set& other);  // remove other's ids
+
+    // -- iteration (ascending ids) --
+    class iterator {
+    public:
+        using iterator_category = std::forward_iterator_tag;
+        using value_type = seq_id_t;
+        using difference_type = std::ptrdiff_t;
+        using pointer = const seq_id_t*;
+        using reference = seq_id_t;
+
+        iterator() = default;
+        seq_id_t operator*() const { return id_; }
+        iterator& operator++() {
+            id_ = set_->next_from(id_ + 1);
+            return *this;
+        }
+        iterator operator++(int) {
+            iterator it = *this;
+            ++*this;
+            return it;
+        }
+        bool operator==(const iterator& other) const { return id_ == other.id_; }
+
+    private:
+        friend class seq_set;
+        iterator(const seq_set* set, seq_id_t id) : set_(set), id_(id) {}
+        const seq_set* set_ = nullptr;
+        seq_id_t id_ = -1;  // -1 = end
+    };
+    iterator begin() const { return iterator(this, next_from(0)); }
+    iterator end() const { return iterator(this, -1); }
+
+    // Smallest id >= from, or -1 when none.
+    seq_id_t next_from(seq_id_t from) const;
+
+    // "{0, 3, 70}" for messages and pictures.
+    std::string to_string() const;
+
+private:
+    static uint64_t bit(seq_id_t id) { return uint64_t{1} << (id % 64); }
+    // Heap words cover ids [64, 64 * capacity_words()); hi_[0] holds the number of words incl. word 0.
+    size_t capacity_words() const { return hi_ ? static_cast<size_t>(hi_[0]) : 1; }
+    bool contains_high(seq_id_t id) const {
+        const size_t w = static_cast<size_t>(id) / 64;
+        return w < capacity_words() && (hi_[w] & bit(id));
+    }
+    bool high_empty() const;
+    void insert_high(seq_id_t id);
+    void reserve_words(size_t words);  // words incl. the inline one
+    uint64_t word(size_t w) const { return w == 0 ? lo_ : (w < capacity_words() ? hi_[w] : 0); }
+
+    uint64_t lo_ = 0;          // ids [0, 64)
+    uint64_t* hi_ = nullptr;   // [capacity] hi_[0] = capacity in words, hi_[w] = ids [64w, 64w + 64)
+};
+
+}  // namespace kvc

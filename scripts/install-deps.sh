@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages kvcache needs to build, test and benchmark. Idempotent, and silent
+# when everything is already there. Uses sudo when not run as root. Only Debian packages.
+set -euo pipefail
+
+packages=(
+  g++ cmake ninja-build pkg-config          # toolchain
+  libfmt-dev libcli11-dev                   # formatting, CLI
+  libgtest-dev libgmock-dev                 # tests
+  libbenchmark-dev                          # benchmarks
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+sudo=()
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "install-deps: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+  sudo=(sudo)
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -qq
+"${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,75 @@
+// kvcache size: how much memory a KV cache of a given shape takes, per element type.
+#include <memory>
+#include <string>
+#include <utility>
+
+#include <fmt/format.h>
+#include <kvcache/dtype.h>
+#include <kvcache/types.h>
+
+#include "commands.h"
+
+namespace kvc::cli {
+namespace {
+
+struct size_options {
+    int64_t layers = 32;
+    int64_t n_head_kv = 8;
+    int64_t head_dim = 128;
+    int64_t ctx = 4096;
+    std::string type_k = "f16";
+    std::string type_v = "f16";
+};
+
+std::string human(double bytes) {
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (bytes >= 1024.0 && u < 4) {
+        bytes /= 1024.0;
+        ++u;
+    }
+    return fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+void run_size(const size_options& o) {
+    const auto positive = [](int64_t v, const char* name) {
+        if (v <= 0) throw error(errc::invalid_argument, fmt::format("{} must be positive, got {}", name, v));
+    };
+    positive(o.layers, "--layers");
+    positive(o.n_head_kv, "--n-head-kv");
+    positive(o.head_dim, "--head-dim");
+    positive(o.ctx, "--ctx");
+    const dtype tk = parse_dtype(o.type_k);
+    const dtype tv = parse_dtype(o.type_v);
+    const int64_t n_embd = o.n_head_kv * o.head_dim;  // values per token per layer
+    // A quantised row must be whole blocks; say which option to change rather than failing in row_size.
+    for (auto [t, name] : {std::pair{tk, "--type-k"}, std::pair{tv, "--type-v"}})
+        if (n_embd % block_size(t) != 0)
+            throw error(errc::invalid_argument,
+                        fmt::format("{} {}: n_head_kv * head_dim = {} is not a multiple of its block of {} values",
+                                    name, to_string(t), n_embd, block_size(t)));
+    const double k_tok = static_cast<double>(row_size(tk, n_embd)) * static_cast<double>(o.layers);
+    const double v_tok = static_cast<double>(row_size(tv, n_embd)) * static_cast<double>(o.layers);
+    const double n = static_cast<double>(o.ctx);
+    fmt::print("layers {}, {} kv heads x {} dims, {} cells, K {} / V {}\n", o.layers, o.n_head_kv, o.head_dim, o.ctx,
+               to_string(tk), to_string(tv));
+    fmt::print("  per token:  K {:>12}  V {:>12}  total {:>12}\n", human(k_tok), human(v_tok), human(k_tok + v_tok));
+    fmt::print("  whole cache: K {:>11}  V {:>12}  total {:>12}\n", human(k_tok * n), human(v_tok * n),
+               human((k_tok + v_tok) * n));
+}
+
+}  // namespace
+
+void add_size_command(CLI::App& app) {
+    auto opt = std::make_shared<size_options>();
+    CLI::App* cmd = app.add_subcommand("size", "Memory a KV cache of the given shape needs");
+    cmd->add_option("--layers", opt->layers, "attention layers")->capture_default_str();
+    cmd->add_option("--n-head-kv", opt->n_head_kv, "K/V heads per layer")->capture_default_str();
+    cmd->add_option("--head-dim", opt->head_dim, "values per head")->capture_default_str();
+    cmd->add_option("--ctx", opt->ctx, "cells (tokens the cache holds)")->capture_default_str();
+    cmd->add_option("--type-k", opt->type_k, "K element type: f32, f16, bf16, q8_0, q4_0")->capture_default_str();
+    cmd->add_option("--type-v", opt->type_v, "V element type")->capture_default_str();
+    cmd->callback([opt] { run_size(*opt); });
+}
+
+}  // namespace kvc::cli

@@ -1,0 +1,35 @@
+// kvcache: command-line tools around the library.
+#include <cstdio>
+#include <exception>
+
+#include <kvcache/types.h>
+#include <kvcache/version.h>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+    CLI::App app{"kvcache " KVC_VERSION_STRING ": sequence memory for LLM inference engines", "kvcache"};
+    app.set_version_flag("-V,--version", std::string("kvcache ") + kvc::version_string());
+    app.require_subcommand(1);
+    kvc::cli::add_types_command(app);
+    kvc::cli::add_size_command(app);
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::CallForHelp& e) {
+        return app.exit(e);
+    } catch (const CLI::CallForAllHelp& e) {
+        return app.exit(e);
+    } catch (const CLI::CallForVersion& e) {
+        return app.exit(e);
+    } catch (const CLI::ParseError& e) {
+        app.exit(e);
+        return 2;  // usage error
+    } catch (const kvc::error& e) {
+        std::fprintf(stderr, "kvcache: error: %s\n", e.what());
+        return 1;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "kvcache: unexpected error: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}
