@@ -29,7 +29,8 @@ struct data {
             const auto t0 = std::chrono::steady_clock::now();
             std::memcpy(other.data(), f32.data(), f32.size());
             benchmark::ClobberMemory();
-            best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            best =
+                std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         memcpy_bytes_per_second = static_cast<double>(f32.size()) / best;
     }
@@ -91,7 +92,8 @@ void register_all() {
             const std::string suffix = std::string(kvc::to_string(t)) + "/" + kvc::to_string(l);
             benchmark::RegisterBenchmark(("from_f32/" + suffix).c_str(), bm_from_f32, t, l)
                 ->Unit(benchmark::kMillisecond);
-            benchmark::RegisterBenchmark(("to_f32/" + suffix).c_str(), bm_to_f32, t, l)->Unit(benchmark::kMillisecond);
+            benchmark::RegisterBenchmark(("to_f32/" + suffix).c_str(), bm_to_f32, t, l)
+                ->Unit(benchmark::kMillisecond);
         }
 }
 

@@ -17,49 +17,68 @@ namespace kvc {
 
 int64_t block_size(dtype type) {
     switch (type) {
-        case dtype::q8_0: return qk8_0;
-        case dtype::q4_0: return qk4_0;
-        default: return 1;
+        case dtype::q8_0:
+            return qk8_0;
+        case dtype::q4_0:
+            return qk4_0;
+        default:
+            return 1;
     }
 }
 
 size_t type_size(dtype type) {
     switch (type) {
-        case dtype::f32: return 4;
-        case dtype::f16: return 2;
-        case dtype::bf16: return 2;
-        case dtype::q8_0: return sizeof(block_q8_0);
-        case dtype::q4_0: return sizeof(block_q4_0);
+        case dtype::f32:
+            return 4;
+        case dtype::f16:
+            return 2;
+        case dtype::bf16:
+            return 2;
+        case dtype::q8_0:
+            return sizeof(block_q8_0);
+        case dtype::q4_0:
+            return sizeof(block_q4_0);
     }
     return 0;
 }
 
-bool is_quantized(dtype type) { return type == dtype::q8_0 || type == dtype::q4_0; }
+bool is_quantized(dtype type) {
+    return type == dtype::q8_0 || type == dtype::q4_0;
+}
 
-bool is_valid(dtype type) { return std::find(all_dtypes.begin(), all_dtypes.end(), type) != all_dtypes.end(); }
+bool is_valid(dtype type) {
+    return std::find(all_dtypes.begin(), all_dtypes.end(), type) != all_dtypes.end();
+}
 
 static void check_type(dtype type, const char* what) {
     if (!is_valid(type))
-        throw error(errc::invalid_argument, fmt::format("{}: invalid dtype value {}", what, static_cast<int32_t>(type)));
+        throw error(errc::invalid_argument,
+                    fmt::format("{}: invalid dtype value {}", what, static_cast<int32_t>(type)));
 }
 
 size_t row_size(dtype type, int64_t n) {
     check_type(type, "row_size");
     if (n < 0) throw error(errc::invalid_argument, fmt::format("row_size: negative value count {}", n));
     if (n % block_size(type) != 0)
-        throw error(errc::invalid_argument, fmt::format("row_size: {} values is not a whole number of {} blocks "
-                                                        "({} values each)",
-                                                        n, to_string(type), block_size(type)));
+        throw error(errc::invalid_argument,
+                    fmt::format("row_size: {} values is not a whole number of {} blocks "
+                                "({} values each)",
+                                n, to_string(type), block_size(type)));
     return static_cast<size_t>(n / block_size(type)) * type_size(type);
 }
 
 const char* to_string(dtype type) {
     switch (type) {
-        case dtype::f32: return "f32";
-        case dtype::f16: return "f16";
-        case dtype::bf16: return "bf16";
-        case dtype::q8_0: return "q8_0";
-        case dtype::q4_0: return "q4_0";
+        case dtype::f32:
+            return "f32";
+        case dtype::f16:
+            return "f16";
+        case dtype::bf16:
+            return "bf16";
+        case dtype::q8_0:
+            return "q8_0";
+        case dtype::q4_0:
+            return "q4_0";
     }
     return "invalid";
 }
@@ -126,7 +145,9 @@ uint16_t fp32_to_bf16(float f) {
     return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-float bf16_to_fp32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+float bf16_to_fp32(uint16_t h) {
+    return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 namespace detail {
 namespace {
@@ -136,7 +157,9 @@ uint16_t load_u16(const uint8_t* p) {
     std::memcpy(&v, p, sizeof v);
     return v;
 }
-void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof v); }
+void store_u16(uint8_t* p, uint16_t v) {
+    std::memcpy(p, &v, sizeof v);
+}
 
 void s_f32_to_f16(const float* x, uint8_t* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) store_u16(y + 2 * i, fp32_to_fp16(x[i]));
@@ -239,9 +262,11 @@ simd_level detect_simd() {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && detail::x86_kernels(simd_level::avx512))
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        detail::x86_kernels(simd_level::avx512))
         return simd_level::avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && detail::x86_kernels(simd_level::avx2))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+        detail::x86_kernels(simd_level::avx2))
         return simd_level::avx2;
 #endif
     return simd_level::scalar;
@@ -261,7 +286,9 @@ active_kernels& active() {
     return a;
 }
 
-const detail::dtype_kernels& current() { return kernels_for(active().level.load(std::memory_order_relaxed)); }
+const detail::dtype_kernels& current() {
+    return kernels_for(active().level.load(std::memory_order_relaxed));
+}
 
 void check_row(dtype type, int64_t n, const void* src, const void* dst, const char* what) {
     check_type(type, what);
@@ -277,9 +304,12 @@ void check_row(dtype type, int64_t n, const void* src, const void* dst, const ch
 
 const char* to_string(simd_level level) {
     switch (level) {
-        case simd_level::scalar: return "scalar";
-        case simd_level::avx2: return "avx2";
-        case simd_level::avx512: return "avx512";
+        case simd_level::scalar:
+            return "scalar";
+        case simd_level::avx2:
+            return "avx2";
+        case simd_level::avx512:
+            return "avx512";
     }
     return "unknown";
 }
@@ -289,7 +319,9 @@ simd_level simd_supported() {
     return level;
 }
 
-simd_level simd_active() { return active().level.load(std::memory_order_relaxed); }
+simd_level simd_active() {
+    return active().level.load(std::memory_order_relaxed);
+}
 
 simd_level set_simd_level(simd_level level) {
     const simd_level best = simd_supported();
@@ -306,11 +338,21 @@ void from_f32(dtype type, const float* src, void* dst, int64_t n) {
     auto* y = static_cast<uint8_t*>(dst);
     const detail::dtype_kernels& k = current();
     switch (type) {
-        case dtype::f32: std::memmove(dst, src, static_cast<size_t>(n) * sizeof(float)); break;
-        case dtype::f16: k.f32_to_f16(src, y, n); break;
-        case dtype::bf16: k.f32_to_bf16(src, y, n); break;
-        case dtype::q8_0: k.f32_to_q8_0(src, y, n); break;
-        case dtype::q4_0: k.f32_to_q4_0(src, y, n); break;
+        case dtype::f32:
+            std::memmove(dst, src, static_cast<size_t>(n) * sizeof(float));
+            break;
+        case dtype::f16:
+            k.f32_to_f16(src, y, n);
+            break;
+        case dtype::bf16:
+            k.f32_to_bf16(src, y, n);
+            break;
+        case dtype::q8_0:
+            k.f32_to_q8_0(src, y, n);
+            break;
+        case dtype::q4_0:
+            k.f32_to_q4_0(src, y, n);
+            break;
     }
 }
 
@@ -320,11 +362,21 @@ void to_f32(dtype type, const void* src, float* dst, int64_t n) {
     const auto* x = static_cast<const uint8_t*>(src);
     const detail::dtype_kernels& k = current();
     switch (type) {
-        case dtype::f32: std::memmove(dst, src, static_cast<size_t>(n) * sizeof(float)); break;
-        case dtype::f16: k.f16_to_f32(x, dst, n); break;
-        case dtype::bf16: k.bf16_to_f32(x, dst, n); break;
-        case dtype::q8_0: k.q8_0_to_f32(x, dst, n); break;
-        case dtype::q4_0: k.q4_0_to_f32(x, dst, n); break;
+        case dtype::f32:
+            std::memmove(dst, src, static_cast<size_t>(n) * sizeof(float));
+            break;
+        case dtype::f16:
+            k.f16_to_f32(x, dst, n);
+            break;
+        case dtype::bf16:
+            k.bf16_to_f32(x, dst, n);
+            break;
+        case dtype::q8_0:
+            k.q8_0_to_f32(x, dst, n);
+            break;
+        case dtype::q4_0:
+            k.q4_0_to_f32(x, dst, n);
+            break;
     }
 }
 

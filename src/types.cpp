@@ -9,23 +9,34 @@ namespace kvc {
 
 const char* to_string(memory_status s) {
     switch (s) {
-        case memory_status::success: return "success";
-        case memory_status::no_update: return "no_update";
-        case memory_status::failed_prepare: return "failed_prepare";
-        case memory_status::failed_compute: return "failed_compute";
+        case memory_status::success:
+            return "success";
+        case memory_status::no_update:
+            return "no_update";
+        case memory_status::failed_prepare:
+            return "failed_prepare";
+        case memory_status::failed_compute:
+            return "failed_compute";
     }
     return "unknown";
 }
 
 const char* to_string(errc code) {
     switch (code) {
-        case errc::invalid_argument: return "invalid_argument";
-        case errc::out_of_range: return "out_of_range";
-        case errc::invalid_state: return "invalid_state";
-        case errc::corrupt_data: return "corrupt_data";
-        case errc::unsupported: return "unsupported";
-        case errc::io: return "io";
-        case errc::out_of_memory: return "out_of_memory";
+        case errc::invalid_argument:
+            return "invalid_argument";
+        case errc::out_of_range:
+            return "out_of_range";
+        case errc::invalid_state:
+            return "invalid_state";
+        case errc::corrupt_data:
+            return "corrupt_data";
+        case errc::unsupported:
+            return "unsupported";
+        case errc::io:
+            return "io";
+        case errc::out_of_memory:
+            return "out_of_memory";
     }
     return "unknown";
 }
@@ -34,10 +45,14 @@ namespace {
 
 const char* level_name(log_level level) {
     switch (level) {
-        case log_level::debug: return "debug";
-        case log_level::info: return "info";
-        case log_level::warn: return "warning";
-        case log_level::error: return "error";
+        case log_level::debug:
+            return "debug";
+        case log_level::info:
+            return "info";
+        case log_level::warn:
+            return "warning";
+        case log_level::error:
+            return "error";
     }
     return "?";
 }
@@ -75,6 +90,8 @@ void log(log_level level, std::string_view message) {
     s.callback(level, text.c_str(), s.user_data);
 }
 
-const char* version_string() { return KVC_VERSION_STRING; }
+const char* version_string() {
+    return KVC_VERSION_STRING;
+}
 
 }  // namespace kvc

@@ -13,8 +13,12 @@
 namespace kvc {
 namespace {
 
-uint32_t bits(float f) { return std::bit_cast<uint32_t>(f); }
-float from_bits(uint32_t u) { return std::bit_cast<float>(u); }
+uint32_t bits(float f) {
+    return std::bit_cast<uint32_t>(f);
+}
+float from_bits(uint32_t u) {
+    return std::bit_cast<float>(u);
+}
 
 // Restores the process-wide kernel level after a test that changes it.
 struct simd_guard {
@@ -86,7 +90,8 @@ TEST(dtype, names_round_trip_and_unknown_names_are_rejected) {
         (void)parse_dtype("q5_1");
         FAIL() << "no error";
     } catch (const error& e) {
-        EXPECT_EQ(std::string(e.what()), "unknown element type 'q5_1' (expected one of: f32, f16, bf16, q8_0, q4_0)");
+        EXPECT_EQ(std::string(e.what()),
+                  "unknown element type 'q5_1' (expected one of: f32, f16, bf16, q8_0, q4_0)");
     }
 }
 
@@ -147,7 +152,8 @@ uint16_t oracle_fp16(float x) {
 TEST(f16, rounding_matches_nearest_even_oracle) {
     // every midpoint between adjacent halves (a tie) and its float neighbours
     for (uint32_t h = 0; h < 0x7bff; ++h) {
-        const double mid = (half_value(static_cast<uint16_t>(h)) + half_value(static_cast<uint16_t>(h + 1))) / 2;
+        const double mid =
+            (half_value(static_cast<uint16_t>(h)) + half_value(static_cast<uint16_t>(h + 1))) / 2;
         const auto m = static_cast<float>(mid);
         ASSERT_EQ(static_cast<double>(m), mid);  // midpoints are exact in float
         for (float x : {m, std::nextafter(m, 0.0f), std::nextafter(m, 1e9f), -m})
@@ -167,12 +173,12 @@ TEST(f16, edge_values) {
     EXPECT_EQ(fp32_to_fp16(65519.996f), 0x7bff);
     EXPECT_EQ(fp32_to_fp16(65520.0f), 0x7c00);  // overflow rounds to inf
     EXPECT_EQ(fp32_to_fp16(-1e10f), 0xfc00);
-    EXPECT_EQ(fp32_to_fp16(0x1p-24f), 0x0001);  // smallest subnormal
-    EXPECT_EQ(fp32_to_fp16(0x1p-25f), 0x0000);  // tie to even: 0
-    EXPECT_EQ(fp32_to_fp16(0x1.8p-24f), 0x0002);  // tie to even: 2
+    EXPECT_EQ(fp32_to_fp16(0x1p-24f), 0x0001);      // smallest subnormal
+    EXPECT_EQ(fp32_to_fp16(0x1p-25f), 0x0000);      // tie to even: 0
+    EXPECT_EQ(fp32_to_fp16(0x1.8p-24f), 0x0002);    // tie to even: 2
     EXPECT_EQ(fp32_to_fp16(0x1.ff8p-15f), 0x03ff);  // largest subnormal
     EXPECT_EQ(fp32_to_fp16(0x1.ffcp-15f), 0x0400);  // tie above it rounds to even: the smallest normal
-    EXPECT_EQ(fp32_to_fp16(1e-45f), 0x0000);  // float subnormal
+    EXPECT_EQ(fp32_to_fp16(1e-45f), 0x0000);        // float subnormal
     EXPECT_EQ(fp32_to_fp16(-0.0f), 0x8000);
     EXPECT_EQ(fp32_to_fp16(from_bits(0x7fa00000)), 0x7f00);  // signalling NaN is quietened, payload kept
 }
@@ -181,11 +187,11 @@ TEST(f16, edge_values) {
 
 TEST(bf16, rounds_to_nearest_even_like_ggml) {
     EXPECT_EQ(fp32_to_bf16(1.0f), 0x3f80);
-    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f808000)), 0x3f80);  // tie, even stays
-    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f818000)), 0x3f82);  // tie, odd rounds up
-    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f808001)), 0x3f81);  // above the tie
-    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f807fff)), 0x3f80);  // below the tie
-    EXPECT_EQ(fp32_to_bf16(from_bits(0xbf818000)), 0xbf82);  // negative
+    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f808000)), 0x3f80);              // tie, even stays
+    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f818000)), 0x3f82);              // tie, odd rounds up
+    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f808001)), 0x3f81);              // above the tie
+    EXPECT_EQ(fp32_to_bf16(from_bits(0x3f807fff)), 0x3f80);              // below the tie
+    EXPECT_EQ(fp32_to_bf16(from_bits(0xbf818000)), 0xbf82);              // negative
     EXPECT_EQ(fp32_to_bf16(std::numeric_limits<float>::max()), 0x7f80);  // overflow to inf
     EXPECT_EQ(fp32_to_bf16(from_bits(0x00018000)), 0x0002);  // subnormals are rounded, not flushed
     EXPECT_EQ(fp32_to_bf16(from_bits(0x00008000)), 0x0000);
@@ -319,7 +325,8 @@ TEST(quantized, error_bounds_on_random_data) {
             // q8_0: half a step plus the fp16 rounding of the scale; q4_0: one step (the +8 side clips at 15)
             const float bound = t == dtype::q8_0 ? 0.5f * amax / 127 * 1.2f : amax / 8 * 1.01f;
             for (int j = 0; j < 32; ++j)
-                ASSERT_LE(std::fabs(back[b * 32 + j] - x[b * 32 + j]), bound) << to_string(t) << " block " << b;
+                ASSERT_LE(std::fabs(back[b * 32 + j] - x[b * 32 + j]), bound)
+                    << to_string(t) << " block " << b;
         }
     }
 }
@@ -378,13 +385,27 @@ std::vector<float> stress_input(int64_t n, uint32_t seed) {
     for (int64_t b = 0; b < n / 32; ++b) {
         float* p = x.data() + b * 32;
         switch (b % 7) {
-            case 0: for (int j = 0; j < 32; ++j) p[j] = normal(rng); break;
-            case 1: for (int j = 0; j < 32; ++j) p[j] = from_bits(any(rng)); break;
-            case 2: for (int j = 0; j < 32; ++j) p[j] = static_cast<float>(small(rng)) + 0.5f; break;
-            case 3: for (int j = 0; j < 32; ++j) p[j] = (j % 2) ? 0.0f : -0.0f; break;
-            case 4: for (int j = 0; j < 32; ++j) p[j] = (j % 3 == 0 ? -1.0f : 1.0f) * 4.0f; break;
-            case 5: for (int j = 0; j < 32; ++j) p[j] = normal(rng) * 1e-40f; break;  // subnormal range
-            default: for (int j = 0; j < 32; ++j) p[j] = normal(rng) * (j == 7 ? 1e30f : 1.0f); break;
+            case 0:
+                for (int j = 0; j < 32; ++j) p[j] = normal(rng);
+                break;
+            case 1:
+                for (int j = 0; j < 32; ++j) p[j] = from_bits(any(rng));
+                break;
+            case 2:
+                for (int j = 0; j < 32; ++j) p[j] = static_cast<float>(small(rng)) + 0.5f;
+                break;
+            case 3:
+                for (int j = 0; j < 32; ++j) p[j] = (j % 2) ? 0.0f : -0.0f;
+                break;
+            case 4:
+                for (int j = 0; j < 32; ++j) p[j] = (j % 3 == 0 ? -1.0f : 1.0f) * 4.0f;
+                break;
+            case 5:
+                for (int j = 0; j < 32; ++j) p[j] = normal(rng) * 1e-40f;
+                break;  // subnormal range
+            default:
+                for (int j = 0; j < 32; ++j) p[j] = normal(rng) * (j == 7 ? 1e30f : 1.0f);
+                break;
         }
     }
     for (int64_t i = n / 32 * 32; i < n; ++i) x[i] = normal(rng);

@@ -46,11 +46,21 @@ TEST_P(seq_set_vs_std_set, random_operations_agree) {
         switch (op(rng)) {
             case 0:
             case 1:
-            case 2: s.insert(a); o.insert(a); break;
+            case 2:
+                s.insert(a);
+                o.insert(a);
+                break;
             case 3:
-            case 4: s.erase(a); o.erase(a); break;
-            case 5: ASSERT_EQ(s.contains(a), o.count(a) == 1); break;
-            case 6: ASSERT_EQ(s.next_from(a), o.lower_bound(a) == o.end() ? -1 : *o.lower_bound(a)); break;
+            case 4:
+                s.erase(a);
+                o.erase(a);
+                break;
+            case 5:
+                ASSERT_EQ(s.contains(a), o.count(a) == 1);
+                break;
+            case 6:
+                ASSERT_EQ(s.next_from(a), o.lower_bound(a) == o.end() ? -1 : *o.lower_bound(a));
+                break;
             case 7: {  // union
                 const oracle r = random_oracle(rng, n_seq_max, 3);
                 s |= from_oracle(r);
@@ -104,7 +114,9 @@ TEST_P(seq_set_vs_std_set, random_operations_agree) {
                     o.clear();
                 }
                 break;
-            default: ASSERT_EQ(s.is_only(a), o.size() == 1 && o.count(a)); break;
+            default:
+                ASSERT_EQ(s.is_only(a), o.size() == 1 && o.count(a));
+                break;
         }
         expect_same(s, o, "after step");
     }

@@ -83,7 +83,9 @@ TEST(logging, default_prints_warnings_and_errors_only) {
     EXPECT_NE(out.find("kvcache warning: loud warning"), std::string::npos);
 }
 
-TEST(version, library_matches_headers) { EXPECT_STREQ(version_string(), KVC_VERSION_STRING); }
+TEST(version, library_matches_headers) {
+    EXPECT_STREQ(version_string(), KVC_VERSION_STRING);
+}
 
 }  // namespace
 }  // namespace kvc

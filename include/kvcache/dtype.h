@@ -39,8 +39,8 @@ inline constexpr int64_t qk4_0 = 32;  // values per q4_0 block
 
 // ggml's block_q8_0: 34 bytes.
 struct block_q8_0 {
-    uint16_t d;         // scale, IEEE half
-    int8_t qs[qk8_0];   // quants
+    uint16_t d;        // scale, IEEE half
+    int8_t qs[qk8_0];  // quants
 };
 static_assert(sizeof(block_q8_0) == 34);
 
@@ -63,7 +63,7 @@ size_t row_size(dtype type, int64_t n);
 
 // -- names --
 
-const char* to_string(dtype type);                       // "f32", "f16", "bf16", "q8_0", "q4_0"
+const char* to_string(dtype type);                            // "f32", "f16", "bf16", "q8_0", "q4_0"
 std::optional<dtype> dtype_from_name(std::string_view name);  // case-sensitive, as to_string
 dtype parse_dtype(std::string_view name);  // like dtype_from_name; throws kvc::error listing the choices
 std::optional<dtype> dtype_from_ggml(int32_t ggml_type);

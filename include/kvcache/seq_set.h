@@ -38,9 +38,9 @@ public:
         return id >= 0 && contains_high(id);
     }
     bool empty() const { return lo_ == 0 && (hi_ == nullptr || high_empty()); }
-    size_t size() const;               // number of sequences
-    seq_id_t first() const;            // smallest id; -1 when empty
-    bool is_only(seq_id_t id) const;   // the set is exactly {id}
+    size_t size() const;              // number of sequences
+    seq_id_t first() const;           // smallest id; -1 when empty
+    bool is_only(seq_id_t id) const;  // the set is exactly {id}
     bool intersects(const seq_set& other) const;
     bool is_subset_of(const seq_set& other) const;
     bool operator==(const seq_set& other) const;
@@ -115,8 +115,8 @@ private:
     void reserve_words(size_t words);  // words incl. the inline one
     uint64_t word(size_t w) const { return w == 0 ? lo_ : (w < capacity_words() ? hi_[w] : 0); }
 
-    uint64_t lo_ = 0;          // ids [0, 64)
-    uint64_t* hi_ = nullptr;   // [capacity] hi_[0] = capacity in words, hi_[w] = ids [64w, 64w + 64)
+    uint64_t lo_ = 0;         // ids [0, 64)
+    uint64_t* hi_ = nullptr;  // [capacity] hi_[0] = capacity in words, hi_[w] = ids [64w, 64w + 64)
 };
 
 }  // namespace kvc

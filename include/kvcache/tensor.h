@@ -86,7 +86,8 @@ struct basic_tensor_view {
                                         int64_t ne3 = 1);
 
     template <class B = Byte, class = std::enable_if_t<std::is_const_v<B>>>
-    basic_tensor_view(const basic_tensor_view<std::byte>& v) : type(v.type), data(v.data) {  // NOLINT: implicit
+    basic_tensor_view(const basic_tensor_view<std::byte>& v)
+        : type(v.type), data(v.data) {  // NOLINT: implicit
         for (int i = 0; i < 4; ++i) {
             ne[i] = v.ne[i];
             nb[i] = v.nb[i];

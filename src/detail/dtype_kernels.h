@@ -29,9 +29,15 @@ const dtype_kernels& scalar_kernels();
 const dtype_kernels* x86_kernels(simd_level level);
 
 // Per-block scale rules shared by the scalar and vector paths, so that both divide the same way.
-inline float q8_0_scale(float amax) { return amax / 127.0f; }
-inline float q4_0_scale(float max) { return max / -8.0f; }
-inline float inverse_scale(float d) { return d != 0.0f ? 1.0f / d : 0.0f; }
+inline float q8_0_scale(float amax) {
+    return amax / 127.0f;
+}
+inline float q4_0_scale(float max) {
+    return max / -8.0f;
+}
+inline float inverse_scale(float d) {
+    return d != 0.0f ? 1.0f / d : 0.0f;
+}
 
 // The fp16 scale opens each block; the row pointer may have any alignment, so go through memcpy.
 inline float load_scale(const uint8_t* d) {

@@ -53,7 +53,8 @@ KVC_AVX2 __m256i avx2_bf16_bits(__m256i u) {
     const __m256i is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
     const __m256i hi = _mm256_srli_epi32(u, 16);
     const __m256i nan = _mm256_or_si256(hi, _mm256_set1_epi32(64));
-    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+    const __m256i bias =
+        _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
     const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
     return _mm256_blendv_epi8(rounded, nan, is_nan);
 }
@@ -233,7 +234,8 @@ KVC_AVX512 __m256i avx512_bf16_bits(__m512i u) {
     const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
     const __m512i hi = _mm512_srli_epi32(u, 16);
-    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+    const __m512i bias =
+        _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
     r = _mm512_mask_or_epi32(r, is_nan, hi, _mm512_set1_epi32(64));
     return _mm512_cvtepi32_epi16(r);
@@ -265,7 +267,8 @@ KVC_AVX512 float avx512_amax32(__m512 v0, __m512 v1, __m512 a0, __m512 a1, bool*
 
 KVC_AVX512 __m512 avx512_round_away(__m512 x) {
     const __m512 t = _mm512_roundscale_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(x, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __mmask16 up =
+        _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(x, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
     const __m512 one = _mm512_or_ps(_mm512_and_ps(x, _mm512_set1_ps(-0.0f)), _mm512_set1_ps(1.0f));
     return _mm512_mask_add_ps(t, up, t, one);
 }
@@ -320,7 +323,8 @@ KVC_AVX512 void avx512_f32_to_q4_0(const float* x, uint8_t* y, int64_t n) {
         const __m512 half = _mm512_set1_ps(8.5f), zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.0f);
         const __m512 t0 = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(_mm512_mul_ps(v0, id), half), zero), top);
         const __m512 t1 = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(_mm512_mul_ps(v1, id), half), zero), top);
-        const __m512i q = _mm512_or_si512(_mm512_cvttps_epi32(t0), _mm512_slli_epi32(_mm512_cvttps_epi32(t1), 4));
+        const __m512i q =
+            _mm512_or_si512(_mm512_cvttps_epi32(t0), _mm512_slli_epi32(_mm512_cvttps_epi32(t1), 4));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 2), _mm512_cvtepi32_epi8(q));
     }
 }
@@ -343,21 +347,27 @@ KVC_AVX512 void avx512_q4_0_to_f32(const uint8_t* x, float* y, int64_t n) {
 }  // namespace
 
 const dtype_kernels* x86_kernels(simd_level level) {
-    static const dtype_kernels avx2 = {avx2_f32_to_f16,  avx2_f16_to_f32,  avx2_f32_to_bf16, avx2_bf16_to_f32,
-                                       avx2_f32_to_q8_0, avx2_q8_0_to_f32, avx2_f32_to_q4_0, avx2_q4_0_to_f32};
+    static const dtype_kernels avx2 = {avx2_f32_to_f16,  avx2_f16_to_f32,  avx2_f32_to_bf16,
+                                       avx2_bf16_to_f32, avx2_f32_to_q8_0, avx2_q8_0_to_f32,
+                                       avx2_f32_to_q4_0, avx2_q4_0_to_f32};
     static const dtype_kernels avx512 = {avx512_f32_to_f16,  avx512_f16_to_f32,  avx512_f32_to_bf16,
                                          avx512_bf16_to_f32, avx512_f32_to_q8_0, avx512_q8_0_to_f32,
                                          avx512_f32_to_q4_0, avx512_q4_0_to_f32};
     switch (level) {
-        case simd_level::avx2: return &avx2;
-        case simd_level::avx512: return &avx512;
-        default: return nullptr;
+        case simd_level::avx2:
+            return &avx2;
+        case simd_level::avx512:
+            return &avx512;
+        default:
+            return nullptr;
     }
 }
 
 #else
 
-const dtype_kernels* x86_kernels(simd_level) { return nullptr; }
+const dtype_kernels* x86_kernels(simd_level) {
+    return nullptr;
+}
 
 #endif
 

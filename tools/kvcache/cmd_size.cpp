@@ -45,15 +45,17 @@ void run_size(const size_options& o) {
     // A quantised row must be whole blocks; say which option to change rather than failing in row_size.
     for (auto [t, name] : {std::pair{tk, "--type-k"}, std::pair{tv, "--type-v"}})
         if (n_embd % block_size(t) != 0)
-            throw error(errc::invalid_argument,
-                        fmt::format("{} {}: n_head_kv * head_dim = {} is not a multiple of its block of {} values",
-                                    name, to_string(t), n_embd, block_size(t)));
+            throw error(
+                errc::invalid_argument,
+                fmt::format("{} {}: n_head_kv * head_dim = {} is not a multiple of its block of {} values",
+                            name, to_string(t), n_embd, block_size(t)));
     const double k_tok = static_cast<double>(row_size(tk, n_embd)) * static_cast<double>(o.layers);
     const double v_tok = static_cast<double>(row_size(tv, n_embd)) * static_cast<double>(o.layers);
     const double n = static_cast<double>(o.ctx);
-    fmt::print("layers {}, {} kv heads x {} dims, {} cells, K {} / V {}\n", o.layers, o.n_head_kv, o.head_dim, o.ctx,
-               to_string(tk), to_string(tv));
-    fmt::print("  per token:  K {:>12}  V {:>12}  total {:>12}\n", human(k_tok), human(v_tok), human(k_tok + v_tok));
+    fmt::print("layers {}, {} kv heads x {} dims, {} cells, K {} / V {}\n", o.layers, o.n_head_kv, o.head_dim,
+               o.ctx, to_string(tk), to_string(tv));
+    fmt::print("  per token:  K {:>12}  V {:>12}  total {:>12}\n", human(k_tok), human(v_tok),
+               human(k_tok + v_tok));
     fmt::print("  whole cache: K {:>11}  V {:>12}  total {:>12}\n", human(k_tok * n), human(v_tok * n),
                human((k_tok + v_tok) * n));
 }
@@ -67,7 +69,8 @@ void add_size_command(CLI::App& app) {
     cmd->add_option("--n-head-kv", opt->n_head_kv, "K/V heads per layer")->capture_default_str();
     cmd->add_option("--head-dim", opt->head_dim, "values per head")->capture_default_str();
     cmd->add_option("--ctx", opt->ctx, "cells (tokens the cache holds)")->capture_default_str();
-    cmd->add_option("--type-k", opt->type_k, "K element type: f32, f16, bf16, q8_0, q4_0")->capture_default_str();
+    cmd->add_option("--type-k", opt->type_k, "K element type: f32, f16, bf16, q8_0, q4_0")
+        ->capture_default_str();
     cmd->add_option("--type-v", opt->type_v, "V element type")->capture_default_str();
     cmd->callback([opt] { run_size(*opt); });
 }

@@ -1,0 +1,558 @@
+#include <algorithm>
+#include <bit>
+#include <limits>
+
+#include <fmt/format.h>
+#include <kvcache/kv_cells.h>
+
+namespace kvc {
+
+namespace {
+
+constexpr uint64_t all_bits = ~uint64_t{0};
+
+uint64_t bit(uint32_t i) {
+    return uint64_t{1} << (i % 64);
+}
+
+}  // namespace
+
+kv_cells::kv_cells(uint32_t n_cells, uint32_t n_seq_max) : n_seq_max_(n_seq_max) {
+    if (n_seq_max < 1) throw error(errc::invalid_argument, "kv_cells: n_seq_max must be at least 1, got 0");
+    seq_pos_.resize(n_seq_max);
+    resize(n_cells);
+}
+
+void kv_cells::resize(uint32_t n) {
+    pos_.assign(n, pos_none);
+    ext_.assign(n, cell_ext{});
+    shift_.assign(n, 0);
+    seq_.assign(n, seq_set{});
+    const size_t words = (static_cast<size_t>(n) + 63) / 64;
+    used_.assign(words, 0);
+    any_used_.assign((words + 63) / 64, 0);
+    any_free_.assign((words + 63) / 64, 0);
+    reset();
+}
+
+void kv_cells::reset() {
+    std::fill(pos_.begin(), pos_.end(), pos_none);
+    std::fill(ext_.begin(), ext_.end(), cell_ext{});
+    std::fill(shift_.begin(), shift_.end(), 0);
+    for (seq_set& s : seq_) s.clear();
+    std::fill(used_.begin(), used_.end(), 0);
+    std::fill(any_used_.begin(), any_used_.end(), 0);
+    std::fill(any_free_.begin(), any_free_.end(), 0);
+    for (size_t w = 0; w < used_.size(); ++w) any_free_[w / 64] |= uint64_t{1} << (w % 64);
+    for (auto& index : seq_pos_) index.clear();
+    n_used_ = 0;
+    has_shift_ = false;
+}
+
+void kv_cells::reset_shift() {
+    std::fill(shift_.begin(), shift_.end(), 0);
+    has_shift_ = false;
+}
+
+// -- checks --
+
+uint32_t kv_cells::check(uint32_t i) const {
+    if (i >= pos_.size())
+        throw error(errc::out_of_range, fmt::format("kv_cells: cell {} outside [0, {})", i, pos_.size()));
+    return i;
+}
+
+void kv_cells::check_seq(seq_id_t s, const char* what) const {
+    if (s < 0 || static_cast<uint32_t>(s) >= n_seq_max_)
+        throw error(errc::out_of_range,
+                    fmt::format("kv_cells::{}: seq_id {} not in [0, {})", what, s, n_seq_max_));
+}
+
+void kv_cells::check_used(uint32_t i, const char* what) const {
+    if (pos_[check(i)] == pos_none)
+        throw error(errc::invalid_state, fmt::format("kv_cells::{}: cell {} is empty", what, i));
+}
+
+// -- occupancy words --
+
+void kv_cells::mark_used(uint32_t i) {
+    const size_t w = i / 64;
+    used_[w] |= bit(i);
+    any_used_[w / 64] |= uint64_t{1} << (w % 64);
+    const uint32_t n = size();
+    const uint64_t valid = (w + 1) * 64 <= n ? all_bits : (uint64_t{1} << (n % 64)) - 1;
+    if (used_[w] == valid) any_free_[w / 64] &= ~(uint64_t{1} << (w % 64));
+    ++n_used_;
+}
+
+void kv_cells::mark_free(uint32_t i) {
+    const size_t w = i / 64;
+    used_[w] &= ~bit(i);
+    any_free_[w / 64] |= uint64_t{1} << (w % 64);
+    if (used_[w] == 0) any_used_[w / 64] &= ~(uint64_t{1} << (w % 64));
+    --n_used_;
+}
+
+uint32_t kv_cells::next_used(uint32_t from) const {
+    const uint32_t n = size();
+    if (from >= n) return n;
+    size_t w = from / 64;
+    const uint64_t here = used_[w] & (all_bits << (from % 64));
+    if (here) return static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(here)));
+    // next word with a used cell, through the summary
+    for (size_t next = w + 1; next < used_.size();) {
+        const uint64_t s = any_used_[next / 64] & (all_bits << (next % 64));
+        if (s) {
+            w = (next / 64) * 64 + static_cast<size_t>(std::countr_zero(s));
+            return static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(used_[w])));
+        }
+        next = (next / 64 + 1) * 64;
+    }
+    return n;
+}
+
+uint32_t kv_cells::next_free(uint32_t from) const {
+    const uint32_t n = size();
+    if (from >= n) return n;
+    size_t w = from / 64;
+    // bits past the end of the last word read as free; the final min() clips them
+    const uint64_t here = ~used_[w] & (all_bits << (from % 64));
+    if (here) return std::min(n, static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(here))));
+    for (size_t next = w + 1; next < used_.size();) {
+        const uint64_t s = any_free_[next / 64] & (all_bits << (next % 64));
+        if (s) {
+            w = (next / 64) * 64 + static_cast<size_t>(std::countr_zero(s));
+            return std::min(n,
+                            static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(~used_[w]))));
+        }
+        next = (next / 64 + 1) * 64;
+    }
+    return n;
+}
+
+uint32_t kv_cells::used_min() const {
+    const uint32_t i = next_used(0);
+    return i == size() ? 0 : i;
+}
+
+uint32_t kv_cells::used_max_p1() const {
+    for (size_t sw = any_used_.size(); sw-- > 0;) {
+        if (!any_used_[sw]) continue;
+        const size_t w = sw * 64 + 63 - static_cast<size_t>(std::countl_zero(any_used_[sw]));
+        return static_cast<uint32_t>(w * 64 + 64 - static_cast<size_t>(std::countl_zero(used_[w])));
+    }
+    return 0;
+}
+
+void kv_cells::used_cells(std::vector<uint32_t>& out) const {
+    for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1)) out.push_back(i);
+}
+
+bool kv_cells::find_free(uint32_t n, uint32_t hint, std::vector<uint32_t>& out) const {
+    if (n == 0) return true;
+    if (n > size() - n_used_) return false;
+    if (hint >= size()) hint = 0;
+    const size_t start = out.size();
+    for (uint32_t i = next_free(hint); i < size() && out.size() - start < n; i = next_free(i + 1))
+        out.push_back(i);
+    for (uint32_t i = next_free(0); i < hint && out.size() - start < n; i = next_free(i + 1))
+        out.push_back(i);
+    return true;  // enough empty cells exist, so both passes found n
+}
+
+std::optional<uint32_t> kv_cells::find_contiguous(uint32_t n, uint32_t hint) const {
+    const uint32_t sz = size();
+    if (n == 0 || n > sz - n_used_)
+        return n == 0 ? std::optional<uint32_t>(std::min(hint, sz)) : std::nullopt;
+    if (hint >= sz) hint = 0;
+    // Alternate between the next empty cell and the next used one: each jump skips whole words.
+    const auto search = [&](uint32_t from, uint32_t stop) -> std::optional<uint32_t> {
+        for (uint32_t p = next_free(from); p < stop; p = next_free(p)) {
+            const uint32_t u = next_used(p);
+            if (u - p >= n) return p;
+            if (u >= sz) break;
+            p = u;
+        }
+        return std::nullopt;
+    };
+    if (auto p = search(hint, sz)) return p;
+    if (hint > 0) return search(0, hint);  // runs starting before the hint
+    return std::nullopt;
+}
+
+// -- per-sequence index --
+
+void kv_cells::index_add(uint32_t i) {
+    for (seq_id_t s : seq_[i]) seq_pos_[s].emplace(pos_[i], i);
+}
+
+void kv_cells::index_remove(uint32_t i) {
+    for (seq_id_t s : seq_[i]) seq_pos_[s].erase({pos_[i], i});
+}
+
+pos_t kv_cells::seq_pos_min(seq_id_t s) const {
+    check_seq(s, "seq_pos_min");
+    const auto& index = seq_pos_[s];
+    return index.empty() ? pos_none : index.begin()->first;
+}
+
+pos_t kv_cells::seq_pos_max(seq_id_t s) const {
+    check_seq(s, "seq_pos_max");
+    const auto& index = seq_pos_[s];
+    return index.empty() ? pos_none : index.rbegin()->first;
+}
+
+uint32_t kv_cells::seq_pos_count(seq_id_t s, pos_t p) const {
+    check_seq(s, "seq_pos_count");
+    const auto& index = seq_pos_[s];
+    const auto lo = index.lower_bound({p, 0});
+    const auto hi = index.upper_bound({p, std::numeric_limits<uint32_t>::max()});
+    return static_cast<uint32_t>(std::distance(lo, hi));
+}
+
+uint32_t kv_cells::seq_n_cells(seq_id_t s) const {
+    check_seq(s, "seq_n_cells");
+    return static_cast<uint32_t>(seq_pos_[s].size());
+}
+
+void kv_cells::seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& out) const {
+    check_seq(s, "seq_cells");
+    if (p0 < 0) p0 = 0;
+    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
+    const auto& index = seq_pos_[s];
+    for (auto it = index.lower_bound({p0, 0}); it != index.end() && it->first < p1; ++it)
+        out.push_back(it->second);
+}
+
+seq_id_t kv_cells::seq_get(uint32_t i) const {
+    const seq_set& s = seq_[check(i)];
+    if (s.size() != 1)
+        throw error(
+            errc::invalid_state,
+            fmt::format("kv_cells::seq_get: cell {} holds {} sequences, not exactly one", i, s.size()));
+    return s.first();
+}
+
+// -- mutations --
+
+void kv_cells::make_empty(uint32_t i) {
+    pos_[i] = pos_none;
+    ext_[i] = cell_ext{};
+    shift_[i] = 0;
+    seq_[i].clear();
+    mark_free(i);
+}
+
+void kv_cells::pos_set(uint32_t i, pos_t p) {
+    check(i);
+    if (p < 0) throw error(errc::invalid_argument, fmt::format("kv_cells::pos_set: negative position {}", p));
+    if (pos_[i] != pos_none)
+        throw error(errc::invalid_state,
+                    fmt::format("kv_cells::pos_set: cell {} is in use (position {})", i, pos_[i]));
+    pos_[i] = p;
+    mark_used(i);
+}
+
+void kv_cells::ext_set(uint32_t i, cell_ext e) {
+    ext_[check(i)] = e;
+}
+
+void kv_cells::seq_add(uint32_t i, seq_id_t s) {
+    check_used(i, "seq_add");
+    check_seq(s, "seq_add");
+    if (seq_[i].contains(s))
+        throw error(errc::invalid_state,
+                    fmt::format("kv_cells::seq_add: cell {} already holds seq {}", i, s));
+    seq_[i].insert(s);
+    seq_pos_[s].emplace(pos_[i], i);
+}
+
+bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {
+    check_used(i, "seq_rm");
+    check_seq(s, "seq_rm");
+    if (!seq_[i].contains(s))
+        throw error(errc::invalid_state, fmt::format("kv_cells::seq_rm: cell {} does not hold seq {}", i, s));
+    seq_[i].erase(s);
+    seq_pos_[s].erase({pos_[i], i});
+    if (!seq_[i].empty()) return false;
+    make_empty(i);
+    return true;
+}
+
+bool kv_cells::seq_keep(uint32_t i, seq_id_t s) {
+    check(i);
+    check_seq(s, "seq_keep");
+    if (seq_[i].contains(s)) {
+        for (seq_id_t other : seq_[i])
+            if (other != s) seq_pos_[other].erase({pos_[i], i});
+        seq_[i].clear();
+        seq_[i].insert(s);
+        return false;
+    }
+    if (seq_[i].empty()) return false;  // empty cell, or used with no sequence: left as is (as upstream)
+    index_remove(i);
+    make_empty(i);
+    return true;
+}
+
+void kv_cells::rm(uint32_t i) {
+    check_used(i, "rm");
+    index_remove(i);
+    make_empty(i);
+}
+
+bool kv_cells::pos_add(uint32_t i, pos_t d) {
+    check_used(i, "pos_add");
+    const int64_t p = int64_t{pos_[i]} + d;
+    const int64_t sh = int64_t{shift_[i]} + d;
+    constexpr int64_t lim = std::numeric_limits<pos_t>::max();
+    if (p > lim || sh > lim || sh < -lim)
+        throw error(errc::out_of_range,
+                    fmt::format("kv_cells::pos_add: cell {} at position {} shifted {} by {} "
+                                "overflows",
+                                i, pos_[i], shift_[i], d));
+    index_remove(i);
+    pos_[i] = static_cast<pos_t>(p);
+    shift_[i] = static_cast<pos_t>(sh);
+    has_shift_ = true;
+    if (p < 0) {
+        make_empty(i);
+        return true;
+    }
+    index_add(i);
+    return false;
+}
+
+void kv_cells::pos_div(uint32_t i, int d) {
+    check_used(i, "pos_div");
+    if (d < 1)
+        throw error(errc::invalid_argument, fmt::format("kv_cells::pos_div: divisor {} must be >= 1", d));
+    const pos_t new_pos = pos_[i] / d;
+    const int64_t sh =
+        int64_t{shift_[i]} + new_pos - pos_[i];  // new - old (decision 1): K rotates to new_pos
+    if (sh < -int64_t{std::numeric_limits<pos_t>::max()})
+        throw error(errc::out_of_range,
+                    fmt::format("kv_cells::pos_div: cell {} pending shift {} overflows", i, sh));
+    index_remove(i);
+    pos_[i] = new_pos;
+    shift_[i] = static_cast<pos_t>(sh);
+    has_shift_ = true;
+    index_add(i);
+}
+
+// -- sequence operations --
+
+std::vector<uint32_t>& kv_cells::collect(seq_id_t s, pos_t p0, pos_t p1) {
+    scratch_.clear();
+    seq_cells(s, p0, p1, scratch_);
+    return scratch_;
+}
+
+uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
+    if (p0 < 0) p0 = 0;
+    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
+    uint32_t lowest = size();
+    if (s < 0) {
+        if (s != seq_all) check_seq(s, "seq_rm_range");
+        for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1)) {
+            if (pos_[i] < p0 || pos_[i] >= p1) continue;
+            rm(i);
+            lowest = std::min(lowest, i);
+        }
+        return lowest;
+    }
+    for (uint32_t i : collect(s, p0, p1))
+        if (seq_rm(i, s)) lowest = std::min(lowest, i);
+    return lowest;
+}
+
+void kv_cells::seq_cp_range(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    check_seq(src, "seq_cp_range");
+    check_seq(dst, "seq_cp_range");
+    if (src == dst) return;
+    for (uint32_t i : collect(src, p0, p1))
+        if (!seq_[i].contains(dst)) seq_add(i, dst);
+}
+
+uint32_t kv_cells::seq_keep_all(seq_id_t s) {
+    check_seq(s, "seq_keep_all");
+    uint32_t lowest = size();
+    for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1))
+        if (seq_keep(i, s)) lowest = std::min(lowest, i);
+    return lowest;
+}
+
+uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
+    check_seq(s, "seq_add_range");
+    uint32_t lowest = size();
+    if (d == 0) return lowest;
+    std::vector<uint32_t>& cells = collect(s, p0, p1);
+    constexpr int64_t lim = std::numeric_limits<pos_t>::max();
+    for (uint32_t i : cells) {  // all or nothing: check every cell before moving any
+        const int64_t sh = int64_t{shift_[i]} + d;
+        if (int64_t{pos_[i]} + d > lim || sh > lim || sh < -lim)
+            throw error(errc::out_of_range,
+                        fmt::format("seq_add: seq {} cell {} at position {} (pending shift {}) moved by {} "
+                                    "overflows int32",
+                                    s, i, pos_[i], shift_[i], d));
+    }
+    for (uint32_t i : cells)
+        if (pos_add(i, d)) lowest = std::min(lowest, i);
+    return lowest;
+}
+
+void kv_cells::seq_div_range(seq_id_t s, pos_t p0, pos_t p1, int d) {
+    check_seq(s, "seq_div_range");
+    if (d < 1) throw error(errc::invalid_argument, fmt::format("seq_div: divisor {} must be >= 1", d));
+    if (d == 1) return;
+    std::vector<uint32_t>& cells = collect(s, p0, p1);
+    for (uint32_t i : cells)  // all or nothing
+        if (int64_t{shift_[i]} + pos_[i] / d - pos_[i] < -int64_t{std::numeric_limits<pos_t>::max()})
+            throw error(
+                errc::out_of_range,
+                fmt::format("seq_div: seq {} cell {} pending shift {} overflows int32", s, i, shift_[i]));
+    for (uint32_t i : cells) pos_div(i, d);
+}
+
+// -- snapshots --
+
+cells_snapshot kv_cells::cp(uint32_t i, uint32_t n) const {
+    if (uint64_t{i} + n > size())
+        throw error(errc::out_of_range,
+                    fmt::format("kv_cells::cp: cells [{}, {}) outside [0, {})", i, uint64_t{i} + n, size()));
+    cells_snapshot snap;
+    snap.pos.assign(pos_.begin() + i, pos_.begin() + i + n);
+    snap.ext.assign(ext_.begin() + i, ext_.begin() + i + n);
+    snap.shift.assign(shift_.begin() + i, shift_.begin() + i + n);
+    snap.seq.assign(seq_.begin() + i, seq_.begin() + i + n);
+    return snap;
+}
+
+cells_snapshot kv_cells::cp(std::span<const uint32_t> idxs) const {
+    cells_snapshot snap;
+    snap.pos.reserve(idxs.size());
+    snap.ext.reserve(idxs.size());
+    snap.shift.reserve(idxs.size());
+    snap.seq.reserve(idxs.size());
+    for (uint32_t i : idxs) {
+        check(i);
+        snap.pos.push_back(pos_[i]);
+        snap.ext.push_back(ext_[i]);
+        snap.shift.push_back(shift_[i]);
+        snap.seq.push_back(seq_[i]);
+    }
+    return snap;
+}
+
+namespace {
+
+void check_snapshot(const cells_snapshot& snap, uint32_t n_seq_max) {
+    const size_t n = snap.pos.size();
+    if (snap.ext.size() != n || snap.shift.size() != n || snap.seq.size() != n)
+        throw error(
+            errc::invalid_argument,
+            fmt::format("kv_cells::set: snapshot arrays differ in length (pos {}, ext {}, shift {}, seq {})",
+                        n, snap.ext.size(), snap.shift.size(), snap.seq.size()));
+    for (size_t j = 0; j < n; ++j) {
+        if (snap.pos[j] < pos_none)
+            throw error(errc::invalid_argument,
+                        fmt::format("kv_cells::set: snapshot entry {} has position {}", j, snap.pos[j]));
+        if (snap.pos[j] == pos_none && !snap.seq[j].empty())
+            throw error(errc::invalid_argument,
+                        fmt::format("kv_cells::set: snapshot entry {} is empty but holds sequences {}", j,
+                                    snap.seq[j].to_string()));
+        const seq_id_t last = snap.seq[j].next_from(static_cast<seq_id_t>(n_seq_max));
+        if (last >= 0)
+            throw error(errc::out_of_range,
+                        fmt::format("kv_cells::set: snapshot entry {} holds seq {} not in [0, {})", j, last,
+                                    n_seq_max));
+    }
+}
+
+}  // namespace
+
+void kv_cells::restore(uint32_t t, const cells_snapshot& snap, size_t j) {
+    const bool was_used = pos_[t] != pos_none;
+    if (was_used) index_remove(t);
+    pos_[t] = snap.pos[j];
+    ext_[t] = snap.ext[j];
+    shift_[t] = snap.shift[j];
+    seq_[t] = snap.seq[j];
+    const bool now_used = pos_[t] != pos_none;
+    if (was_used && !now_used) mark_free(t);
+    if (!was_used && now_used) mark_used(t);
+    if (now_used) index_add(t);
+    if (shift_[t] != 0) has_shift_ = true;
+}
+
+void kv_cells::set(uint32_t i, const cells_snapshot& snap) {
+    check_snapshot(snap, n_seq_max_);
+    if (uint64_t{i} + snap.size() > size())
+        throw error(errc::out_of_range, fmt::format("kv_cells::set: cells [{}, {}) outside [0, {})", i,
+                                                    uint64_t{i} + snap.size(), size()));
+    for (size_t j = 0; j < snap.size(); ++j) restore(i + static_cast<uint32_t>(j), snap, j);
+}
+
+void kv_cells::set(std::span<const uint32_t> idxs, const cells_snapshot& snap) {
+    check_snapshot(snap, n_seq_max_);
+    if (idxs.size() != snap.size())
+        throw error(
+            errc::invalid_argument,
+            fmt::format("kv_cells::set: {} indices for a snapshot of {} cells", idxs.size(), snap.size()));
+    for (uint32_t i : idxs) check(i);
+    for (size_t j = 0; j < idxs.size(); ++j) restore(idxs[j], snap, j);
+}
+
+// -- inspection --
+
+std::string kv_cells::picture() const {
+    std::string s(size(), '.');
+    for (uint32_t i = 0; i < size(); ++i) {
+        if (pos_[i] == pos_none) continue;
+        const size_t n = seq_[i].size();
+        if (n == 0)
+            s[i] = '?';
+        else if (n > 1)
+            s[i] = 'M';
+        else {
+            const seq_id_t id = seq_[i].first();
+            s[i] = id < 10 ? static_cast<char>('0' + id) : id < 36 ? static_cast<char>('a' + id - 10) : '*';
+        }
+    }
+    return s;
+}
+
+void kv_cells::validate() const {
+    const auto fail = [](const std::string& what) {
+        throw error(errc::invalid_state, "kv_cells::validate: " + what);
+    };
+    uint32_t used = 0;
+    std::vector<std::set<std::pair<pos_t, uint32_t>>> index(n_seq_max_);
+    for (uint32_t i = 0; i < size(); ++i) {
+        const bool u = pos_[i] != pos_none;
+        used += u;
+        if (((used_[i / 64] >> (i % 64)) & 1) != u) fail(fmt::format("used bit of cell {} is wrong", i));
+        if (pos_[i] < pos_none) fail(fmt::format("cell {} has position {}", i, pos_[i]));
+        if (!u && (!seq_[i].empty() || shift_[i] != 0 || !(ext_[i] == cell_ext{})))
+            fail(fmt::format("empty cell {} keeps sequences, shift or extension", i));
+        if (shift_[i] != 0 && !has_shift_) fail(fmt::format("cell {} has a shift but has_shift is false", i));
+        for (seq_id_t s : seq_[i]) {
+            if (static_cast<uint32_t>(s) >= n_seq_max_) fail(fmt::format("cell {} holds seq {}", i, s));
+            index[s].emplace(pos_[i], i);
+        }
+    }
+    if (used != n_used_) fail(fmt::format("used count {} but {} cells are used", n_used_, used));
+    for (uint32_t s = 0; s < n_seq_max_; ++s)
+        if (index[s] != seq_pos_[s]) fail(fmt::format("index of seq {} disagrees with the cells", s));
+    for (size_t w = 0; w < used_.size(); ++w) {
+        const uint32_t n = size();
+        const uint64_t valid = (w + 1) * 64 <= n ? all_bits : (uint64_t{1} << (n % 64)) - 1;
+        if (used_[w] & ~valid) fail(fmt::format("word {} has bits past the end", w));
+        const bool any_u = (any_used_[w / 64] >> (w % 64)) & 1;
+        const bool any_f = (any_free_[w / 64] >> (w % 64)) & 1;
+        if (any_u != (used_[w] != 0)) fail(fmt::format("used summary of word {} is wrong", w));
+        if (any_f != (used_[w] != valid)) fail(fmt::format("free summary of word {} is wrong", w));
+    }
+}
+
+}  // namespace kvc
