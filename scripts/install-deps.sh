@@ -8,6 +8,7 @@ packages=(
   libfmt-dev libcli11-dev                   # formatting, CLI
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks
+  clang-format clang-tidy git               # lint (scripts/lint.sh)
 )
 
 missing=()

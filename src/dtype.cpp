@@ -11,6 +11,10 @@
 
 #include "detail/dtype_kernels.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace kvc {
 
 // -- sizes and names --
@@ -31,7 +35,6 @@ size_t type_size(dtype type) {
         case dtype::f32:
             return 4;
         case dtype::f16:
-            return 2;
         case dtype::bf16:
             return 2;
         case dtype::q8_0:
@@ -258,16 +261,25 @@ const dtype_kernels& scalar_kernels() {
 
 namespace {
 
+// F16C is read from CPUID directly: not every compiler's __builtin_cpu_supports knows it.
+bool cpu_has_f16c() {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+#else
+    return false;
+#endif
+}
+
 simd_level detect_simd() {
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    __builtin_cpu_init();  // the builtins below also check that the OS saves the vector registers
+    const bool avx2 = __builtin_cpu_supports("avx2") && cpu_has_f16c();
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         detail::x86_kernels(simd_level::avx512))
         return simd_level::avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-        detail::x86_kernels(simd_level::avx2))
-        return simd_level::avx2;
+    if (avx2 && detail::x86_kernels(simd_level::avx2)) return simd_level::avx2;
 #endif
     return simd_level::scalar;
 }

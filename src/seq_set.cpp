@@ -14,21 +14,20 @@ seq_set::seq_set(std::initializer_list<seq_id_t> ids) {
 
 seq_set::seq_set(const seq_set& other) : lo_(other.lo_) {
     if (other.hi_ && !other.high_empty()) {
-        reserve_words(other.capacity_words());
-        std::memcpy(hi_ + 1, other.hi_ + 1, (other.capacity_words() - 1) * sizeof(uint64_t));
+        const size_t n = other.capacity_words();
+        hi_ = new uint64_t[n];
+        std::memcpy(hi_, other.hi_, n * sizeof(uint64_t));  // hi_[0] (the capacity) included
     }
 }
 
 seq_set& seq_set::operator=(const seq_set& other) {
     if (this == &other) return *this;
     lo_ = other.lo_;
+    if (hi_) std::fill(hi_ + 1, hi_ + capacity_words(), uint64_t{0});  // keep the allocation for reuse
     if (other.hi_ && !other.high_empty()) {
-        reserve_words(other.capacity_words());
         const size_t n = other.capacity_words();
-        std::memcpy(hi_ + 1, other.hi_ + 1, (n - 1) * sizeof(uint64_t));
-        std::fill(hi_ + n, hi_ + capacity_words(), uint64_t{0});
-    } else if (hi_) {
-        std::fill(hi_ + 1, hi_ + capacity_words(), uint64_t{0});  // keep the allocation for reuse
+        uint64_t* words = reserve_words(n);
+        std::memcpy(words + 1, other.hi_ + 1, (n - 1) * sizeof(uint64_t));
     }
     return *this;
 }
@@ -43,22 +42,22 @@ seq_set& seq_set::operator=(seq_set&& other) noexcept {
     return *this;
 }
 
-void seq_set::reserve_words(size_t words) {
+uint64_t* seq_set::reserve_words(size_t words) {
     const size_t cap = capacity_words();
-    if (words <= cap) return;
+    if (words <= cap) return hi_;
     const size_t new_cap = std::max(words, 2 * cap);
     auto* p = new uint64_t[new_cap]();
     p[0] = new_cap;
     if (hi_) std::memcpy(p + 1, hi_ + 1, (cap - 1) * sizeof(uint64_t));
     delete[] hi_;
     hi_ = p;
+    return p;
 }
 
 void seq_set::insert_high(seq_id_t id) {
     if (id < 0) throw error(errc::out_of_range, fmt::format("seq_set: negative sequence id {}", id));
     const size_t w = static_cast<size_t>(id) / 64;
-    reserve_words(w + 1);
-    hi_[w] |= bit(id);
+    reserve_words(w + 1)[w] |= bit(id);
 }
 
 bool seq_set::high_empty() const {
@@ -132,8 +131,8 @@ seq_set& seq_set::operator|=(const seq_set& other) {
     lo_ |= other.lo_;
     const size_t n = other.capacity_words();
     if (n > 1 && !other.high_empty()) {
-        reserve_words(n);
-        for (size_t w = 1; w < n; ++w) hi_[w] |= other.hi_[w];
+        uint64_t* words = reserve_words(n);
+        for (size_t w = 1; w < n; ++w) words[w] |= other.hi_[w];
     }
     return *this;
 }

@@ -112,7 +112,7 @@ private:
     }
     bool high_empty() const;
     void insert_high(seq_id_t id);
-    void reserve_words(size_t words);  // words incl. the inline one
+    uint64_t* reserve_words(size_t words);  // words incl. the inline one (>= 2); returns hi_
     uint64_t word(size_t w) const { return w == 0 ? lo_ : (w < capacity_words() ? hi_[w] : 0); }
 
     uint64_t lo_ = 0;         // ids [0, 64)

@@ -7,7 +7,9 @@
 
 #include "commands.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
     CLI::App app{"kvcache " KVC_VERSION_STRING ": sequence memory for LLM inference engines", "kvcache"};
     app.set_version_flag("-V,--version", std::string("kvcache ") + kvc::version_string());
     app.require_subcommand(1);
@@ -32,4 +34,15 @@ int main(int argc, char** argv) {
         return 1;
     }
     return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    try {
+        return run(argc, argv);
+    } catch (...) {  // nothing may escape main: report and fail
+        std::fprintf(stderr, "kvcache: fatal error\n");
+        return 1;
+    }
 }
