@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages kvcache needs to build, test and benchmark. Idempotent, and silent
-# when everything is already there. Uses sudo when not run as root. Only Debian packages.
+# Installs the Debian 12 packages kvcache needs to build, test and benchmark (--lint: also the lint
+# tools CI uses). Idempotent, and silent when everything is already there. Uses sudo when not run as
+# root. Only Debian packages.
 set -euo pipefail
 
 packages=(
@@ -8,8 +9,8 @@ packages=(
   libfmt-dev libcli11-dev                   # formatting, CLI
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks
-  clang-format clang-tidy git               # lint (scripts/lint.sh)
 )
+if [ "${1:-}" = --lint ]; then packages+=(clang-format clang-tidy git); fi  # scripts/lint.sh
 
 missing=()
 for p in "${packages[@]}"; do
