@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages kvcache needs to build, test and benchmark (--lint: also the lint
-# tools CI uses). Idempotent, and silent when everything is already there. Uses sudo when not run as
+# Installs the Debian 12 packages kvcache needs to build, test and benchmark (--ci: also the lint and
+# fuzzing tools CI uses). Idempotent, and silent when everything is already there. Uses sudo when not run as
 # root. Only Debian packages.
 set -euo pipefail
 
@@ -10,7 +10,9 @@ packages=(
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks
 )
-if [ "${1:-}" = --lint ]; then packages+=(clang-format clang-tidy git); fi  # scripts/lint.sh
+if [ "${1:-}" = --ci ]; then  # scripts/lint.sh, scripts/fuzz.sh
+  packages+=(clang-format clang-tidy git clang-14 libclang-rt-14-dev)
+fi
 
 missing=()
 for p in "${packages[@]}"; do

@@ -13,7 +13,8 @@ namespace kvc {
 
 batch batch::get_one(std::span<const token_t> tokens) {
     if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
-        throw error(errc::invalid_argument, fmt::format("batch::get_one: {} tokens do not fit int32", tokens.size()));
+        throw error(errc::invalid_argument,
+                    fmt::format("batch::get_one: {} tokens do not fit int32", tokens.size()));
     batch b;
     b.n_tokens = static_cast<int32_t>(tokens.size());
     b.token = tokens.data();
@@ -27,12 +28,15 @@ batch_storage batch::init(int32_t n_tokens_alloc, int32_t n_embd, int32_t n_seq_
 batch_storage::batch_storage(int32_t n_tokens_alloc, int32_t n_embd, int32_t n_seq_max)
     : capacity_(n_tokens_alloc), n_embd_(n_embd), n_seq_max_(n_seq_max) {
     if (n_tokens_alloc < 1 || n_embd < 0 || n_seq_max < 1)
-        throw error(errc::invalid_argument,
-                    fmt::format("batch::init: need n_tokens_alloc >= 1, n_embd >= 0, n_seq_max >= 1; got {}, {}, {}",
-                                n_tokens_alloc, n_embd, n_seq_max));
+        throw error(
+            errc::invalid_argument,
+            fmt::format("batch::init: need n_tokens_alloc >= 1, n_embd >= 0, n_seq_max >= 1; got {}, {}, {}",
+                        n_tokens_alloc, n_embd, n_seq_max));
     const auto cap = static_cast<size_t>(n_tokens_alloc);
-    if (n_embd == 0) token_.resize(cap);
-    else embd_.resize(cap * static_cast<size_t>(n_embd));
+    if (n_embd == 0)
+        token_.resize(cap);
+    else
+        embd_.resize(cap * static_cast<size_t>(n_embd));
     pos_.resize(cap);
     n_seq_id_.resize(cap);
     ids_.resize(cap * static_cast<size_t>(n_seq_max));
@@ -43,8 +47,9 @@ batch_storage::batch_storage(int32_t n_tokens_alloc, int32_t n_embd, int32_t n_s
 
 void batch_storage::add_common(pos_t pos, std::span<const seq_id_t> seq_ids, bool output) {
     if (seq_ids.empty() || seq_ids.size() > static_cast<size_t>(n_seq_max_))
-        throw error(errc::invalid_argument, fmt::format("batch_storage::add: {} sequence ids, expected 1 to {}",
-                                                        seq_ids.size(), n_seq_max_));
+        throw error(
+            errc::invalid_argument,
+            fmt::format("batch_storage::add: {} sequence ids, expected 1 to {}", seq_ids.size(), n_seq_max_));
     const auto i = static_cast<size_t>(n_tokens_);
     pos_[i] = pos;
     n_seq_id_[i] = static_cast<int32_t>(seq_ids.size());
@@ -54,27 +59,34 @@ void batch_storage::add_common(pos_t pos, std::span<const seq_id_t> seq_ids, boo
 }
 
 void batch_storage::add(token_t token, pos_t pos, std::span<const seq_id_t> seq_ids, bool output) {
-    if (n_embd_ != 0) throw error(errc::invalid_argument, "batch_storage::add: this batch holds embeddings, not tokens");
+    if (n_embd_ != 0)
+        throw error(errc::invalid_argument, "batch_storage::add: this batch holds embeddings, not tokens");
     if (n_tokens_ == capacity_)
-        throw error(errc::out_of_range, fmt::format("batch_storage::add: batch is full ({} tokens)", capacity_));
+        throw error(errc::out_of_range,
+                    fmt::format("batch_storage::add: batch is full ({} tokens)", capacity_));
     token_[static_cast<size_t>(n_tokens_)] = token;
     add_common(pos, seq_ids, output);
 }
 
-void batch_storage::add(std::span<const float> embd_row, pos_t pos, std::span<const seq_id_t> seq_ids, bool output) {
-    if (n_embd_ == 0) throw error(errc::invalid_argument, "batch_storage::add: this batch holds tokens, not embeddings");
+void batch_storage::add(std::span<const float> embd_row, pos_t pos, std::span<const seq_id_t> seq_ids,
+                        bool output) {
+    if (n_embd_ == 0)
+        throw error(errc::invalid_argument, "batch_storage::add: this batch holds tokens, not embeddings");
     if (embd_row.size() != static_cast<size_t>(n_embd_))
         throw error(errc::invalid_argument,
-                    fmt::format("batch_storage::add: embedding row of {} values, expected {}", embd_row.size(), n_embd_));
+                    fmt::format("batch_storage::add: embedding row of {} values, expected {}",
+                                embd_row.size(), n_embd_));
     if (n_tokens_ == capacity_)
-        throw error(errc::out_of_range, fmt::format("batch_storage::add: batch is full ({} tokens)", capacity_));
+        throw error(errc::out_of_range,
+                    fmt::format("batch_storage::add: batch is full ({} tokens)", capacity_));
     std::copy(embd_row.begin(), embd_row.end(), embd_.begin() + static_cast<ptrdiff_t>(n_tokens_) * n_embd_);
     add_common(pos, seq_ids, output);
 }
 
 void batch_storage::set_output(int32_t i, bool output) {
     if (i < 0 || i >= n_tokens_)
-        throw error(errc::out_of_range, fmt::format("batch_storage::set_output: token {} not in [0, {})", i, n_tokens_));
+        throw error(errc::out_of_range,
+                    fmt::format("batch_storage::set_output: token {} not in [0, {})", i, n_tokens_));
     logits_[static_cast<size_t>(i)] = output ? 1 : 0;
 }
 
@@ -126,20 +138,24 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
         const auto fail = [](errc code, const std::string& msg) { throw error(code, "batch: " + msg); };
         if (opt.n_seq_max < 1) fail(errc::invalid_argument, "n_seq_max must be at least 1");
         if (opt.n_pos < 1) fail(errc::invalid_argument, "n_pos must be at least 1");
-        if (b.n_tokens <= 0) fail(errc::invalid_argument, fmt::format("n_tokens = {} must be positive", b.n_tokens));
+        if (b.n_tokens <= 0)
+            fail(errc::invalid_argument, fmt::format("n_tokens = {} must be positive", b.n_tokens));
         if ((b.token == nullptr) == (b.embd == nullptr))
             fail(errc::invalid_argument, b.token ? "both token and embd are set; give exactly one"
                                                  : "neither token nor embd is set; give exactly one");
         if (b.embd && opt.n_embd <= 0)
-            fail(errc::invalid_argument, fmt::format("embeddings input needs n_embd > 0, got {}", opt.n_embd));
-        if ((b.seq_id == nullptr) != (b.n_seq_id == nullptr))
-            fail(errc::invalid_argument, b.seq_id ? "seq_id is set but n_seq_id is null; give both or neither"
-                                                  : "n_seq_id is set but seq_id is null; give both or neither");
-        if (b.embd && opt.n_pos > 1 && !b.pos)
             fail(errc::invalid_argument,
-                 fmt::format("embeddings input for a model with {} position sections needs explicit positions "
-                             "({} x n_tokens)",
-                             opt.n_pos, opt.n_pos));
+                 fmt::format("embeddings input needs n_embd > 0, got {}", opt.n_embd));
+        if ((b.seq_id == nullptr) != (b.n_seq_id == nullptr))
+            fail(errc::invalid_argument, b.seq_id
+                                             ? "seq_id is set but n_seq_id is null; give both or neither"
+                                             : "n_seq_id is set but seq_id is null; give both or neither");
+        if (b.embd && opt.n_pos > 1 && !b.pos)
+            fail(
+                errc::invalid_argument,
+                fmt::format("embeddings input for a model with {} position sections needs explicit positions "
+                            "({} x n_tokens)",
+                            opt.n_pos, opt.n_pos));
 
         const auto n = static_cast<uint32_t>(b.n_tokens);
         const auto n_seq_max = static_cast<int64_t>(opt.n_seq_max);
@@ -170,7 +186,8 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
             for (int32_t j = 0; j < k; ++j) {
                 const seq_id_t s = b.seq_id ? b.seq_id[i][j] : 0;
                 if (s < 0 || s >= n_seq_max)
-                    fail(errc::out_of_range, fmt::format("seq_id[{}][{}] = {} not in [0, {})", i, j, s, n_seq_max));
+                    fail(errc::out_of_range,
+                         fmt::format("seq_id[{}][{}] = {} not in [0, {})", i, j, s, n_seq_max));
                 for (int32_t q = 0; q < j; ++q)
                     if (seq_id_data_[seq_id_data_.size() - static_cast<size_t>(j - q)] == s)
                         fail(errc::invalid_argument, fmt::format("token {} lists seq_id {} twice", i, s));
@@ -186,7 +203,8 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
         std::sort(seq_id_unq_.begin(), seq_id_unq_.end());
         seq_id_unq_.erase(std::unique(seq_id_unq_.begin(), seq_id_unq_.end()), seq_id_unq_.end());
         const auto unq = [&](seq_id_t s) {
-            return static_cast<size_t>(std::lower_bound(seq_id_unq_.begin(), seq_id_unq_.end(), s) - seq_id_unq_.begin());
+            return static_cast<size_t>(std::lower_bound(seq_id_unq_.begin(), seq_id_unq_.end(), s) -
+                                       seq_id_unq_.begin());
         };
 
         // positions: given, or continuing each sequence from the memory (driven by the primary id)
@@ -194,9 +212,11 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
         if (b.pos) {
             const uint32_t given = b.embd ? n_pos_ : 1;  // token input: one section, broadcast
             for (uint32_t j = 0; j < n_pos_; ++j)
-                std::copy(b.pos + (j < given ? j : 0) * n, b.pos + (j < given ? j : 0) * n + n, pos_.begin() + j * n);
+                std::copy(b.pos + (j < given ? j : 0) * n, b.pos + (j < given ? j : 0) * n + n,
+                          pos_.begin() + j * n);
             for (uint32_t i = 0; i < n; ++i)
-                if (pos_[i] < 0) fail(errc::out_of_range, fmt::format("pos[{}] = {} is negative", i, pos_[i]));
+                if (pos_[i] < 0)
+                    fail(errc::out_of_range, fmt::format("pos[{}] = {} is negative", i, pos_[i]));
         } else {
             std::vector<int64_t> next(seq_id_unq_.size());
             for (size_t k = 0; k < seq_id_unq_.size(); ++k)
@@ -204,7 +224,8 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
             for (uint32_t i = 0; i < n; ++i) {
                 const int64_t p = next[unq(seq_ids_[i][0])];
                 if (p > std::numeric_limits<pos_t>::max())
-                    fail(errc::out_of_range, fmt::format("automatic position of token {} overflows int32", i));
+                    fail(errc::out_of_range,
+                         fmt::format("automatic position of token {} overflows int32", i));
                 for (uint32_t j = 0; j < n_pos_; ++j) pos_[j * n + i] = static_cast<pos_t>(p);
                 for (int32_t q = 0; q < n_seq_id_[i]; ++q) next[unq(seq_ids_[i][q])] = p + 1;
             }
@@ -222,7 +243,8 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
                 overridden |= opt.output_all && b.logits[i] == 0;
             }
             if (overridden)
-                log(log_level::warn, "batch: every token must be an output here (output_all); marking all as outputs");
+                log(log_level::warn,
+                    "batch: every token must be an output here (output_all); marking all as outputs");
         }
         n_outputs_ = static_cast<uint32_t>(std::count(output_.begin(), output_.end(), 1));
 
@@ -237,10 +259,11 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
                 const pos_t tmin = memory->seq_pos_min(t), tmax = memory->seq_pos_max(t);
                 const pos_t pmin = memory->seq_pos_min(p), pmax = memory->seq_pos_max(p);
                 if (tmin != pmin || tmax != pmax)
-                    fail(errc::invalid_state,
-                         fmt::format("token {} couples seq {} to seq {}, but they have diverged in the memory "
-                                     "(seq {}: [{}, {}], seq {}: [{}, {}])",
-                                     i, t, p, t, tmin, tmax, p, pmin, pmax));
+                    fail(
+                        errc::invalid_state,
+                        fmt::format("token {} couples seq {} to seq {}, but they have diverged in the memory "
+                                    "(seq {}: [{}, {}], seq {}: [{}, {}])",
+                                    i, t, p, t, tmin, tmax, p, pmin, pmax));
             }
         }
 
@@ -255,8 +278,8 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
                 const size_t k = unq(s);
                 if (seq_pos_max_[k] > pos_[i])
                     fail(errc::invalid_argument,
-                         fmt::format("positions of seq {} decrease: token {} has pos {} after pos {}", s, i, pos_[i],
-                                     seq_pos_max_[k]));
+                         fmt::format("positions of seq {} decrease: token {} has pos {} after pos {}", s, i,
+                                     pos_[i], seq_pos_max_[k]));
                 if (seq_pos_min_[k] < 0) seq_pos_min_[k] = pos_[i];
                 seq_pos_max_[k] = pos_[i];
                 seq_pos.emplace_back(k, pos_[i]);
@@ -272,18 +295,19 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
             const pos_t x = memory ? memory->seq_pos_max(s) : -1;
             if (n_pos_ == 1) {
                 if (x >= 0 && int64_t{y} != int64_t{x} + 1)
-                    fail(errc::invalid_state,
-                         fmt::format("seq {} starts at pos {} but the memory ends at pos {}; the next position must be "
-                                     "{}",
-                                     s, y, x, int64_t{x} + 1));
+                    fail(errc::invalid_state, fmt::format("seq {} starts at pos {} but the memory ends at "
+                                                          "pos {}; the next position must be "
+                                                          "{}",
+                                                          s, y, x, int64_t{x} + 1));
                 if (int64_t{seq_pos_max_[k]} - y + 1 > static_cast<int64_t>(distinct))
                     fail(errc::invalid_argument,
-                         fmt::format("positions of seq {} have gaps: {} distinct positions in [{}, {}]", s, distinct, y,
-                                     seq_pos_max_[k]));
+                         fmt::format("positions of seq {} have gaps: {} distinct positions in [{}, {}]", s,
+                                     distinct, y, seq_pos_max_[k]));
             } else if (x >= 0 && (b.token ? x >= y : x > y)) {
                 fail(errc::invalid_state,
-                     fmt::format("seq {} starts at pos {} but the memory ends at pos {}; M-RoPE {} must start {} it", s,
-                                 y, x, b.token ? "tokens" : "embeddings", b.token ? "after" : "at or after"));
+                     fmt::format(
+                         "seq {} starts at pos {} but the memory ends at pos {}; M-RoPE {} must start {} it",
+                         s, y, x, b.token ? "tokens" : "embeddings", b.token ? "after" : "at or after"));
             }
         }
 
@@ -310,12 +334,14 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
 
 pos_t batch_allocr::seq_pos_min(seq_id_t s) const {
     const auto it = std::lower_bound(seq_id_unq_.begin(), seq_id_unq_.end(), s);
-    return it != seq_id_unq_.end() && *it == s ? seq_pos_min_[static_cast<size_t>(it - seq_id_unq_.begin())] : -1;
+    return it != seq_id_unq_.end() && *it == s ? seq_pos_min_[static_cast<size_t>(it - seq_id_unq_.begin())]
+                                               : -1;
 }
 
 pos_t batch_allocr::seq_pos_max(seq_id_t s) const {
     const auto it = std::lower_bound(seq_id_unq_.begin(), seq_id_unq_.end(), s);
-    return it != seq_id_unq_.end() && *it == s ? seq_pos_max_[static_cast<size_t>(it - seq_id_unq_.begin())] : -1;
+    return it != seq_id_unq_.end() && *it == s ? seq_pos_max_[static_cast<size_t>(it - seq_id_unq_.begin())]
+                                               : -1;
 }
 
 // -- batch_allocr: splitting --
@@ -327,7 +353,8 @@ void batch_allocr::split_reset() {
 }
 
 static void check_n_ubatch(uint32_t n_ubatch, const char* what) {
-    if (n_ubatch == 0) throw error(errc::invalid_argument, fmt::format("{}: n_ubatch must be at least 1", what));
+    if (n_ubatch == 0)
+        throw error(errc::invalid_argument, fmt::format("{}: n_ubatch must be at least 1", what));
 }
 
 ubatch batch_allocr::make_ubatch(const std::vector<uint32_t>& idxs, uint32_t n_seqs, bool equal_seqs) {
@@ -382,8 +409,9 @@ ubatch batch_allocr::split_simple(uint32_t n_ubatch) {
 ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential) {
     check_n_ubatch(n_ubatch, "split_equal");
     if (sequential && has_cpl_) {
-        log(log_level::warn, "batch: a sequential split is not possible when tokens are shared by several sequences "
-                             "(use a unified cache)");
+        log(log_level::warn,
+            "batch: a sequential split is not possible when tokens are shared by several sequences "
+            "(use a unified cache)");
         return {};
     }
     // 1. choose pairwise disjoint sequence sets (at most n_ubatch), in batch order. A token passed over
@@ -415,8 +443,10 @@ ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential) {
         if (used_[i]) continue;
         for (size_t k = 0; k < chosen.size(); ++k) {
             if (blocked[k]) continue;
-            if (set_of_[i] == chosen[k]) avail[k].push_back(i);
-            else if (sets_[set_of_[i]].intersects(sets_[chosen[k]])) blocked[k] = true;
+            if (set_of_[i] == chosen[k])
+                avail[k].push_back(i);
+            else if (sets_[set_of_[i]].intersects(sets_[chosen[k]]))
+                blocked[k] = true;
         }
     }
 
@@ -425,7 +455,8 @@ ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential) {
     for (const auto& a : avail) rounds = std::min(rounds, a.size());
     std::vector<uint32_t> idxs;
     idxs.reserve(rounds * chosen.size());
-    for (const auto& a : avail) idxs.insert(idxs.end(), a.begin(), a.begin() + static_cast<ptrdiff_t>(rounds));
+    for (const auto& a : avail)
+        idxs.insert(idxs.end(), a.begin(), a.begin() + static_cast<ptrdiff_t>(rounds));
     return make_ubatch(idxs, static_cast<uint32_t>(chosen.size()), true);
 }
 
@@ -440,16 +471,19 @@ ubatch batch_allocr::split_seq(uint32_t n_ubatch) {
     // overlapping set, which must come first for its sequences.
     for (uint32_t i = first + 1; i < n_tokens_ && idxs.size() < n_ubatch; ++i) {
         if (used_[i]) continue;
-        if (set_of_[i] == s) idxs.push_back(i);
-        else if (sets_[set_of_[i]].intersects(sets_[s])) break;
+        if (set_of_[i] == s)
+            idxs.push_back(i);
+        else if (sets_[set_of_[i]].intersects(sets_[s]))
+            break;
     }
     return make_ubatch(idxs, 1, true);
 }
 
 ubatch batch_allocr::ubatch_reserve(uint32_t n_seq_tokens, uint32_t n_seqs, uint32_t n_pos) {
     if (n_seq_tokens == 0 || n_seqs == 0 || n_pos == 0)
-        throw error(errc::invalid_argument, fmt::format("ubatch_reserve: need positive sizes, got {} x {} (n_pos {})",
-                                                        n_seq_tokens, n_seqs, n_pos));
+        throw error(errc::invalid_argument,
+                    fmt::format("ubatch_reserve: need positive sizes, got {} x {} (n_pos {})", n_seq_tokens,
+                                n_seqs, n_pos));
     ubatch u;
     const uint32_t n = n_seq_tokens * n_seqs;
     u.equal_seqs = true;

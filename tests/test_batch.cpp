@@ -54,7 +54,8 @@ struct test_batch {
 
     batch view() {
         batch b;
-        b.n_tokens = n_tokens >= 0 ? n_tokens : static_cast<int32_t>(tokens.empty() ? embd.size() / 2 : tokens.size());
+        b.n_tokens =
+            n_tokens >= 0 ? n_tokens : static_cast<int32_t>(tokens.empty() ? embd.size() / 2 : tokens.size());
         b.token = tokens.empty() ? nullptr : tokens.data();
         b.embd = embd.empty() ? nullptr : embd.data();
         b.pos = pos.empty() ? nullptr : pos.data();
@@ -132,8 +133,9 @@ TEST(batch_allocr, positions_against_the_memory) {
         FAIL();
     } catch (const error& e) {
         EXPECT_EQ(e.code(), errc::invalid_state);
-        EXPECT_STREQ(e.what(),
-                     "batch: seq 0 starts at pos 11 but the memory ends at pos 9; the next position must be 10");
+        EXPECT_STREQ(
+            e.what(),
+            "batch: seq 0 starts at pos 11 but the memory ends at pos 9; the next position must be 10");
     }
     try {
         try_pos({10, 12});
@@ -162,8 +164,9 @@ TEST(batch_allocr, mrope_positions_must_move_forward) {
         a.init(tok.view(), &mem, {.n_pos = 4});
         FAIL();
     } catch (const error& e) {
-        EXPECT_STREQ(e.what(), "batch: seq 0 starts at pos 8 but the memory ends at pos 8; M-RoPE tokens must start "
-                               "after it");
+        EXPECT_STREQ(e.what(),
+                     "batch: seq 0 starts at pos 8 but the memory ends at pos 8; M-RoPE tokens must start "
+                     "after it");
     }
     tok.pos = {20, 21};  // jumps are fine for M-RoPE
     EXPECT_NO_THROW(a.init(tok.view(), &mem, {.n_pos = 4}));
@@ -180,8 +183,9 @@ TEST(batch_allocr, mrope_positions_must_move_forward) {
         a.init(emb.view(), &mem, {.n_embd = 2, .n_pos = 4});
         FAIL();
     } catch (const error& e) {
-        EXPECT_STREQ(e.what(), "batch: embeddings input for a model with 4 position sections needs explicit "
-                               "positions (4 x n_tokens)");
+        EXPECT_STREQ(e.what(),
+                     "batch: embeddings input for a model with 4 position sections needs explicit "
+                     "positions (4 x n_tokens)");
     }
 }
 
@@ -195,8 +199,9 @@ TEST(batch_allocr, coupled_sequences_must_not_have_diverged) {
         a.init(t.view(), &mem, {.n_seq_max = 2});
         FAIL();
     } catch (const error& e) {
-        EXPECT_STREQ(e.what(), "batch: token 0 couples seq 1 to seq 0, but they have diverged in the memory (seq 1: "
-                               "[0, 3], seq 0: [0, 5])");
+        EXPECT_STREQ(e.what(),
+                     "batch: token 0 couples seq 1 to seq 0, but they have diverged in the memory (seq 1: "
+                     "[0, 3], seq 0: [0, 5])");
     }
     mem.ranges[1] = {0, 5};
     EXPECT_NO_THROW(a.init(t.view(), &mem, {.n_seq_max = 2}));
@@ -222,7 +227,8 @@ struct rejection {
 
 TEST(batch_allocr, each_rejection_names_the_token_and_values) {
     const std::vector<rejection> cases = {
-        {"no tokens", [](test_batch& t, batch_options&) { t.n_tokens = 0; }, "batch: n_tokens = 0 must be positive"},
+        {"no tokens", [](test_batch& t, batch_options&) { t.n_tokens = 0; },
+         "batch: n_tokens = 0 must be positive"},
         {"token and embd", [](test_batch& t, batch_options&) { t.embd = {1, 2, 3, 4, 5, 6}; },
          "batch: both token and embd are set; give exactly one"},
         {"neither", [](test_batch& t, batch_options&) { t.tokens.clear(), t.n_tokens = 3; },
@@ -234,17 +240,38 @@ TEST(batch_allocr, each_rejection_names_the_token_and_values) {
          "batch: token[2] = 10 not in [0, 10)"},
         {"negative token", [](test_batch& t, batch_options& o) { o.n_vocab = 10, t.tokens[1] = -1; },
          "batch: token[1] = -1 not in [0, 10)"},
-        {"seq id too big", [](test_batch& t, batch_options&) { t.seqs = {{0}, {0}, {2}}; },
+        {"seq id too big",
+         [](test_batch& t, batch_options&) {
+             t.seqs = {{0}, {0}, {2}};
+         },
          "batch: seq_id[2][0] = 2 not in [0, 2)"},
-        {"negative seq id", [](test_batch& t, batch_options&) { t.seqs = {{0}, {1, -1}, {0}}; },
+        {"negative seq id",
+         [](test_batch& t, batch_options&) {
+             t.seqs = {{0}, {1, -1}, {0}};
+         },
          "batch: seq_id[1][1] = -1 not in [0, 2)"},
-        {"duplicate ids", [](test_batch& t, batch_options&) { t.seqs = {{0}, {1, 1}, {0}}; },
+        {"duplicate ids",
+         [](test_batch& t, batch_options&) {
+             t.seqs = {{0}, {1, 1}, {0}};
+         },
          "batch: token 1 lists seq_id 1 twice"},
-        {"no ids", [](test_batch& t, batch_options&) { t.seqs = {{0}, {}, {0}}; }, "batch: n_seq_id[1] = 0 not in [1, 2]"},
-        {"too many ids", [](test_batch& t, batch_options&) { t.seqs = {{0}, {0, 1, 0}, {0}}; },
+        {"no ids",
+         [](test_batch& t, batch_options&) {
+             t.seqs = {{0}, {}, {0}};
+         },
+         "batch: n_seq_id[1] = 0 not in [1, 2]"},
+        {"too many ids",
+         [](test_batch& t, batch_options&) {
+             t.seqs = {{0}, {0, 1, 0}, {0}};
+         },
          "batch: n_seq_id[1] = 3 not in [1, 2]"},
-        {"negative pos", [](test_batch& t, batch_options&) { t.pos = {0, -1, 1}; }, "batch: pos[1] = -1 is negative"},
-        {"zero n_seq_max", [](test_batch&, batch_options& o) { o.n_seq_max = 0; }, "batch: n_seq_max must be at least 1"},
+        {"negative pos",
+         [](test_batch& t, batch_options&) {
+             t.pos = {0, -1, 1};
+         },
+         "batch: pos[1] = -1 is negative"},
+        {"zero n_seq_max", [](test_batch&, batch_options& o) { o.n_seq_max = 0; },
+         "batch: n_seq_max must be at least 1"},
     };
     for (const rejection& r : cases) {
         test_batch t{.tokens = {1, 2, 3}};
@@ -288,7 +315,9 @@ TEST(batch_allocr, half_given_sequence_arrays_are_rejected) {
 
 // -- splits --
 
-std::vector<int32_t> idx_of(const ubatch& u) { return u.batch_idx; }
+std::vector<int32_t> idx_of(const ubatch& u) {
+    return u.batch_idx;
+}
 
 TEST(split, simple_cuts_consecutive_chunks) {
     test_batch t{.tokens = {1, 2, 3, 4, 5}, .seqs = {{0}, {1}, {0}, {1}, {0}}};
@@ -320,7 +349,8 @@ TEST(split, equal_sequential_worked_example) {
     EXPECT_EQ(idx_of(a.split_equal(4, true)), (std::vector<int32_t>{1, 4}));
     EXPECT_EQ(idx_of(a.split_equal(4, true)), (std::vector<int32_t>{2}));
     EXPECT_TRUE(a.split_equal(4, true).empty());
-    EXPECT_EQ(std::vector<int32_t>(a.out_ids().begin(), a.out_ids().end()), (std::vector<int32_t>{0, 3, 5, 1, 4, 2}));
+    EXPECT_EQ(std::vector<int32_t>(a.out_ids().begin(), a.out_ids().end()),
+              (std::vector<int32_t>{0, 3, 5, 1, 4, 2}));
     // rows come back to batch order through the permutation
     EXPECT_EQ(a.output_permutation(), (std::vector<uint32_t>{0, 3, 5, 1, 4, 2}));
     EXPECT_EQ(a.output_row(4), 4);
@@ -439,10 +469,18 @@ TEST(split_property, every_split_reassembles_the_batch_in_sequence_order) {
             while (true) {
                 ubatch u;
                 switch (strategy) {
-                    case 0: u = a.split_simple(n_ubatch); break;
-                    case 1: u = a.split_equal(n_ubatch, false); break;
-                    case 2: u = a.split_equal(n_ubatch, true); break;
-                    default: u = a.split_seq(n_ubatch); break;
+                    case 0:
+                        u = a.split_simple(n_ubatch);
+                        break;
+                    case 1:
+                        u = a.split_equal(n_ubatch, false);
+                        break;
+                    case 2:
+                        u = a.split_equal(n_ubatch, true);
+                        break;
+                    default:
+                        u = a.split_seq(n_ubatch);
+                        break;
                 }
                 if (u.empty()) break;
                 ASSERT_LE(u.n_tokens, n_ubatch);
@@ -477,7 +515,8 @@ TEST(split_property, every_split_reassembles_the_batch_in_sequence_order) {
                             for (seq_id_t s : set) ASSERT_FALSE(other.count(s));
                         blocks.push_back(set);
                         if (strategy == 2 && b > 0) {
-                            ASSERT_EQ(u.primary_seq(b * u.n_seq_tokens), u.primary_seq((b - 1) * u.n_seq_tokens) + 1);
+                            ASSERT_EQ(u.primary_seq(b * u.n_seq_tokens),
+                                      u.primary_seq((b - 1) * u.n_seq_tokens) + 1);
                         }
                     }
                 }
@@ -510,7 +549,7 @@ TEST(batch_storage, owns_arrays_and_checks_capacity) {
     s.add(7, 0, both, false);
     s.add(8, 1, std::vector<seq_id_t>{1}, false);
     s.set_output(1, true);
-    EXPECT_THROW(s.add(9, 2, both, true), error);  // full
+    EXPECT_THROW(s.add(9, 2, both, true), error);                         // full
     EXPECT_THROW(s.add(std::vector<float>{1.0f}, 2, both, true), error);  // holds tokens
     const batch b = s.view();
     EXPECT_EQ(b.n_tokens, 2);

@@ -31,9 +31,9 @@ struct batch {
     // [n_tokens] positions; null = continue each sequence from the memory. M-RoPE models (n_pos > 1)
     // with embeddings input: [n_pos][n_tokens] section-major (temporal, y, x, other).
     const pos_t* pos = nullptr;
-    const int32_t* n_seq_id = nullptr;         // [n_tokens] ids per token; null (with seq_id) = one each
-    const seq_id_t* const* seq_id = nullptr;   // [n_tokens] -> [n_seq_id[i]]; the first id is the primary
-    const int8_t* logits = nullptr;            // [n_tokens] non-zero = output; null = last token only
+    const int32_t* n_seq_id = nullptr;        // [n_tokens] ids per token; null (with seq_id) = one each
+    const seq_id_t* const* seq_id = nullptr;  // [n_tokens] -> [n_seq_id[i]]; the first id is the primary
+    const int8_t* logits = nullptr;           // [n_tokens] non-zero = output; null = last token only
 
     // One sequence (0), automatic positions, output for the last token. Views `tokens`.
     static batch get_one(std::span<const token_t> tokens);
@@ -129,11 +129,13 @@ public:
     uint32_t get_n_outputs() const { return n_outputs_; }
     uint32_t get_n_used() const { return n_used_; }
     bool has_coupled() const { return has_cpl_; }  // some token belongs to several sequences
-    pos_t seq_pos_min(seq_id_t s) const;  // within the batch; -1 if s has no token in it
+    pos_t seq_pos_min(seq_id_t s) const;           // within the batch; -1 if s has no token in it
     pos_t seq_pos_max(seq_id_t s) const;
     std::span<const seq_id_t> seq_id_unq() const { return seq_id_unq_; }
     pos_t pos(uint32_t i, uint32_t section = 0) const { return pos_[section * n_tokens_ + i]; }
-    std::span<const seq_id_t> seq_ids(uint32_t i) const { return {seq_ids_[i], static_cast<size_t>(n_seq_id_[i])}; }
+    std::span<const seq_id_t> seq_ids(uint32_t i) const {
+        return {seq_ids_[i], static_cast<size_t>(n_seq_id_[i])};
+    }
     bool is_output(uint32_t i) const { return output_[i] != 0; }
 
     // -- splitting (each returns an empty ubatch when nothing more can be produced) --
@@ -162,18 +164,18 @@ private:
     // Unused token set keys: index of token i's sequence set in sets_.
     uint32_t n_tokens_ = 0, n_outputs_ = 0, n_used_ = 0, n_pos_ = 1, n_embd_ = 0;
     bool has_cpl_ = false;
-    std::vector<token_t> token_;                 // [n_tokens] copies (empty with embeddings)
-    std::vector<float> embd_;                    // [n_tokens * n_embd]
-    std::vector<pos_t> pos_;                     // [n_pos * n_tokens]
-    std::vector<int32_t> n_seq_id_;              // [n_tokens]
-    std::vector<seq_id_t> seq_id_data_;          // all ids, token by token
-    std::vector<const seq_id_t*> seq_ids_;       // [n_tokens] -> seq_id_data_
-    std::vector<int8_t> output_;                 // [n_tokens]
-    std::vector<uint32_t> set_of_;               // [n_tokens] index into sets_
-    std::vector<seq_set> sets_;                  // distinct sequence sets of the batch
-    std::vector<seq_id_t> seq_id_unq_;           // ascending
+    std::vector<token_t> token_;                    // [n_tokens] copies (empty with embeddings)
+    std::vector<float> embd_;                       // [n_tokens * n_embd]
+    std::vector<pos_t> pos_;                        // [n_pos * n_tokens]
+    std::vector<int32_t> n_seq_id_;                 // [n_tokens]
+    std::vector<seq_id_t> seq_id_data_;             // all ids, token by token
+    std::vector<const seq_id_t*> seq_ids_;          // [n_tokens] -> seq_id_data_
+    std::vector<int8_t> output_;                    // [n_tokens]
+    std::vector<uint32_t> set_of_;                  // [n_tokens] index into sets_
+    std::vector<seq_set> sets_;                     // distinct sequence sets of the batch
+    std::vector<seq_id_t> seq_id_unq_;              // ascending
     std::vector<pos_t> seq_pos_min_, seq_pos_max_;  // [seq_id_unq] batch extremes
-    std::vector<bool> used_;                     // [n_tokens] already in a ubatch
+    std::vector<bool> used_;                        // [n_tokens] already in a ubatch
     std::vector<int32_t> out_ids_;
 };
 
