@@ -1,6 +1,7 @@
 // Sequence operations on one stream of cells, at two stream sizes with the same occupancy (64 sequences
-// x 256 positions spread over the stream). Their cost must follow the cells touched, not the stream
-// size: the table at the end prints the ratio big/small per operation (target <= 1.2).
+// x 256 positions, placed as a cache fills a stream: front first, sequences interleaved). Their cost must
+// follow the cells touched, not the stream size: the table at the end prints the ratio big/small per
+// operation (target <= 1.2).
 //
 // Mutating operations are timed together with their inverse so that every iteration starts from the
 // same state: seq_rm of 32 positions + refilling them, seq_cp of a whole sequence + removing the copy,
@@ -26,9 +27,8 @@ kvc::kv_cells& filled(uint32_t size) {
     if (it != cache.end()) return it->second;
     kvc::kv_cells c(size, n_seqs + 1);  // one spare id as the seq_cp destination
     const uint32_t n = n_seqs * static_cast<uint32_t>(n_pos);
-    const uint32_t stride = size / n;
     for (uint32_t k = 0; k < n; ++k) {  // token k: sequence k % 64, interleaved like parallel decoding
-        const uint32_t cell = k * stride;
+        const uint32_t cell = k;
         c.pos_set(cell, static_cast<kvc::pos_t>(k / n_seqs));
         c.seq_add(cell, static_cast<kvc::seq_id_t>(k % n_seqs));
     }

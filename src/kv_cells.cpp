@@ -1,5 +1,7 @@
 #include <algorithm>
 #include <bit>
+#include <cassert>
+#include <iterator>
 #include <limits>
 
 #include <fmt/format.h>
@@ -182,32 +184,94 @@ std::optional<uint32_t> kv_cells::find_contiguous(uint32_t n, uint32_t hint) con
 
 // -- per-sequence index --
 
+const kv_cells::seq_index::entry* kv_cells::seq_index::lower_bound(int64_t p) const {
+    if (p > std::numeric_limits<pos_t>::max()) return end();
+    if (p < 0) p = 0;
+    return std::lower_bound(begin(), end(), entry{static_cast<pos_t>(p), 0});
+}
+
+void kv_cells::seq_index::insert(entry e) {
+    if (empty()) {
+        clear();
+        v_.push_back(e);
+    } else if (v_.back() < e) {
+        v_.push_back(e);  // decoding: the new position is the largest
+    } else if (head_ > 0 && e < *begin()) {
+        v_[--head_] = e;
+    } else {
+        v_.insert(v_.begin() + (std::lower_bound(begin(), end(), e) - v_.data()), e);
+    }
+}
+
+void kv_cells::seq_index::erase(entry e) {
+    const entry* it = std::lower_bound(begin(), end(), e);
+    assert(it != end() && *it == e);
+    const auto at = static_cast<size_t>(it - begin());
+    erase(at, at + 1);
+}
+
+void kv_cells::seq_index::erase(size_t first, size_t last) {
+    if (first == last) return;
+    if (last == size()) {
+        v_.resize(head_ + first);
+    } else if (first == 0) {
+        head_ += last;  // drop the front in O(1); compact once the dead part dominates
+        if (head_ >= 64 && 2 * head_ >= v_.size()) {
+            v_.erase(v_.begin(), v_.begin() + static_cast<ptrdiff_t>(head_));
+            head_ = 0;
+        }
+    } else {
+        const auto base = v_.begin() + static_cast<ptrdiff_t>(head_);
+        v_.erase(base + static_cast<ptrdiff_t>(first), base + static_cast<ptrdiff_t>(last));
+    }
+    if (empty()) clear();
+}
+
+void kv_cells::seq_index::merge(std::span<const entry> sorted) {
+    if (sorted.empty()) return;
+    if (empty() || v_.back() < sorted.front()) {
+        v_.insert(v_.end(), sorted.begin(), sorted.end());
+        return;
+    }
+    std::vector<entry> out;
+    out.reserve(size() + sorted.size());
+    std::merge(begin(), end(), sorted.begin(), sorted.end(), std::back_inserter(out));
+    v_ = std::move(out);
+    head_ = 0;
+}
+
 void kv_cells::index_add(uint32_t i) {
-    for (seq_id_t s : seq_[i]) seq_pos_[s].emplace(pos_[i], i);
+    for (seq_id_t s : seq_[i]) seq_pos_[s].insert({pos_[i], i});
 }
 
 void kv_cells::index_remove(uint32_t i) {
     for (seq_id_t s : seq_[i]) seq_pos_[s].erase({pos_[i], i});
 }
 
+std::pair<kv_cells::seq_index::entry*, kv_cells::seq_index::entry*> kv_cells::range(seq_id_t s, pos_t p0,
+                                                                                    pos_t p1) {
+    seq_index& index = seq_pos_[s];
+    auto* lo = index.lower_bound(p0);
+    auto* hi = p1 < 0 ? index.end() : index.lower_bound(p1);
+    return {lo, std::max(lo, hi)};  // p1 <= p0: empty
+}
+
 pos_t kv_cells::seq_pos_min(seq_id_t s) const {
     check_seq(s, "seq_pos_min");
-    const auto& index = seq_pos_[s];
+    const seq_index& index = seq_pos_[s];
     return index.empty() ? pos_none : index.begin()->first;
 }
 
 pos_t kv_cells::seq_pos_max(seq_id_t s) const {
     check_seq(s, "seq_pos_max");
-    const auto& index = seq_pos_[s];
-    return index.empty() ? pos_none : index.rbegin()->first;
+    const seq_index& index = seq_pos_[s];
+    return index.empty() ? pos_none : (index.end() - 1)->first;
 }
 
 uint32_t kv_cells::seq_pos_count(seq_id_t s, pos_t p) const {
     check_seq(s, "seq_pos_count");
-    const auto& index = seq_pos_[s];
-    const auto lo = index.lower_bound({p, 0});
-    const auto hi = index.upper_bound({p, std::numeric_limits<uint32_t>::max()});
-    return static_cast<uint32_t>(std::distance(lo, hi));
+    const seq_index& index = seq_pos_[s];
+    return static_cast<uint32_t>(index.lower_bound(int64_t{p} + 1) - index.lower_bound(p));
 }
 
 uint32_t kv_cells::seq_n_cells(seq_id_t s) const {
@@ -217,11 +281,9 @@ uint32_t kv_cells::seq_n_cells(seq_id_t s) const {
 
 void kv_cells::seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& out) const {
     check_seq(s, "seq_cells");
-    if (p0 < 0) p0 = 0;
-    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
-    const auto& index = seq_pos_[s];
-    for (auto it = index.lower_bound({p0, 0}); it != index.end() && it->first < p1; ++it)
-        out.push_back(it->second);
+    const seq_index& index = seq_pos_[s];
+    const auto* hi = p1 < 0 ? index.end() : index.lower_bound(p1);
+    for (const auto* e = index.lower_bound(p0); e < hi; ++e) out.push_back(e->second);
 }
 
 seq_id_t kv_cells::seq_get(uint32_t i) const {
@@ -264,7 +326,7 @@ void kv_cells::seq_add(uint32_t i, seq_id_t s) {
         throw error(errc::invalid_state,
                     fmt::format("kv_cells::seq_add: cell {} already holds seq {}", i, s));
     seq_[i].insert(s);
-    seq_pos_[s].emplace(pos_[i], i);
+    seq_pos_[s].insert({pos_[i], i});
 }
 
 bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {
@@ -342,27 +404,39 @@ void kv_cells::pos_div(uint32_t i, int d) {
 
 // -- sequence operations --
 
-std::vector<uint32_t>& kv_cells::collect(seq_id_t s, pos_t p0, pos_t p1) {
-    scratch_.clear();
-    seq_cells(s, p0, p1, scratch_);
-    return scratch_;
+void kv_cells::clear_cell(uint32_t i) {
+    make_empty(i);
 }
 
 uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
-    if (p0 < 0) p0 = 0;
-    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
     uint32_t lowest = size();
-    if (s < 0) {
-        if (s != seq_all) check_seq(s, "seq_rm_range");
+    if (s == seq_all) {
+        // Every cell in the range goes, whatever its sequences: in each index that is one slice.
+        for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq_max_); ++q) {
+            auto [lo, hi] = range(q, p0, p1);
+            seq_index& index = seq_pos_[q];
+            index.erase(static_cast<size_t>(lo - index.begin()), static_cast<size_t>(hi - index.begin()));
+        }
+        const int64_t hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
         for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1)) {
-            if (pos_[i] < p0 || pos_[i] >= p1) continue;
-            rm(i);
+            if (pos_[i] < std::max<pos_t>(p0, 0) || pos_[i] >= hi) continue;
+            clear_cell(i);
             lowest = std::min(lowest, i);
         }
         return lowest;
     }
-    for (uint32_t i : collect(s, p0, p1))
-        if (seq_rm(i, s)) lowest = std::min(lowest, i);
+    check_seq(s, "seq_rm_range");
+    auto [lo, hi] = range(s, p0, p1);
+    for (const auto* e = lo; e < hi; ++e) {
+        const uint32_t i = e->second;
+        seq_[i].erase(s);
+        if (seq_[i].empty()) {
+            clear_cell(i);
+            lowest = std::min(lowest, i);
+        }
+    }
+    seq_index& index = seq_pos_[s];
+    index.erase(static_cast<size_t>(lo - index.begin()), static_cast<size_t>(hi - index.begin()));
     return lowest;
 }
 
@@ -370,25 +444,81 @@ void kv_cells::seq_cp_range(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     check_seq(src, "seq_cp_range");
     check_seq(dst, "seq_cp_range");
     if (src == dst) return;
-    for (uint32_t i : collect(src, p0, p1))
-        if (!seq_[i].contains(dst)) seq_add(i, dst);
+    scratch_.clear();
+    auto [lo, hi] = range(src, p0, p1);
+    for (const auto* e = lo; e < hi; ++e) {
+        if (seq_[e->second].contains(dst)) continue;  // idempotent
+        seq_[e->second].insert(dst);
+        scratch_.push_back(*e);
+    }
+    seq_pos_[dst].merge(scratch_);
 }
 
 uint32_t kv_cells::seq_keep_all(seq_id_t s) {
     check_seq(s, "seq_keep_all");
     uint32_t lowest = size();
-    for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1))
-        if (seq_keep(i, s)) lowest = std::min(lowest, i);
+    for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1)) {
+        seq_set& seqs = seq_[i];
+        if (seqs.contains(s)) {
+            if (seqs.size() > 1) {
+                seqs.clear();
+                seqs.insert(s);
+            }
+        } else if (!seqs.empty()) {  // a used cell with no sequence is left alone (as upstream)
+            clear_cell(i);
+            lowest = std::min(lowest, i);
+        }
+    }
+    for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq_max_); ++q)
+        if (q != s) seq_pos_[q].clear();  // no other sequence holds any cell now
     return lowest;
+}
+
+void kv_cells::reorder(seq_id_t s, size_t lo, size_t hi) {
+    seq_index& index = seq_pos_[s];
+    auto* b = index.begin();
+    const size_t n = index.size();
+    const bool left_ok = lo == 0 || lo == hi || !(b[lo] < b[lo - 1]);
+    const bool right_ok = hi == n || lo == hi || !(b[hi] < b[hi - 1]);
+    if (!left_ok || !right_ok) std::sort(b, index.end());
+}
+
+void kv_cells::apply_moves() {
+    // Entries of other sequences for cells that moved: group by sequence, locate every entry while the
+    // index is still sorted, rewrite, re-sort, drop removed cells (position -1 sorts first).
+    std::sort(moves_.begin(), moves_.end(), [](const move& a, const move& b) { return a.seq < b.seq; });
+    std::vector<seq_index::entry*> at;
+    for (size_t k = 0; k < moves_.size();) {
+        const seq_id_t q = moves_[k].seq;
+        seq_index& index = seq_pos_[q];
+        const size_t group = k;
+        at.clear();
+        for (; k < moves_.size() && moves_[k].seq == q; ++k) {
+            auto* e = std::lower_bound(index.begin(), index.end(), moves_[k].old_entry);
+            assert(e != index.end() && *e == moves_[k].old_entry);
+            at.push_back(e);
+        }
+        size_t removed = 0;
+        for (size_t j = 0; j < at.size(); ++j) {
+            const int64_t np = moves_[group + j].new_pos;
+            at[j]->first = np < 0 ? pos_none : static_cast<pos_t>(np);
+            removed += np < 0;
+        }
+        std::sort(index.begin(), index.end());
+        index.erase(0, removed);
+    }
+    moves_.clear();
 }
 
 uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
     check_seq(s, "seq_add_range");
     uint32_t lowest = size();
     if (d == 0) return lowest;
-    std::vector<uint32_t>& cells = collect(s, p0, p1);
+    auto [lo, hi] = range(s, p0, p1);
+    if (lo == hi) return lowest;
     constexpr int64_t lim = std::numeric_limits<pos_t>::max();
-    for (uint32_t i : cells) {  // all or nothing: check every cell before moving any
+    for (const auto* e = lo; e < hi; ++e) {  // all or nothing: check every cell before moving any
+        const uint32_t i = e->second;
         const int64_t sh = int64_t{shift_[i]} + d;
         if (int64_t{pos_[i]} + d > lim || sh > lim || sh < -lim)
             throw error(errc::out_of_range,
@@ -396,8 +526,29 @@ uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
                                     "overflows int32",
                                     s, i, pos_[i], shift_[i], d));
     }
-    for (uint32_t i : cells)
-        if (pos_add(i, d)) lowest = std::min(lowest, i);
+    has_shift_ = true;
+    size_t gone = 0;  // moved below 0: a prefix of the slice, as every position moves by the same d
+    for (auto* e = lo; e < hi; ++e) {
+        const uint32_t i = e->second;
+        const int64_t np = int64_t{pos_[i]} + d;
+        for (seq_id_t q : seq_[i])
+            if (q != s) moves_.push_back({q, *e, np});
+        e->first = static_cast<pos_t>(np < 0 ? pos_none : np);
+        if (np < 0) {
+            clear_cell(i);
+            lowest = std::min(lowest, i);
+            ++gone;
+        } else {
+            pos_[i] = static_cast<pos_t>(np);
+            shift_[i] += d;
+        }
+    }
+    seq_index& index = seq_pos_[s];
+    const auto first = static_cast<size_t>(lo - index.begin()),
+               last = static_cast<size_t>(hi - index.begin());
+    index.erase(first, first + gone);
+    reorder(s, first, last - gone);
+    apply_moves();
     return lowest;
 }
 
@@ -405,13 +556,31 @@ void kv_cells::seq_div_range(seq_id_t s, pos_t p0, pos_t p1, int d) {
     check_seq(s, "seq_div_range");
     if (d < 1) throw error(errc::invalid_argument, fmt::format("seq_div: divisor {} must be >= 1", d));
     if (d == 1) return;
-    std::vector<uint32_t>& cells = collect(s, p0, p1);
-    for (uint32_t i : cells)  // all or nothing
+    auto [lo, hi] = range(s, p0, p1);
+    if (lo == hi) return;
+    for (const auto* e = lo; e < hi; ++e) {  // all or nothing
+        const uint32_t i = e->second;
         if (int64_t{shift_[i]} + pos_[i] / d - pos_[i] < -int64_t{std::numeric_limits<pos_t>::max()})
             throw error(
                 errc::out_of_range,
                 fmt::format("seq_div: seq {} cell {} pending shift {} overflows int32", s, i, shift_[i]));
-    for (uint32_t i : cells) pos_div(i, d);
+    }
+    has_shift_ = true;
+    for (auto* e = lo; e < hi; ++e) {
+        const uint32_t i = e->second;
+        const pos_t np = pos_[i] / d;
+        for (seq_id_t q : seq_[i])
+            if (q != s) moves_.push_back({q, *e, np});
+        shift_[i] += np - pos_[i];  // new - old (decision 1)
+        pos_[i] = np;
+        e->first = np;
+    }
+    seq_index& index = seq_pos_[s];
+    const auto first = static_cast<size_t>(lo - index.begin()),
+               last = static_cast<size_t>(hi - index.begin());
+    std::sort(lo, hi);  // equal quotients may reorder by cell index
+    reorder(s, first, last);
+    apply_moves();
 }
 
 // -- snapshots --
@@ -527,7 +696,7 @@ void kv_cells::validate() const {
         throw error(errc::invalid_state, "kv_cells::validate: " + what);
     };
     uint32_t used = 0;
-    std::vector<std::set<std::pair<pos_t, uint32_t>>> index(n_seq_max_);
+    std::vector<std::vector<std::pair<pos_t, uint32_t>>> index(n_seq_max_);
     for (uint32_t i = 0; i < size(); ++i) {
         const bool u = pos_[i] != pos_none;
         used += u;
@@ -538,12 +707,16 @@ void kv_cells::validate() const {
         if (shift_[i] != 0 && !has_shift_) fail(fmt::format("cell {} has a shift but has_shift is false", i));
         for (seq_id_t s : seq_[i]) {
             if (static_cast<uint32_t>(s) >= n_seq_max_) fail(fmt::format("cell {} holds seq {}", i, s));
-            index[s].emplace(pos_[i], i);
+            index[s].emplace_back(pos_[i], i);
         }
     }
     if (used != n_used_) fail(fmt::format("used count {} but {} cells are used", n_used_, used));
-    for (uint32_t s = 0; s < n_seq_max_; ++s)
-        if (index[s] != seq_pos_[s]) fail(fmt::format("index of seq {} disagrees with the cells", s));
+    for (uint32_t s = 0; s < n_seq_max_; ++s) {
+        std::sort(index[s].begin(), index[s].end());
+        const seq_index& have = seq_pos_[s];
+        if (!std::equal(index[s].begin(), index[s].end(), have.begin(), have.end()))
+            fail(fmt::format("index of seq {} disagrees with the cells", s));
+    }
     for (size_t w = 0; w < used_.size(); ++w) {
         const uint32_t n = size();
         const uint64_t valid = (w + 1) * 64 <= n ? all_bits : (uint64_t{1} << (n % 64)) - 1;

@@ -294,6 +294,34 @@ TEST(kv_cells, range_operations) {
     c.validate();
 }
 
+TEST(kv_cells, sliding_window_drops_the_oldest_cell_each_step) {
+    // the per-sequence index drops its front in O(1) and compacts now and then; check it stays exact
+    kv_cells c(300, 2);
+    const uint32_t window = 100;
+    for (pos_t p = 0; p < 2000; ++p) {
+        const auto cell = static_cast<uint32_t>(p % 300);
+        if (p >= static_cast<pos_t>(window)) {
+            const pos_t oldest = c.seq_pos_min(0);
+            EXPECT_EQ(c.seq_rm_range(1, oldest, oldest + 1), 300u) << "seq 0 still holds it";
+            EXPECT_EQ(c.seq_rm_range(0, oldest, oldest + 1), (p - window) % 300);
+        }
+        place(c, cell, p, {0});
+        if (p % 7 == 0) c.seq_cp_range(0, 1, p, p + 1);  // seq 1 shares every 7th token
+        ASSERT_EQ(c.seq_pos_min(0), std::max<pos_t>(0, p - static_cast<pos_t>(window) + 1));
+        ASSERT_EQ(c.seq_pos_max(0), p);
+        if (p % 97 == 0) c.validate();
+    }
+    EXPECT_EQ(c.seq_n_cells(0), window);
+    // positions inserted in front of the index (below its minimum) land in order
+    kv_cells d(8, 1);
+    place(d, 0, 5, {0});
+    place(d, 1, 6, {0});
+    d.rm(0);
+    place(d, 2, 1, {0});
+    EXPECT_EQ(cells_of(d, 0), (std::vector<uint32_t>{2, 1}));
+    d.validate();
+}
+
 // ---------------------------------------------------------------- property test
 
 // A deliberately simple model: one struct per cell, every query answered by scanning.

@@ -9,8 +9,9 @@
 //    have none transiently or after restoring a state written with no sequence ids.
 //  - Every precondition is checked: a call that breaks one throws kvc::error and changes nothing.
 //  - Costs: seq_pos_min/max O(1); a sequence's cells in a position range O(log + cells returned) via the
-//    per-sequence index; free-cell searches go by 64-cell words with a summary level above them, so a
-//    search never walks cell by cell through a full or empty region.
+//    per-sequence index; range operations on one sequence O(cells touched) plus a memmove of its index;
+//    free-cell searches go by 64-cell words with a summary level above them, so a search never walks
+//    cell by cell through a full or empty region.
 //
 // Differences from llama.cpp (see docs/concepts.md): pos_div records shift = new - old (decision 1);
 // any number of sequences; pos_add that drops a cell below 0 clears its M-RoPE extension too; snapshots
@@ -19,10 +20,9 @@
 
 #include <cstdint>
 #include <optional>
-#include <set>
 #include <span>
 #include <string>
-#include <utility>
+#include <utility>  // std::pair, std::as_const
 #include <vector>
 
 #include <kvcache/seq_set.h>
@@ -156,9 +156,46 @@ private:
     uint32_t next_used(uint32_t from) const;  // first used index >= from, or size()
     uint32_t next_free(uint32_t from) const;  // first empty index >= from, or size()
     void restore(uint32_t target, const cells_snapshot& snap, size_t j);
-    std::vector<uint32_t>& collect(seq_id_t s, pos_t p0, pos_t p1);  // seq_cells into scratch_
 
-    std::vector<uint32_t> scratch_;  // cells collected by the range operations before they mutate
+    // The (position, cell) pairs of one sequence, sorted, in a vector whose front can be dropped in O(1)
+    // (a sliding window drops its oldest cells) and whose back grows in O(1) (decoding appends the
+    // largest position). Ends give min/max; a position range is a contiguous slice, so bulk operations
+    // work on slices instead of node by node.
+    class seq_index {
+    public:
+        using entry = std::pair<pos_t, uint32_t>;
+
+        bool empty() const { return head_ == v_.size(); }
+        size_t size() const { return v_.size() - head_; }
+        entry* begin() { return v_.data() + head_; }
+        entry* end() { return v_.data() + v_.size(); }
+        const entry* begin() const { return v_.data() + head_; }
+        const entry* end() const { return v_.data() + v_.size(); }
+        // First entry with position >= p (p may exceed int32: then end()).
+        const entry* lower_bound(int64_t p) const;
+        entry* lower_bound(int64_t p) { return begin() + (std::as_const(*this).lower_bound(p) - begin()); }
+
+        void insert(entry e);
+        void erase(entry e);                    // e must be present
+        void erase(size_t first, size_t last);  // entries [first, last) counted from begin()
+        void merge(std::span<const entry> sorted);
+        void clear() {
+            v_.clear();
+            head_ = 0;
+        }
+
+    private:
+        std::vector<entry> v_;  // [head_, size) live, sorted
+        size_t head_ = 0;
+    };
+
+    // [lo, hi) slice of s's index with positions in [p0, p1) (p0 < 0: 0, p1 < 0: no bound)
+    std::pair<seq_index::entry*, seq_index::entry*> range(seq_id_t s, pos_t p0, pos_t p1);
+    void clear_cell(uint32_t i);  // used cell, already out of every index -> empty
+    // After positions in s's index changed by a map that keeps [lo, hi) ordered: restore the order.
+    void reorder(seq_id_t s, size_t lo, size_t hi);
+    // Other sequences' entries of moved cells: (seq, old entry, new position); new < 0 = cell removed.
+    void apply_moves();
 
     uint32_t n_seq_max_ = 1;
     std::vector<pos_t> pos_;     // [n]  position; -1 = empty
@@ -174,10 +211,15 @@ private:
     uint32_t n_used_ = 0;
     bool has_shift_ = false;
 
-    // [n_seq_max] (position, cell) pairs of each sequence. Ordered by position so that min/max are the
-    // ends and a position range is one contiguous walk; a pair, not a count, so that range operations
-    // find their cells without scanning the stream.
-    std::vector<std::set<std::pair<pos_t, uint32_t>>> seq_pos_;
+    std::vector<seq_index> seq_pos_;  // [n_seq_max]
+
+    struct move {
+        seq_id_t seq;
+        seq_index::entry old_entry;
+        int64_t new_pos;
+    };
+    std::vector<move> moves_;                // scratch of seq_add_range / seq_div_range
+    std::vector<seq_index::entry> scratch_;  // scratch of seq_cp_range
 };
 
 }  // namespace kvc
