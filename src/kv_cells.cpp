@@ -280,10 +280,15 @@ uint32_t kv_cells::seq_n_cells(seq_id_t s) const {
 }
 
 void kv_cells::seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& out) const {
-    check_seq(s, "seq_cells");
+    for (const auto& e : seq_entries(s, p0, p1)) out.push_back(e.second);
+}
+
+std::span<const std::pair<pos_t, uint32_t>> kv_cells::seq_entries(seq_id_t s, pos_t p0, pos_t p1) const {
+    check_seq(s, "seq_entries");
     const seq_index& index = seq_pos_[s];
+    const auto* lo = index.lower_bound(p0);
     const auto* hi = p1 < 0 ? index.end() : index.lower_bound(p1);
-    for (const auto* e = index.lower_bound(p0); e < hi; ++e) out.push_back(e->second);
+    return {lo, std::max(lo, hi)};
 }
 
 seq_id_t kv_cells::seq_get(uint32_t i) const {

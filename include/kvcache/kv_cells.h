@@ -93,6 +93,8 @@ public:
     // Cells of s with p0 <= pos < p1, by ascending (position, index); appended to out. Negative p0 means
     // 0, negative p1 means no upper bound.
     void seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& out) const;
+    // The same as (position, cell) pairs, without copying; valid until the next mutation.
+    std::span<const std::pair<pos_t, uint32_t>> seq_entries(seq_id_t s, pos_t p0, pos_t p1) const;
 
     // Used cells, ascending, appended to out (O(used + size / 4096)).
     void used_cells(std::vector<uint32_t>& out) const;

@@ -1,0 +1,236 @@
+// kv_cache: the attention KV cache (llama.cpp's llama_kv_cache), unified (one stream shared by every
+// sequence) or split (one stream per sequence). Implements memory_i.
+//
+// Per own layer it holds a K buffer and a V buffer of kv_size rows ("cells") per stream; kv_cells keeps
+// the bookkeeping of each stream. Placing a ubatch = find_slot (free cells, or SWA-dead cells of a single
+// sequence, ring-wise from the stream's head hint) + apply_ubatch; init_batch dry-runs every ubatch of a
+// batch (prepare) and rolls back, so a batch that does not fit changes nothing.
+//
+// Layout of one layer (E_k = n_head_kv * n_embd_head_k, rows of row_size(type_k, E_k) bytes):
+//   K      [E_k, kv_size, n_stream]    row of cell c in stream s at (s * kv_size + c)
+//   V      like K with E_v, or transposed (v_trans): per stream a matrix [E_vmax channels][kv_size cells],
+//          element (channel e, cell c) at s * kv_size * E_vmax + e * kv_size + c (float types only)
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <kvcache/batch.h>
+#include <kvcache/dtype.h>
+#include <kvcache/kv_cells.h>
+#include <kvcache/memory.h>
+#include <kvcache/ops.h>
+#include <kvcache/tensor.h>
+
+namespace kvc {
+
+enum class swa_type : uint8_t {
+    none = 0,       // every past key of the sequence is visible
+    standard = 1,   // a query at p sees keys in (p - n_swa, p]
+    chunked = 2,    // a query sees keys from the start of its chunk of n_swa positions (Llama 4)
+    symmetric = 3,  // keys within n_swa / 2 on either side (bidirectional encoders)
+};
+
+const char* to_string(swa_type t);
+
+// Whether the key at p0 is outside the window of a query at p1 (causality is a separate rule).
+bool is_masked_swa(uint32_t n_swa, swa_type type, pos_t p0, pos_t p1);
+
+// One model layer as the cache sees it.
+struct layer_desc {
+    uint32_t n_head_kv = 1;
+    uint32_t n_embd_head_k = 0;  // values per key head (a multiple of the block size of type_k)
+    uint32_t n_embd_head_v = 0;  // values per value head
+    bool is_swa = false;         // a sliding-window layer (used by kv_cache_iswa to split layers)
+    bool has_kv = true;          // false: the layer keeps no K/V (e.g. it reuses another layer's)
+    rope_params rope{};          // how its keys were rotated (for K-shifts)
+};
+
+struct kv_cache_params {
+    std::vector<layer_desc> layers;        // every model layer, by model index
+    std::function<bool(uint32_t)> filter;  // keep model layer il? (null: every layer with K/V)
+    dtype type_k = dtype::f16;
+    dtype type_v = dtype::f16;
+    bool v_trans = true;      // transposed V (attention without flash attention); float type_v only
+    uint32_t kv_size = 4096;  // cells per stream
+    uint32_t n_seq_max = 1;   // sequence ids [0, n_seq_max)
+    bool unified = true;      // one stream for all sequences, else one stream per sequence
+    uint32_t n_pad = 1;       // kv_size must be a multiple of it
+    uint32_t n_kv_pad = 256;  // attention reads a multiple of max(n_pad, n_kv_pad) cells
+    uint32_t n_swa = 0;       // window of this cache's SWA rule
+    swa_type swa = swa_type::none;
+    uint32_t n_pos = 1;                     // positions per token (4 for M-RoPE: cells then keep (x, y))
+    buffer_allocator* allocator = nullptr;  // null: host memory
+};
+
+// Where one ubatch goes (spec kv-core §3.5): group k of size() tokens goes to stream strm[k], cells idxs[k].
+// Token t of the ubatch is group t / size(), cell idxs[group][t % size()].
+struct slot_info {
+    uint32_t s0 = 0, s1 = 0;                  // first and last stream touched
+    std::vector<uint32_t> strm;               // [n_stream()] stream of each group
+    std::vector<std::vector<uint32_t>> idxs;  // [n_stream()][size()] cells of each group
+
+    size_t n_stream() const { return strm.size(); }
+    size_t size() const { return idxs.empty() ? 0 : idxs[0].size(); }
+    bool empty() const { return idxs.empty(); }
+    uint32_t head() const { return idxs.at(0).at(0); }
+    bool is_contiguous() const;  // one group of consecutive ascending cells
+};
+
+class kv_cache final : public memory_i {
+public:
+    explicit kv_cache(kv_cache_params params);  // throws kvc::error on an invalid configuration
+    ~kv_cache() override;
+
+    // -- memory_i --
+    memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) override;
+    memory_context_ptr init_full() override;
+    memory_context_ptr init_update(bool optimize) override;
+    bool get_can_shift() const override;
+
+    void clear(bool data) override;
+    bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
+    void seq_keep(seq_id_t seq_id) override;
+    void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;
+    void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;
+    pos_t seq_pos_min(seq_id_t seq_id) const override;
+    pos_t seq_pos_max(seq_id_t seq_id) const override;
+
+    void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    void state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) override;
+
+    // -- shape --
+    const kv_cache_params& params() const { return params_; }
+    uint32_t get_size() const { return params_.kv_size; }
+    uint32_t get_n_stream() const { return static_cast<uint32_t>(streams_.size()); }
+    uint32_t seq_to_stream(seq_id_t s) const;                           // throws on an invalid id
+    std::span<const uint32_t> layer_ids() const { return layer_ids_; }  // model index of each own layer
+    bool has_layer(uint32_t il) const;
+    const kv_cells& cells(uint32_t stream) const;
+    uint32_t head(uint32_t stream) const;
+    bool get_has_shift() const;
+
+    // -- sizes --
+    size_t size_k_bytes() const;
+    size_t size_v_bytes() const;
+    size_t size_bytes() const { return size_k_bytes() + size_v_bytes(); }
+    size_t layer_k_bytes(uint32_t il) const;
+    size_t layer_v_bytes(uint32_t il) const;
+
+    // -- placement (what init_batch does; public for tests and custom drivers) --
+    slot_info find_slot(const ubatch& ub, bool cont = false) const;  // empty: no room
+    void apply_ubatch(const slot_info& sinfo, const ubatch& ub);
+    // Slots for every ubatch, found on a trial run that is rolled back; empty if one does not fit.
+    std::vector<slot_info> prepare(std::span<const ubatch> ubatches);
+    uint32_t get_n_kv(const slot_info& sinfo) const;
+
+    // -- K/V data --
+    // Views of the first n_kv cells of streams s0..s1 of layer il (model index):
+    //   K, V:        [n_embd_head, n_head_kv, n_kv, ns]
+    //   V transposed: [n_kv, n_head_kv, n_embd_head_v, ns] (cells fastest)
+    tensor_view get_k(uint32_t il, uint32_t n_kv, const slot_info& sinfo);
+    tensor_view get_v(uint32_t il, uint32_t n_kv, const slot_info& sinfo);
+    // Writes the ubatch's K (or V) rows: src is [E, n_tokens] (or [head_dim, n_head, n_tokens]) of f32 or
+    // f16, contiguous rows; converted to type_k / type_v.
+    void cpy_k(uint32_t il, const_tensor_view src, const slot_info& sinfo);
+    void cpy_v(uint32_t il, const_tensor_view src, const slot_info& sinfo);
+    // Row indices for engines that scatter rows themselves (spec kv-core §3.15).
+    std::vector<int64_t> k_idxs(const slot_info& sinfo) const;
+    std::vector<int64_t> v_idxs(uint32_t il, const slot_info& sinfo) const;
+    // A stored row decoded to f32 (E values; transposed V gathered), for tests and inspection.
+    void read_k_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
+    void read_v_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
+
+    // -- attention inputs (host side, after apply) --
+    // KQ mask [n_kv, n_tps, 1, n_stream_mask] (spec kv-core §4.2-4.3) into dst (f32 or f16, contiguous,
+    // exactly that many elements). causal: keys after the query are masked; alibi: -|p0 - p1| instead of 0.
+    void set_input_kq_mask(tensor_view dst, const ubatch& ub, const slot_info& sinfo, uint32_t n_kv,
+                           bool causal, bool alibi = false) const;
+    size_t kq_mask_elements(const ubatch& ub, uint32_t n_kv) const;
+    // Pending shift of every cell, [kv_size * n_stream] (0 for empty cells).
+    void set_input_k_shift(std::span<int32_t> dst) const;
+    // T5 relative position buckets [n_kv, n_tokens] (one stream only).
+    void set_input_pos_bucket(std::span<int32_t> dst, const ubatch& ub, uint32_t n_kv,
+                              uint32_t n_buckets) const;
+
+    // -- maintenance --
+    // Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
+    // Returns false when there was nothing to do.
+    bool update();
+
+private:
+    struct layer;
+    struct journal;  // cell snapshots taken by a trial placement, for its rollback
+
+    layer& own_layer(uint32_t il);
+    const layer& own_layer(uint32_t il) const;
+    void check_seq(seq_id_t s, const char* what) const;
+    void lower_head(uint32_t stream, uint32_t cell);
+    bool find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vector<uint32_t>& out) const;
+    void apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, journal* j);
+    std::byte* k_row_ptr(const layer& l, uint32_t stream, uint32_t cell) const;
+    std::byte* v_row_ptr(const layer& l, uint32_t stream, uint32_t cell) const;    // non-transposed V
+    size_t v_elem_offset(uint32_t stream, uint32_t channel, uint32_t cell) const;  // transposed V, elements
+    void copy_cell_data(uint32_t src_stream, uint32_t src_cell, uint32_t dst_stream, uint32_t dst_cell);
+    void k_shift();
+
+    kv_cache_params params_;
+    std::vector<layer> layers_;       // own layers, ascending model index
+    std::vector<int32_t> layer_map_;  // [model layers] index into layers_, or -1
+    std::vector<uint32_t> layer_ids_;
+    uint32_t e_vmax_ = 0;
+    std::vector<kv_cells> streams_;  // [n_stream]
+    std::vector<uint32_t> heads_;    // [n_stream] where the next search starts
+};
+
+// The context kv_cache returns from init_batch, init_full and init_update. Engines reach the per-ubatch
+// inputs through it (dynamic_cast the memory_context_i); everything refers to the current ubatch and
+// is valid after apply() until next().
+class kv_cache_context final : public memory_context_i {
+public:
+    enum class kind : uint8_t { batch, full, update };
+
+    kv_cache_context(kv_cache& cache, memory_status status, kind k);  // failure, full or update
+    kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches, std::vector<slot_info> sinfos,
+                     std::vector<int32_t> out_ids);
+
+    // -- memory_context_i --
+    bool next() override;
+    bool apply() override;
+    memory_status get_status() const override { return status_; }
+    const ubatch& get_ubatch() const override;
+    std::span<const int32_t> out_ids() const override { return out_ids_; }
+
+    // -- per ubatch --
+    kv_cache& cache() const { return *cache_; }
+    uint32_t get_n_kv() const { return n_kv_; }
+    const slot_info& get_sinfo() const;
+    size_t n_ubatches() const { return ubatches_.size(); }
+    tensor_view get_k(uint32_t il) const { return cache_->get_k(il, n_kv_, get_sinfo()); }
+    tensor_view get_v(uint32_t il) const { return cache_->get_v(il, n_kv_, get_sinfo()); }
+    void cpy_k(uint32_t il, const_tensor_view src) const { cache_->cpy_k(il, src, get_sinfo()); }
+    void cpy_v(uint32_t il, const_tensor_view src) const { cache_->cpy_v(il, src, get_sinfo()); }
+    std::vector<int64_t> k_idxs() const { return cache_->k_idxs(get_sinfo()); }
+    std::vector<int64_t> v_idxs(uint32_t il) const { return cache_->v_idxs(il, get_sinfo()); }
+    void set_input_kq_mask(tensor_view dst, bool causal, bool alibi = false) const;
+    void set_input_k_shift(std::span<int32_t> dst) const { cache_->set_input_k_shift(dst); }
+    void set_input_pos_bucket(std::span<int32_t> dst, uint32_t n_buckets) const;
+
+private:
+    kv_cache* cache_;  // borrowed: the cache outlives its contexts
+    memory_status status_;
+    kind kind_;
+    std::vector<ubatch> ubatches_;
+    std::vector<slot_info> sinfos_;
+    std::vector<int32_t> out_ids_;
+    size_t i_cur_ = 0;
+    size_t n_applied_ = 0;  // ubatches applied so far (apply() commits each once)
+    uint32_t n_kv_ = 0;
+};
+
+}  // namespace kvc

@@ -1,0 +1,610 @@
+// kv_cache: construction, placement (find_slot / apply_ubatch / prepare), contexts and sequence operations.
+// K/V data, masks and the K-shift are in kv_cache_data.cpp.
+#include <algorithm>
+#include <cassert>
+#include <limits>
+
+#include <fmt/format.h>
+#include <kvcache/kv_cache.h>
+
+#include "detail/kv_cache_layer.h"
+
+namespace kvc {
+
+const char* to_string(swa_type t) {
+    switch (t) {
+        case swa_type::none:
+            return "none";
+        case swa_type::standard:
+            return "standard";
+        case swa_type::chunked:
+            return "chunked";
+        case swa_type::symmetric:
+            return "symmetric";
+    }
+    return "unknown";
+}
+
+bool is_masked_swa(uint32_t n_swa, swa_type type, pos_t p0, pos_t p1) {
+    const int64_t d = int64_t{p1} - p0;
+    switch (type) {
+        case swa_type::none:
+            return false;
+        case swa_type::standard:
+            return d >= n_swa;
+        case swa_type::chunked:
+            return n_swa > 0 && p0 < int64_t{p1} / n_swa * n_swa;
+        case swa_type::symmetric: {
+            const int64_t h = n_swa / 2;
+            return d < -h || d > h;
+        }
+    }
+    return false;
+}
+
+bool slot_info::is_contiguous() const {
+    if (idxs.size() != 1) return false;
+    for (size_t i = 1; i < idxs[0].size(); ++i)
+        if (idxs[0][i] != idxs[0][i - 1] + 1) return false;
+    return true;
+}
+
+struct kv_cache::journal {
+    struct entry {
+        uint32_t stream;
+        std::vector<uint32_t> idxs;
+        cells_snapshot snap;
+    };
+    std::vector<entry> entries;
+};
+
+// -- construction --
+
+kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
+    const kv_cache_params& p = params_;
+    const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache: " + msg); };
+    if (p.kv_size == 0) bad("kv_size must be positive");
+    if (p.n_seq_max == 0) bad("n_seq_max must be at least 1");
+    if (p.n_pad == 0 || p.kv_size % p.n_pad != 0)
+        bad(fmt::format("kv_size {} must be a positive multiple of n_pad {}", p.kv_size, p.n_pad));
+    if (p.n_pos == 0) bad("n_pos must be at least 1");
+    if (!is_valid(p.type_k) || !is_valid(p.type_v)) bad("invalid type_k or type_v");
+    if (p.v_trans && is_quantized(p.type_v))
+        bad(fmt::format("transposed V needs a float type, not {} (quantized V needs v_trans = false)",
+                        to_string(p.type_v)));
+    if (p.swa == swa_type::chunked && p.n_swa == 0) bad("chunked SWA needs n_swa > 0");
+    if (p.layers.empty()) bad("no layers");
+    if (!p.unified && p.n_seq_max > 65536) bad("one stream per sequence allows at most 65536 sequences");
+
+    buffer_allocator& alloc = p.allocator ? *p.allocator : buffer_allocator::host();
+    layer_map_.assign(p.layers.size(), -1);
+    const uint32_t n_stream = p.unified ? 1 : p.n_seq_max;
+    for (uint32_t il = 0; il < p.layers.size(); ++il) {
+        const layer_desc& d = p.layers[il];
+        if (!d.has_kv || (p.filter && !p.filter(il))) continue;
+        if (d.n_head_kv == 0 || d.n_embd_head_k == 0 || d.n_embd_head_v == 0)
+            bad(fmt::format("layer {}: n_head_kv, n_embd_head_k and n_embd_head_v must be positive", il));
+        if (d.n_embd_head_k % block_size(p.type_k) != 0)
+            bad(fmt::format("layer {}: key head of {} values is not a whole number of {} blocks", il,
+                            d.n_embd_head_k, to_string(p.type_k)));
+        if (!p.v_trans && d.n_embd_head_v % block_size(p.type_v) != 0)
+            bad(fmt::format("layer {}: value head of {} values is not a whole number of {} blocks", il,
+                            d.n_embd_head_v, to_string(p.type_v)));
+        const uint32_t rot = d.rope.n_rot > 0 ? static_cast<uint32_t>(d.rope.n_rot) : d.n_embd_head_k;
+        if (d.rope.type != rope_type::none && (rot % 2 != 0 || rot > d.n_embd_head_k))
+            bad(fmt::format("layer {}: n_rot {} must be even and at most the key head size {}", il, rot,
+                            d.n_embd_head_k));
+        layer l;
+        l.il = il;
+        l.desc = d;
+        l.e_k = d.n_head_kv * d.n_embd_head_k;
+        l.e_v = d.n_head_kv * d.n_embd_head_v;
+        l.k_row = row_size(p.type_k, l.e_k);
+        layer_map_[il] = static_cast<int32_t>(layers_.size());
+        layer_ids_.push_back(il);
+        e_vmax_ = std::max(e_vmax_, l.e_v);
+        layers_.push_back(std::move(l));
+    }
+    if (layers_.empty()) bad("the filter keeps no layer");
+    const size_t cells = size_t{p.kv_size} * n_stream;
+    for (layer& l : layers_) {
+        l.v_row = p.v_trans ? type_size(p.type_v) * e_vmax_ : row_size(p.type_v, l.e_v);
+        // zeroed: attention over a never-written cell must not meet NaNs
+        l.k = buffer(l.k_row * cells, true, alloc);
+        l.v = buffer(l.v_row * cells, true, alloc);
+    }
+    streams_.reserve(n_stream);
+    for (uint32_t s = 0; s < n_stream; ++s) streams_.emplace_back(p.kv_size, p.n_seq_max);
+    heads_.assign(n_stream, 0);
+}
+
+kv_cache::~kv_cache() = default;
+
+// -- shape --
+
+uint32_t kv_cache::seq_to_stream(seq_id_t s) const {
+    check_seq(s, "seq_to_stream");
+    return params_.unified ? 0 : static_cast<uint32_t>(s);
+}
+
+bool kv_cache::has_layer(uint32_t il) const {
+    return il < layer_map_.size() && layer_map_[il] >= 0;
+}
+
+const kv_cells& kv_cache::cells(uint32_t stream) const {
+    if (stream >= streams_.size())
+        throw error(errc::out_of_range,
+                    fmt::format("kv_cache: stream {} not in [0, {})", stream, streams_.size()));
+    return streams_[stream];
+}
+
+uint32_t kv_cache::head(uint32_t stream) const {
+    cells(stream);
+    return heads_[stream];
+}
+
+bool kv_cache::get_has_shift() const {
+    return std::any_of(streams_.begin(), streams_.end(), [](const kv_cells& c) { return c.get_has_shift(); });
+}
+
+kv_cache::layer& kv_cache::own_layer(uint32_t il) {
+    return const_cast<layer&>(static_cast<const kv_cache&>(*this).own_layer(il));
+}
+
+const kv_cache::layer& kv_cache::own_layer(uint32_t il) const {
+    if (!has_layer(il))
+        throw error(errc::out_of_range, fmt::format("kv_cache: model layer {} has no K/V in this cache", il));
+    return layers_[static_cast<size_t>(layer_map_[il])];
+}
+
+void kv_cache::check_seq(seq_id_t s, const char* what) const {
+    if (s < 0 || static_cast<uint32_t>(s) >= params_.n_seq_max)
+        throw error(errc::out_of_range,
+                    fmt::format("{}: seq_id {} not in [0, {})", what, s, params_.n_seq_max));
+}
+
+size_t kv_cache::size_k_bytes() const {
+    size_t n = 0;
+    for (const layer& l : layers_) n += l.k.size();
+    return n;
+}
+
+size_t kv_cache::size_v_bytes() const {
+    size_t n = 0;
+    for (const layer& l : layers_) n += l.v.size();
+    return n;
+}
+
+size_t kv_cache::layer_k_bytes(uint32_t il) const {
+    return own_layer(il).k.size();
+}
+size_t kv_cache::layer_v_bytes(uint32_t il) const {
+    return own_layer(il).v.size();
+}
+
+bool kv_cache::get_can_shift() const {
+    // Multi-section (M-RoPE) positions cannot be shifted by one delta per cell.
+    return params_.n_pos == 1;
+}
+
+// -- placement --
+
+bool kv_cache::find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vector<uint32_t>& out) const {
+    const kv_cells& cells = streams_[stream];
+    const uint32_t kv_size = params_.kv_size;
+    uint32_t head_cur = heads_[stream];
+    if (head_cur > cells.get_used() + 2 * uint64_t{n}) head_cur = 0;  // prefer refilling the front
+    if (n > kv_size) return false;
+
+    if (params_.swa == swa_type::none) {  // only empty cells are usable: search by words
+        if (!cont) return cells.find_free(n, head_cur, out);
+        const auto run = cells.find_contiguous(n, head_cur);
+        if (!run) return false;
+        for (uint32_t i = 0; i < n; ++i) out.push_back(*run + i);
+        return true;
+    }
+
+    // SWA: a used cell of one sequence is reusable once no later token of that sequence can see it.
+    const auto usable = [&](uint32_t idx) {
+        if (cells.is_empty(idx)) return true;
+        if (cells.seq_count(idx) != 1) return false;
+        const seq_id_t q = cells.seq_get(idx);
+        return is_masked_swa(params_.n_swa, params_.swa, cells.pos_get(idx), cells.seq_pos_max(q) + 1);
+    };
+    const size_t start = out.size();
+    const uint32_t n_test = cont ? n : 1;
+    uint64_t tested = 0;
+    while (true) {
+        if (head_cur + uint64_t{n_test} > kv_size) {
+            tested += kv_size - head_cur;
+            head_cur = 0;
+            if (tested >= kv_size) break;
+            continue;
+        }
+        for (uint32_t i = 0; i < n_test; ++i) {
+            const uint32_t idx = head_cur++;
+            ++tested;
+            if (usable(idx)) {
+                out.push_back(idx);
+            } else if (cont) {
+                break;
+            }
+        }
+        if (out.size() - start == n) return true;
+        if (cont) out.resize(start);
+        if (tested >= kv_size) break;
+    }
+    out.resize(start);
+    return false;
+}
+
+slot_info kv_cache::find_slot(const ubatch& ub, bool cont) const {
+    slot_info res;
+    if (ub.n_tokens == 0) return res;
+    uint32_t n_groups = 1;
+    if (streams_.size() > 1) {
+        n_groups = ub.n_seqs_unq;
+        if (n_groups == 0 || ub.n_tokens % n_groups != 0) return res;
+    }
+    const uint32_t size = ub.n_tokens / n_groups;
+    slot_info s;
+    s.strm.resize(n_groups);
+    s.idxs.resize(n_groups);
+    for (uint32_t k = 0; k < n_groups; ++k) {
+        uint32_t stream = 0;
+        if (streams_.size() > 1) {
+            // a group is one sequence: its tokens must hold exactly that sequence
+            const seq_id_t q = ub.seq_id_unq[k];
+            for (uint32_t t = k * size; t < (k + 1) * size; ++t) {
+                const auto ids = ub.seq_ids(t);
+                if (ids.size() != 1 || ids[0] != q) {
+                    log(log_level::error,
+                        fmt::format("kv_cache::find_slot: token {} of a split-stream ubatch must "
+                                    "belong to seq {} only",
+                                    t, q));
+                    return res;
+                }
+            }
+            stream = seq_to_stream(q);
+        }
+        s.strm[k] = stream;
+        if (!find_slot_group(stream, size, cont, s.idxs[k])) return res;
+    }
+    s.s0 = *std::min_element(s.strm.begin(), s.strm.end());
+    s.s1 = *std::max_element(s.strm.begin(), s.strm.end());
+    return s;
+}
+
+void kv_cache::lower_head(uint32_t stream, uint32_t cell) {
+    if (cell < heads_[stream]) heads_[stream] = cell;
+}
+
+void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub) {
+    apply_ubatch_journaled(sinfo, ub, nullptr);
+}
+
+void kv_cache::apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, journal* j) {
+    // validate everything before the first change
+    if (sinfo.empty() || sinfo.n_stream() * sinfo.size() != ub.n_tokens)
+        throw error(errc::invalid_argument,
+                    fmt::format("apply_ubatch: slot of {} x {} cells for a ubatch of {} tokens",
+                                sinfo.n_stream(), sinfo.size(), ub.n_tokens));
+    for (size_t k = 0; k < sinfo.n_stream(); ++k) {
+        if (sinfo.strm[k] >= streams_.size() || sinfo.idxs[k].size() != sinfo.size())
+            throw error(errc::invalid_argument, fmt::format("apply_ubatch: malformed slot group {}", k));
+        for (uint32_t c : sinfo.idxs[k])
+            if (c >= params_.kv_size)
+                throw error(errc::out_of_range,
+                            fmt::format("apply_ubatch: cell {} not in [0, {})", c, params_.kv_size));
+    }
+    for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+        const uint32_t stream = sinfo.strm[i / sinfo.size()];
+        for (seq_id_t s : ub.seq_ids(i))
+            if (seq_to_stream(s) != stream)
+                throw error(
+                    errc::invalid_argument,
+                    fmt::format("apply_ubatch: token {} of seq {} placed in stream {}", i, s, stream));
+        if (ub.pos[i] < 0)
+            throw error(errc::invalid_argument,
+                        fmt::format("apply_ubatch: token {} has position {}", i, ub.pos[i]));
+    }
+
+    if (j)
+        for (size_t k = 0; k < sinfo.n_stream(); ++k)
+            j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k])});
+
+    std::vector<std::pair<seq_id_t, pos_t>> max_rm;  // per sequence: highest position of a reused cell
+    const uint32_t n = ub.n_tokens;
+    for (uint32_t i = 0; i < n; ++i) {
+        const size_t k = i / sinfo.size();
+        const uint32_t c = sinfo.idxs[k][i % sinfo.size()];
+        kv_cells& cells = streams_[sinfo.strm[k]];
+        if (!cells.is_empty(c)) {  // an SWA-dead cell of one sequence
+            const seq_id_t q = cells.seq_get(c);
+            const pos_t p = cells.pos_get(c);
+            auto it = std::find_if(max_rm.begin(), max_rm.end(), [q](const auto& e) { return e.first == q; });
+            if (it == max_rm.end())
+                max_rm.emplace_back(q, p);
+            else
+                it->second = std::max(it->second, p);
+            cells.rm(c);
+        }
+        cells.pos_set(c, ub.pos[i]);
+        if (ub.n_pos >= 3) cells.ext_set(c, {ub.pos[i + 2 * n], ub.pos[i + n]});
+        for (seq_id_t s : ub.seq_ids(i)) cells.seq_add(c, s);
+    }
+    // Keep every sequence gap-free: a reused cell took an old position, so drop anything older.
+    for (const auto& [q, m] : max_rm) {
+        kv_cells& cells = streams_[seq_to_stream(q)];
+        const pos_t pmin = cells.seq_pos_min(q);
+        if (pmin < 0 || pmin > m) continue;
+        if (j) {
+            std::vector<uint32_t> idxs;
+            cells.seq_cells(q, pmin, m + 1, idxs);
+            auto snap = cells.cp(idxs);
+            j->entries.push_back({seq_to_stream(q), std::move(idxs), std::move(snap)});
+        }
+        seq_rm(q, pmin, m + 1);
+    }
+    for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
+}
+
+std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
+    journal j;
+    const std::vector<uint32_t> saved_heads = heads_;
+    std::vector<slot_info> res;
+    const auto rollback = [&] {
+        for (auto e = j.entries.rbegin(); e != j.entries.rend(); ++e)
+            streams_[e->stream].set(e->idxs, e->snap);
+        heads_ = saved_heads;  // every stream's own head (decision 3)
+    };
+    try {
+        for (const ubatch& ub : ubatches) {
+            slot_info sinfo = find_slot(ub);
+            if (sinfo.empty()) {
+                res.clear();
+                break;
+            }
+            apply_ubatch_journaled(sinfo, ub, &j);  // later ubatches see earlier ones
+            res.push_back(std::move(sinfo));
+        }
+    } catch (...) {
+        rollback();
+        throw;
+    }
+    rollback();
+    return res;
+}
+
+uint32_t kv_cache::get_n_kv(const slot_info& sinfo) const {
+    const uint64_t pad = std::max<uint64_t>(1, std::max(params_.n_pad, params_.n_kv_pad));
+    uint32_t n_kv = 0;
+    for (uint32_t s : sinfo.strm) {
+        const uint64_t used = streams_[s].used_max_p1();
+        const uint64_t padded = std::max(pad, (used + pad - 1) / pad * pad);
+        n_kv = std::max(n_kv, static_cast<uint32_t>(std::min<uint64_t>(params_.kv_size, padded)));
+    }
+    return n_kv;
+}
+
+// -- memory_i: batches --
+
+memory_context_ptr kv_cache::init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool /*embd_all*/) {
+    for (seq_id_t s : balloc.seq_id_unq()) check_seq(s, "init_batch");
+    balloc.split_reset();
+    std::vector<ubatch> ubatches;
+    while (true) {
+        ubatch ub = streams_.size() == 1 ? balloc.split_simple(n_ubatch) : balloc.split_equal(n_ubatch, true);
+        if (ub.empty()) break;
+        ubatches.push_back(std::move(ub));
+    }
+    if (balloc.get_n_used() < balloc.get_n_tokens())
+        return std::make_unique<kv_cache_context>(*this, memory_status::failed_prepare,
+                                                  kv_cache_context::kind::batch);
+    std::vector<slot_info> sinfos = prepare(ubatches);
+    if (sinfos.empty())
+        return std::make_unique<kv_cache_context>(*this, memory_status::failed_prepare,
+                                                  kv_cache_context::kind::batch);
+    std::vector<int32_t> out(balloc.out_ids().begin(), balloc.out_ids().end());
+    return std::make_unique<kv_cache_context>(*this, std::move(ubatches), std::move(sinfos), std::move(out));
+}
+
+memory_context_ptr kv_cache::init_full() {
+    return std::make_unique<kv_cache_context>(*this, memory_status::success, kv_cache_context::kind::full);
+}
+
+memory_context_ptr kv_cache::init_update(bool /*optimize*/) {
+    const memory_status st = get_has_shift() ? memory_status::success : memory_status::no_update;
+    return std::make_unique<kv_cache_context>(*this, st, kv_cache_context::kind::update);
+}
+
+bool kv_cache::update() {
+    if (!get_has_shift()) return false;
+    if (!get_can_shift())
+        throw error(errc::unsupported, "kv_cache::update: positions of an M-RoPE cache cannot be shifted");
+    k_shift();
+    for (kv_cells& c : streams_) c.reset_shift();
+    return true;
+}
+
+// -- memory_i: sequences --
+
+void kv_cache::clear(bool data) {
+    for (kv_cells& c : streams_) c.reset();
+    std::fill(heads_.begin(), heads_.end(), 0);
+    if (data)
+        for (layer& l : layers_) {
+            l.k.clear_bytes();
+            l.v.clear_bytes();
+        }
+}
+
+bool kv_cache::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    if (seq_id == seq_all) {
+        for (uint32_t s = 0; s < streams_.size(); ++s)
+            lower_head(s, streams_[s].seq_rm_range(seq_all, p0, p1));
+        return true;
+    }
+    check_seq(seq_id, "seq_rm");
+    const uint32_t s = seq_to_stream(seq_id);
+    lower_head(s, streams_[s].seq_rm_range(seq_id, p0, p1));
+    return true;
+}
+
+void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    check_seq(src, "seq_cp");
+    check_seq(dst, "seq_cp");
+    if (src == dst) return;
+    const uint32_t ss = seq_to_stream(src), sd = seq_to_stream(dst);
+    if (ss == sd) {
+        streams_[ss].seq_cp_range(src, dst, p0, p1);
+        return;
+    }
+    // Across streams (decision 10): the cells are copied, with their K/V rows, into free cells of dst's
+    // stream right away. Rows keep their pending shift, which the next update applies in both streams.
+    const kv_cells& from = streams_[ss];
+    kv_cells& to = streams_[sd];
+    const auto entries = from.seq_entries(src, p0, p1);
+    std::vector<uint32_t> free;
+    if (!to.find_free(static_cast<uint32_t>(entries.size()), heads_[sd], free))
+        throw error(errc::invalid_state,
+                    fmt::format("seq_cp: stream {} of seq {} has {} free cells, {} needed", sd, dst,
+                                to.size() - to.get_used(), entries.size()));
+    for (size_t k = 0; k < entries.size(); ++k) {
+        const uint32_t c_src = entries[k].second, c_dst = free[k];
+        const pos_t shift = from.get_shift(c_src);
+        to.pos_set(c_dst, entries[k].first - shift);  // the position the rows were written at
+        to.seq_add(c_dst, dst);
+        to.ext_set(c_dst, from.ext_get(c_src));
+        if (shift != 0) to.pos_add(c_dst, shift);
+        copy_cell_data(ss, c_src, sd, c_dst);
+    }
+}
+
+void kv_cache::seq_keep(seq_id_t seq_id) {
+    check_seq(seq_id, "seq_keep");
+    const uint32_t keep = seq_to_stream(seq_id);
+    for (uint32_t s = 0; s < streams_.size(); ++s) {
+        if (s == keep) {
+            lower_head(s, streams_[s].seq_keep_all(seq_id));
+        } else if (streams_[s].get_used() > 0) {  // decision 9: other streams hold only other sequences
+            streams_[s].reset();
+            heads_[s] = 0;
+        }
+    }
+}
+
+void kv_cache::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
+    check_seq(seq_id, "seq_add");
+    if (params_.n_pos > 1)
+        throw error(errc::unsupported, "seq_add: positions of an M-RoPE cache cannot be shifted");
+    if (shift == 0) return;
+    if (p0 < 0) p0 = 0;
+    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
+    if (p0 == p1) return;
+    const uint32_t s = seq_to_stream(seq_id);
+    const uint32_t lowest = streams_[s].seq_add_range(seq_id, p0, p1, shift);
+    heads_[s] = lowest != params_.kv_size ? lowest : 0;  // as upstream: back to the front when nothing freed
+}
+
+void kv_cache::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
+    check_seq(seq_id, "seq_div");
+    if (params_.n_pos > 1)
+        throw error(errc::unsupported, "seq_div: positions of an M-RoPE cache cannot be shifted");
+    if (d < 1) throw error(errc::invalid_argument, fmt::format("seq_div: divisor {} must be >= 1", d));
+    if (d == 1) return;
+    streams_[seq_to_stream(seq_id)].seq_div_range(seq_id, p0, p1, d);
+}
+
+pos_t kv_cache::seq_pos_min(seq_id_t seq_id) const {
+    check_seq(seq_id, "seq_pos_min");
+    return streams_[seq_to_stream(seq_id)].seq_pos_min(seq_id);
+}
+
+pos_t kv_cache::seq_pos_max(seq_id_t seq_id) const {
+    check_seq(seq_id, "seq_pos_max");
+    return streams_[seq_to_stream(seq_id)].seq_pos_max(seq_id);
+}
+
+void kv_cache::state_write(io_write_i& /*io*/, seq_id_t /*seq_id*/, state_seq_flags /*flags*/) const {
+    throw error(errc::unsupported, "kv_cache::state_write: saving state is not available yet");
+}
+
+void kv_cache::state_read(io_read_i& /*io*/, seq_id_t /*seq_id*/, state_seq_flags /*flags*/) {
+    throw error(errc::unsupported, "kv_cache::state_read: restoring state is not available yet");
+}
+
+// -- context --
+
+kv_cache_context::kv_cache_context(kv_cache& cache, memory_status status, kind k)
+    : cache_(&cache), status_(status), kind_(k) {
+    if (k == kind::full) {  // worst case: every cell of every stream
+        n_kv_ = cache.get_size();
+        slot_info s;
+        s.s0 = 0;
+        s.s1 = cache.get_n_stream() - 1;
+        for (uint32_t i = 0; i < cache.get_n_stream(); ++i) {
+            s.strm.push_back(i);
+            s.idxs.push_back({0});
+        }
+        sinfos_.push_back(std::move(s));
+    }
+}
+
+kv_cache_context::kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches,
+                                   std::vector<slot_info> sinfos, std::vector<int32_t> out_ids)
+    : cache_(&cache),
+      status_(memory_status::success),
+      kind_(kind::batch),
+      ubatches_(std::move(ubatches)),
+      sinfos_(std::move(sinfos)),
+      out_ids_(std::move(out_ids)) {}
+
+bool kv_cache_context::next() {
+    if (kind_ != kind::batch || i_cur_ >= ubatches_.size()) return false;
+    return ++i_cur_ < ubatches_.size();
+}
+
+bool kv_cache_context::apply() {
+    if (is_fail(status_)) throw error(errc::invalid_state, "memory context: apply() on a failed context");
+    switch (kind_) {
+        case kind::update:
+            cache_->update();
+            return true;
+        case kind::full:
+            return true;
+        case kind::batch:
+            break;
+    }
+    if (i_cur_ >= ubatches_.size())
+        throw error(errc::invalid_state, "memory context: no ubatch left to apply");
+    if (n_applied_ > i_cur_)
+        throw error(errc::invalid_state,
+                    fmt::format("memory context: ubatch {} was already applied", i_cur_));
+    cache_->apply_ubatch(sinfos_[i_cur_], ubatches_[i_cur_]);
+    n_applied_ = i_cur_ + 1;
+    n_kv_ = cache_->get_n_kv(sinfos_[i_cur_]);
+    return true;
+}
+
+const ubatch& kv_cache_context::get_ubatch() const {
+    if (kind_ != kind::batch || i_cur_ >= ubatches_.size())
+        throw error(errc::invalid_state, "memory context: no current ubatch");
+    return ubatches_[i_cur_];
+}
+
+const slot_info& kv_cache_context::get_sinfo() const {
+    if (sinfos_.empty() || (kind_ == kind::batch && i_cur_ >= sinfos_.size()))
+        throw error(errc::invalid_state, "memory context: no current slot");
+    return sinfos_[kind_ == kind::batch ? i_cur_ : 0];
+}
+
+void kv_cache_context::set_input_kq_mask(tensor_view dst, bool causal, bool alibi) const {
+    cache_->set_input_kq_mask(dst, get_ubatch(), get_sinfo(), n_kv_, causal, alibi);
+}
+
+void kv_cache_context::set_input_pos_bucket(std::span<int32_t> dst, uint32_t n_buckets) const {
+    cache_->set_input_pos_bucket(dst, get_ubatch(), n_kv_, n_buckets);
+}
+
+}  // namespace kvc

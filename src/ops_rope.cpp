@@ -1,0 +1,81 @@
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+#include <fmt/format.h>
+#include <kvcache/ops.h>
+
+namespace kvc {
+
+const char* to_string(rope_type t) {
+    switch (t) {
+        case rope_type::none:
+            return "none";
+        case rope_type::normal:
+            return "normal";
+        case rope_type::neox:
+            return "neox";
+    }
+    return "unknown";
+}
+
+namespace ops {
+namespace {
+
+// ggml's YaRN correction dims: the rotary dims at which the ramp between interpolation and extrapolation
+// starts and ends.
+float corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return static_cast<float>(n_dims) *
+           std::log(static_cast<float>(n_ctx_orig) / (n_rot * 2.0f * std::numbers::pi_v<float>)) /
+           (2.0f * std::log(base));
+}
+
+}  // namespace
+
+void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, const rope_params& p,
+          bool with_magnitude) {
+    const uint32_t n_rot = p.n_rot > 0 ? static_cast<uint32_t>(p.n_rot) : head_dim;
+    if (n_rot % 2 != 0 || n_rot > head_dim)
+        throw error(errc::invalid_argument,
+                    fmt::format("rope: n_rot {} must be even and at most the head size {}", n_rot, head_dim));
+    if (x.size() != static_cast<size_t>(n_head) * head_dim)
+        throw error(errc::invalid_argument,
+                    fmt::format("rope: {} values for {} heads of {}", x.size(), n_head, head_dim));
+    if (p.type == rope_type::none) return;
+
+    const auto n_dims = static_cast<int>(n_rot);
+    const float theta_scale = std::pow(p.freq_base, -2.0f / static_cast<float>(n_dims));
+    float corr0 = 0.0f, corr1 = 0.0f;
+    if (p.ext_factor != 0.0f) {
+        corr0 = std::max(0.0f, std::floor(corr_dim(n_dims, p.n_ctx_orig, p.beta_fast, p.freq_base)));
+        corr1 = std::min(static_cast<float>(n_dims - 1),
+                         std::ceil(corr_dim(n_dims, p.n_ctx_orig, p.beta_slow, p.freq_base)));
+    }
+    float mscale = with_magnitude ? p.attn_factor : 1.0f;
+    if (with_magnitude && p.ext_factor != 0.0f) mscale *= 1.0f + 0.1f * std::log(1.0f / p.freq_scale);
+
+    // one angle per rotated pair, shared by every head
+    const uint32_t n_pairs = n_rot / 2;
+    float theta_extrap = static_cast<float>(pos);
+    for (uint32_t k = 0; k < n_pairs; ++k, theta_extrap *= theta_scale) {
+        const float theta_interp = p.freq_scale * theta_extrap;
+        float theta = theta_interp;
+        if (p.ext_factor != 0.0f) {
+            const float y = (static_cast<float>(k) - corr0) / std::max(0.001f, corr1 - corr0);
+            const float ramp_mix = (1.0f - std::min(1.0f, std::max(0.0f, y))) * p.ext_factor;
+            theta = theta_interp * (1.0f - ramp_mix) + theta_extrap * ramp_mix;
+        }
+        const float c = std::cos(theta) * mscale, s = std::sin(theta) * mscale;
+        const uint32_t i0 = p.type == rope_type::neox ? k : 2 * k;
+        const uint32_t i1 = p.type == rope_type::neox ? k + n_pairs : 2 * k + 1;
+        for (uint32_t h = 0; h < n_head; ++h) {
+            float* v = x.data() + static_cast<size_t>(h) * head_dim;
+            const float x0 = v[i0], x1 = v[i1];
+            v[i0] = x0 * c - x1 * s;
+            v[i1] = x0 * s + x1 * c;
+        }
+    }
+}
+
+}  // namespace ops
+}  // namespace kvc
