@@ -9,8 +9,8 @@ namespace kvc {
 namespace {
 
 // RoPE written from the formulas in double precision, pair by pair (no YaRN): the reference.
-std::vector<float> reference_rope(std::vector<float> x, uint32_t n_head, uint32_t head_dim, uint32_t n_rot, double pos,
-                                  double base, double scale, bool neox) {
+std::vector<float> reference_rope(std::vector<float> x, uint32_t n_head, uint32_t head_dim, uint32_t n_rot,
+                                  double pos, double base, double scale, bool neox) {
     for (uint32_t h = 0; h < n_head; ++h)
         for (uint32_t k = 0; k < n_rot / 2; ++k) {
             const double theta = scale * pos * std::pow(base, -2.0 * k / n_rot);
@@ -42,8 +42,13 @@ TEST(rope, a_pure_rotation_composes_with_yarn) {
     // decision 5: rotating by d after p equals rotating by p + d, also with YaRN's ramp
     std::mt19937 rng(4);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    const rope_params p{.type = rope_type::neox, .n_rot = 64, .freq_base = 500000.0f, .freq_scale = 0.125f,
-                        .ext_factor = 1.0f, .attn_factor = 1.0f, .n_ctx_orig = 8192};
+    const rope_params p{.type = rope_type::neox,
+                        .n_rot = 64,
+                        .freq_base = 500000.0f,
+                        .freq_scale = 0.125f,
+                        .ext_factor = 1.0f,
+                        .attn_factor = 1.0f,
+                        .n_ctx_orig = 8192};
     std::vector<float> x(64);
     for (float& v : x) v = normal(rng);
     std::vector<float> a = x, b = x;
@@ -60,9 +65,9 @@ TEST(rope, a_pure_rotation_composes_with_yarn) {
 
 TEST(rope, rejects_bad_shapes) {
     std::vector<float> x(10);
-    EXPECT_THROW(ops::rope(x, 2, 4, 1, {}), error);               // 10 values for 2 x 4
-    EXPECT_THROW(ops::rope(x, 1, 10, 1, {.n_rot = 3}), error);    // odd
-    EXPECT_THROW(ops::rope(x, 1, 10, 1, {.n_rot = 12}), error);   // past the head
+    EXPECT_THROW(ops::rope(x, 2, 4, 1, {}), error);              // 10 values for 2 x 4
+    EXPECT_THROW(ops::rope(x, 1, 10, 1, {.n_rot = 3}), error);   // odd
+    EXPECT_THROW(ops::rope(x, 1, 10, 1, {.n_rot = 12}), error);  // past the head
     std::vector<float> y = x;
     ops::rope(y, 1, 10, 5, {.type = rope_type::none});
     EXPECT_EQ(y, x);

@@ -8,5 +8,6 @@ namespace kvc::cli {
 
 void add_types_command(CLI::App& app);
 void add_size_command(CLI::App& app);
+void add_replay_command(CLI::App& app, int& exit_code);  // exit_code: 0, or 2 on a script error
 
 }  // namespace kvc::cli

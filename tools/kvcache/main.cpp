@@ -15,6 +15,8 @@ int run(int argc, char** argv) {
     app.require_subcommand(1);
     kvc::cli::add_types_command(app);
     kvc::cli::add_size_command(app);
+    int exit_code = 0;
+    kvc::cli::add_replay_command(app, exit_code);
     try {
         app.parse(argc, argv);
     } catch (const CLI::CallForHelp& e) {
@@ -33,7 +35,7 @@ int run(int argc, char** argv) {
         std::fprintf(stderr, "kvcache: unexpected error: %s\n", e.what());
         return 1;
     }
-    return 0;
+    return exit_code;
 }
 
 }  // namespace

@@ -1,0 +1,443 @@
+// kvcache replay SCRIPT: runs an op script (docs/op-scripts.md, format v1) against a fresh memory and
+// prints one canonical result line per operation. Script errors: `error line N: ...` on stderr, exit 2.
+#include <charconv>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <kvcache/batch.h>
+#include <kvcache/kv_cache.h>
+
+#include "commands.h"
+
+namespace kvc::cli {
+namespace {
+
+// A script error: stops the run with exit status 2.
+struct script_error {
+    std::string what;
+};
+
+[[noreturn]] void fail(const std::string& what) {
+    throw script_error{what};
+}
+
+int64_t parse_int(std::string_view s, const std::string& what) {
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc() || end != s.data() + s.size() || s.empty())
+        fail(fmt::format("{}: '{}' is not an integer", what, s));
+    return v;
+}
+
+int32_t parse_i32(std::string_view s, const std::string& what) {
+    const int64_t v = parse_int(s, what);
+    if (v < INT32_MIN || v > INT32_MAX) fail(fmt::format("{}: {} does not fit int32", what, v));
+    return static_cast<int32_t>(v);
+}
+
+std::vector<std::string_view> split(std::string_view s, char sep) {
+    std::vector<std::string_view> out;
+    size_t start = 0;
+    while (true) {
+        const size_t at = s.find(sep, start);
+        out.push_back(s.substr(start, at == std::string_view::npos ? std::string_view::npos : at - start));
+        if (at == std::string_view::npos) return out;
+        start = at + 1;
+    }
+}
+
+// Keys of one line: name=value pairs, each allowed key used at most once.
+struct keys {
+    std::map<std::string, std::string, std::less<>> values;
+
+    keys(const std::vector<std::string_view>& words, size_t first, std::initializer_list<const char*> allowed,
+         const char* op) {
+        for (size_t i = first; i < words.size(); ++i) {
+            const size_t eq = words[i].find('=');
+            if (eq == std::string_view::npos)
+                fail(fmt::format("{}: expected key=value, got '{}'", op, words[i]));
+            const std::string name(words[i].substr(0, eq));
+            bool known = false;
+            for (const char* a : allowed) known |= name == a;
+            if (!known) fail(fmt::format("{}: unknown key '{}'", op, name));
+            if (!values.emplace(name, std::string(words[i].substr(eq + 1))).second)
+                fail(fmt::format("{}: key '{}' given twice", op, name));
+        }
+    }
+    std::optional<std::string> get(std::string_view name) const {
+        const auto it = values.find(name);
+        if (it == values.end()) return std::nullopt;
+        return it->second;
+    }
+    int64_t get_int(std::string_view name, int64_t def) const {
+        const auto v = get(name);
+        return v ? parse_int(*v, std::string(name)) : def;
+    }
+    bool get_bool(std::string_view name, bool def) const {
+        const int64_t v = get_int(name, def ? 1 : 0);
+        if (v != 0 && v != 1) fail(fmt::format("{} must be 0 or 1", name));
+        return v == 1;
+    }
+};
+
+uint64_t splitmix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// Deterministic K/V value of (layer, sequence set, position, dim, K or V) in [-1, 1).
+float synth_value(uint32_t layer, uint64_t seq_key, pos_t pos, uint32_t dim, bool is_v) {
+    uint64_t h = splitmix64(layer * 0x100000001b3ull ^ splitmix64(seq_key));
+    h = splitmix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(pos)) << 20) ^ (uint64_t{dim} << 1) ^
+                   (is_v ? 1 : 0));
+    return static_cast<float>(h >> 40) / static_cast<float>(1 << 23) - 1.0f;
+}
+
+class replayer {
+public:
+    void line(std::string_view text) {
+        const size_t hash = text.find('#');
+        if (hash != std::string_view::npos) text = text.substr(0, hash);
+        std::vector<std::string_view> words;
+        for (std::string_view w : split(text, ' '))
+            for (std::string_view t : split(w, '\t'))
+                if (!t.empty()) words.push_back(t);
+        if (words.empty()) return;
+        const std::string_view op = words[0];
+        if (op == "memory") return memory(words);
+        if (!cache_) fail(fmt::format("'{}' before 'memory'", op));
+        if (op == "decode") return decode(words);
+        if (op == "rm") return rm(words);
+        if (op == "cp") return cp(words);
+        if (op == "keep") return keep(words);
+        if (op == "add") return add(words);
+        if (op == "div") return div(words);
+        if (op == "clear") return clear(words);
+        if (op == "update") return update(words);
+        if (op == "show") return show(words);
+        if (op == "cells") return cells(words);
+        if (op == "size" || op == "save" || op == "load")
+            fail(fmt::format("'{}' is not supported by this version of kvcache", op));
+        fail(fmt::format("unknown operation '{}'", op));
+    }
+
+private:
+    struct group {  // SEQS@POS:TOKENS of a decode line
+        std::vector<seq_id_t> seqs;
+        std::optional<pos_t> pos;
+        std::vector<token_t> tokens;
+    };
+
+    static void arity(const std::vector<std::string_view>& w, size_t n, const char* usage) {
+        if (w.size() != n) fail(fmt::format("usage: {}", usage));
+    }
+
+    void memory(const std::vector<std::string_view>& w) {
+        if (cache_) fail("'memory' given twice");
+        const keys k(w, 1,
+                     {"type", "n_ctx", "n_seq_max", "unified", "n_ubatch", "type_k", "type_v", "v_trans",
+                      "swa_type", "n_swa", "n_layer", "n_embd_k", "n_embd_v", "n_head_kv", "model"},
+                     "memory");
+        const std::string type = k.get("type").value_or("kv");
+        if (type == "recurrent" || type == "iswa" || type == "hybrid")
+            fail(fmt::format("memory: type={} is not supported by this version of kvcache", type));
+        if (type != "kv") fail(fmt::format("memory: unknown type '{}'", type));
+        if (k.get("model")) fail("memory: model= is not supported by this version of kvcache");
+        const auto positive = [&](const char* name, int64_t def) {
+            const int64_t v = k.get_int(name, def);
+            if (v < 1 || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
+            return static_cast<uint32_t>(v);
+        };
+        const uint32_t n_ctx = positive("n_ctx", 256), n_seq_max = positive("n_seq_max", 1);
+        const uint32_t n_layer = positive("n_layer", 2), n_head_kv = positive("n_head_kv", 2);
+        const uint32_t n_embd_k = positive("n_embd_k", 32), n_embd_v = positive("n_embd_v", 32);
+        n_ubatch_ = positive("n_ubatch", 512);
+        if (n_embd_k % n_head_kv || n_embd_v % n_head_kv)
+            fail(fmt::format("memory: n_embd_k {} and n_embd_v {} must be multiples of n_head_kv {}",
+                             n_embd_k, n_embd_v, n_head_kv));
+        kv_cache_params p;
+        const auto parse_type = [&](const char* name) {
+            const auto t = dtype_from_name(k.get(name).value_or("f16"));
+            if (!t) fail(fmt::format("memory: {} must be f32, f16, bf16, q8_0 or q4_0", name));
+            return *t;
+        };
+        p.type_k = parse_type("type_k");
+        p.type_v = parse_type("type_v");
+        p.v_trans = k.get_bool("v_trans", false);
+        p.unified = k.get_bool("unified", true);
+        p.n_seq_max = n_seq_max;
+        // as llama.cpp: n_ctx rounded up to 256 cells, split per stream when not unified
+        const uint32_t per = p.unified ? n_ctx : std::max(1u, n_ctx / n_seq_max);
+        p.kv_size = (per + 255) / 256 * 256;
+        const std::string swa = k.get("swa_type").value_or("none");
+        if (swa == "none")
+            p.swa = swa_type::none;
+        else if (swa == "standard")
+            p.swa = swa_type::standard;
+        else if (swa == "chunked")
+            p.swa = swa_type::chunked;
+        else if (swa == "symmetric")
+            p.swa = swa_type::symmetric;
+        else
+            fail(fmt::format("memory: unknown swa_type '{}'", swa));
+        const int64_t n_swa = k.get_int("n_swa", 0);
+        if (n_swa < 0 || n_swa > INT32_MAX) fail("memory: n_swa out of range");
+        p.n_swa = static_cast<uint32_t>(n_swa);
+        const uint32_t head_k = n_embd_k / n_head_kv;
+        const rope_params rope{.type = rope_type::normal, .n_rot = static_cast<int32_t>(head_k)};
+        p.layers.assign(n_layer, layer_desc{.n_head_kv = n_head_kv,
+                                            .n_embd_head_k = head_k,
+                                            .n_embd_head_v = n_embd_v / n_head_kv,
+                                            .rope = rope});
+        try {
+            cache_ = std::make_unique<kv_cache>(p);
+        } catch (const error& e) {
+            fail(fmt::format("memory: {}", e.what()));
+        }
+        n_seq_max_ = n_seq_max;
+        // size: every cell of every stream, as llama_n_ctx() reports it
+        fmt::print("memory ok size={} streams={}\n", cache_->get_size() * cache_->get_n_stream(),
+                   cache_->get_n_stream());
+    }
+
+    void decode(const std::vector<std::string_view>& w) {
+        if (w.size() < 2) fail("usage: decode SEQS@POS:TOKENS [...] [out=last|all|none]");
+        std::string out = "last";
+        std::vector<group> groups;
+        for (size_t i = 1; i < w.size(); ++i) {
+            if (w[i].substr(0, 4) == "out=") {
+                out = std::string(w[i].substr(4));
+                if (out != "last" && out != "all" && out != "none")
+                    fail(fmt::format("decode: out={} unknown", out));
+                if (i + 1 != w.size()) fail("decode: out= must come last");
+                continue;
+            }
+            const size_t at = w[i].find('@'), colon = w[i].find(':');
+            if (at == std::string_view::npos || colon == std::string_view::npos || colon < at)
+                fail(fmt::format("decode: group '{}' is not SEQS@POS:TOKENS", w[i]));
+            group g;
+            for (std::string_view s : split(w[i].substr(0, at), '+'))
+                g.seqs.push_back(parse_i32(s, "decode seq"));
+            const std::string_view pos = w[i].substr(at + 1, colon - at - 1);
+            if (pos != "auto") g.pos = parse_i32(pos, "decode pos");
+            for (std::string_view t : split(w[i].substr(colon + 1), ','))
+                g.tokens.push_back(parse_i32(t, "decode token"));
+            groups.push_back(std::move(g));
+        }
+        if (groups.empty()) fail("decode: no group");
+
+        // the memory's pending work first, as an engine's decode does
+        if (auto up = cache_->init_update(false); up->get_status() == memory_status::success) up->apply();
+
+        size_t n = 0, max_seqs = n_seq_max_;
+        for (const group& g : groups) {
+            n += g.tokens.size();
+            max_seqs = std::max(max_seqs, g.seqs.size());
+        }
+        batch_storage b = batch::init(static_cast<int32_t>(n), 0, static_cast<int32_t>(max_seqs));
+        std::vector<uint64_t> seq_key;  // per token: its sequence set, for the synthetic rows
+        try {
+            for (const group& g : groups) {
+                pos_t p = g.pos ? *g.pos
+                                : (g.seqs[0] >= 0 && static_cast<uint32_t>(g.seqs[0]) < n_seq_max_
+                                       ? cache_->seq_pos_max(g.seqs[0]) + 1
+                                       : 0);
+                uint64_t key = 0;
+                for (seq_id_t s : g.seqs)
+                    key = splitmix64(key ^ static_cast<uint64_t>(static_cast<uint32_t>(s)));
+                for (token_t t : g.tokens) {
+                    b.add(t, p++, g.seqs, out == "all");
+                    seq_key.push_back(key);
+                }
+            }
+        } catch (const error& e) {
+            fmt::print("decode failed invalid-batch: {}\n", e.what());
+            return;
+        }
+        if (out == "last") b.set_output(static_cast<int32_t>(n) - 1, true);
+        batch_allocr a;
+        try {
+            a.init(b.view(), cache_.get(), {.n_seq_max = n_seq_max_});
+        } catch (const error& e) {
+            fmt::print("decode failed invalid-batch: {}\n", e.what());
+            return;
+        }
+        auto ctx = cache_->init_batch(a, n_ubatch_, false);
+        if (is_fail(ctx->get_status())) {
+            fmt::print("decode failed no-slot\n");
+            return;
+        }
+        auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
+        size_t n_ub = 0;
+        do {
+            kc.apply();
+            ++n_ub;
+            const ubatch& ub = kc.get_ubatch();
+            for (uint32_t il : cache_->layer_ids()) {
+                const uint32_t e_k =
+                    cache_->params().layers[il].n_head_kv * cache_->params().layers[il].n_embd_head_k;
+                const uint32_t e_v =
+                    cache_->params().layers[il].n_head_kv * cache_->params().layers[il].n_embd_head_v;
+                std::vector<float> k(size_t{ub.n_tokens} * e_k), v(size_t{ub.n_tokens} * e_v);
+                for (uint32_t t = 0; t < ub.n_tokens; ++t) {
+                    const uint64_t key = seq_key[static_cast<size_t>(ub.batch_idx[t])];
+                    for (uint32_t d = 0; d < e_k; ++d)
+                        k[t * e_k + d] = synth_value(il, key, ub.pos[t], d, false);
+                    for (uint32_t d = 0; d < e_v; ++d)
+                        v[t * e_v + d] = synth_value(il, key, ub.pos[t], d, true);
+                }
+                kc.cpy_k(il, const_tensor_view::contiguous(
+                                 dtype::f32, reinterpret_cast<const std::byte*>(k.data()), e_k, ub.n_tokens));
+                kc.cpy_v(il, const_tensor_view::contiguous(
+                                 dtype::f32, reinterpret_cast<const std::byte*>(v.data()), e_v, ub.n_tokens));
+            }
+        } while (kc.next());
+        fmt::print("decode ok ubatches={}\n", n_ub);
+    }
+
+    // Runs a memory call; a rejection prints `<op> failed: <why>` and the script goes on.
+    template <class F>
+    void guarded(const char* op, F&& f) {
+        try {
+            f();
+        } catch (const error& e) {
+            fmt::print("{} failed: {}\n", op, e.what());
+        }
+    }
+
+    void rm(const std::vector<std::string_view>& w) {
+        arity(w, 4, "rm SEQ P0 P1");
+        const seq_id_t s = parse_i32(w[1], "rm seq");
+        const pos_t p0 = parse_i32(w[2], "rm p0"), p1 = parse_i32(w[3], "rm p1");
+        guarded("rm", [&] { fmt::print("rm -> {}\n", cache_->seq_rm(s, p0, p1) ? "true" : "false"); });
+    }
+    void cp(const std::vector<std::string_view>& w) {
+        arity(w, 5, "cp SRC DST P0 P1");
+        const seq_id_t a = parse_i32(w[1], "cp src"), b = parse_i32(w[2], "cp dst");
+        const pos_t p0 = parse_i32(w[3], "cp p0"), p1 = parse_i32(w[4], "cp p1");
+        guarded("cp", [&] {
+            cache_->seq_cp(a, b, p0, p1);
+            fmt::print("cp ok\n");
+        });
+    }
+    void keep(const std::vector<std::string_view>& w) {
+        arity(w, 2, "keep SEQ");
+        const seq_id_t s = parse_i32(w[1], "keep seq");
+        guarded("keep", [&] {
+            cache_->seq_keep(s);
+            fmt::print("keep ok\n");
+        });
+    }
+    void add(const std::vector<std::string_view>& w) {
+        arity(w, 5, "add SEQ P0 P1 DELTA");
+        const seq_id_t s = parse_i32(w[1], "add seq");
+        const pos_t p0 = parse_i32(w[2], "add p0"), p1 = parse_i32(w[3], "add p1"),
+                    d = parse_i32(w[4], "add delta");
+        guarded("add", [&] {
+            cache_->seq_add(s, p0, p1, d);
+            fmt::print("add ok\n");
+        });
+    }
+    void div(const std::vector<std::string_view>& w) {
+        arity(w, 5, "div SEQ P0 P1 D");
+        const seq_id_t s = parse_i32(w[1], "div seq");
+        const pos_t p0 = parse_i32(w[2], "div p0"), p1 = parse_i32(w[3], "div p1");
+        const int d = parse_i32(w[4], "div d");
+        guarded("div", [&] {
+            cache_->seq_div(s, p0, p1, d);
+            fmt::print("div ok\n");
+        });
+    }
+    void clear(const std::vector<std::string_view>& w) {
+        const keys k(w, 1, {"data"}, "clear");
+        cache_->clear(k.get_bool("data", false));
+        fmt::print("clear ok\n");
+    }
+    void update(const std::vector<std::string_view>& w) {
+        arity(w, 1, "update");
+        auto up = cache_->init_update(false);
+        if (up->get_status() != memory_status::success) {
+            fmt::print("update none\n");
+            return;
+        }
+        guarded("update", [&] {
+            up->apply();
+            fmt::print("update ok\n");
+        });
+    }
+    void show(const std::vector<std::string_view>& w) {
+        arity(w, 1, "show");
+        std::string line = "pos";
+        for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_max_); ++s)
+            line += fmt::format(" {}:[{},{}]", s, cache_->seq_pos_min(s), cache_->seq_pos_max(s));
+        uint32_t used = 0;
+        for (uint32_t s = 0; s < cache_->get_n_stream(); ++s) used += cache_->cells(s).get_used();
+        fmt::print("{} used={}\n", line, used);
+    }
+    void cells(const std::vector<std::string_view>& w) {
+        if (w.size() > 2) fail("usage: cells [STREAM]");
+        const int64_t stream = w.size() == 2 ? parse_int(w[1], "cells stream") : 0;
+        if (stream < 0 || stream >= cache_->get_n_stream())
+            fail(fmt::format("cells: stream {} not in [0, {})", stream, cache_->get_n_stream()));
+        const kv_cells& c = cache_->cells(static_cast<uint32_t>(stream));
+        fmt::print("cells n={}\n", c.get_used());
+        std::vector<uint32_t> used;
+        c.used_cells(used);
+        for (uint32_t i : used) {
+            std::string seqs;
+            for (seq_id_t s : c.seqs(i)) {
+                if (!seqs.empty()) seqs += '+';
+                seqs += std::to_string(s);
+            }
+            fmt::print("{} pos={} seqs={} shift={}\n", i, c.pos_get(i), seqs, c.get_shift(i));
+        }
+    }
+
+    std::unique_ptr<kv_cache> cache_;
+    uint32_t n_seq_max_ = 1;
+    uint32_t n_ubatch_ = 512;
+};
+
+int run_replay(const std::string& path) {
+    std::ifstream file;
+    std::istream* in = &std::cin;
+    if (path != "-") {
+        file.open(path);
+        if (!file) throw error(errc::io, fmt::format("replay: cannot open '{}'", path));
+        in = &file;
+    }
+    replayer r;
+    std::string text;
+    for (size_t line_no = 1; std::getline(*in, text); ++line_no) {
+        try {
+            r.line(text);
+        } catch (const script_error& e) {
+            std::fflush(stdout);
+            std::fprintf(stderr, "error line %zu: %s\n", line_no, e.what.c_str());
+            return 2;
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+void add_replay_command(CLI::App& app, int& exit_code) {
+    auto path = std::make_shared<std::string>();
+    CLI::App* cmd =
+        app.add_subcommand("replay", "Run an op script (docs/op-scripts.md) against a fresh memory");
+    cmd->add_option("script", *path, "op script file, or - for standard input")->required();
+    cmd->callback([path, &exit_code] { exit_code = run_replay(*path); });
+}
+
+}  // namespace kvc::cli
