@@ -241,6 +241,7 @@ bool kv_cache::find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vect
 slot_info kv_cache::find_slot(const ubatch& ub, bool cont) const {
     slot_info res;
     if (ub.n_tokens == 0) return res;
+    check_ubatch(ub, "find_slot");
     uint32_t n_groups = 1;
     if (streams_.size() > 1) {
         n_groups = ub.n_seqs_unq;
@@ -283,31 +284,46 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub) {
     apply_ubatch_journaled(sinfo, ub, nullptr);
 }
 
-void kv_cache::apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, journal* j) {
-    // validate everything before the first change
-    if (sinfo.empty() || sinfo.n_stream() * sinfo.size() != ub.n_tokens)
-        throw error(errc::invalid_argument,
-                    fmt::format("apply_ubatch: slot of {} x {} cells for a ubatch of {} tokens",
-                                sinfo.n_stream(), sinfo.size(), ub.n_tokens));
+void kv_cache::check_ubatch(const ubatch& ub, const char* what) {
+    const size_t n = ub.n_tokens;
+    bool ok = ub.n_pos >= 1 && ub.pos.size() >= n * ub.n_pos && ub.seq_id_begin.size() == n + 1 &&
+              ub.seq_id_begin[0] == 0 && ub.seq_id_begin[n] == ub.seq_id_data.size();
+    for (size_t i = 0; ok && i < n; ++i) ok = ub.seq_id_begin[i] < ub.seq_id_begin[i + 1];
+    if (!ok) throw error(errc::invalid_argument, fmt::format("{}: malformed ubatch of {} tokens", what, n));
+}
+
+void kv_cache::check_slot(const slot_info& sinfo, size_t n_tokens, const char* what) const {
+    const size_t size = sinfo.size();
+    if (sinfo.empty() || size == 0 || sinfo.strm.size() != sinfo.idxs.size() ||
+        sinfo.n_stream() * size != n_tokens)
+        throw error(errc::invalid_argument, fmt::format("{}: slot of {} x {} cells for {} tokens", what,
+                                                        sinfo.n_stream(), size, n_tokens));
     for (size_t k = 0; k < sinfo.n_stream(); ++k) {
-        if (sinfo.strm[k] >= streams_.size() || sinfo.idxs[k].size() != sinfo.size())
-            throw error(errc::invalid_argument, fmt::format("apply_ubatch: malformed slot group {}", k));
+        if (sinfo.strm[k] >= streams_.size() || sinfo.idxs[k].size() != size)
+            throw error(errc::invalid_argument, fmt::format("{}: malformed slot group {}", what, k));
         for (uint32_t c : sinfo.idxs[k])
             if (c >= params_.kv_size)
                 throw error(errc::out_of_range,
-                            fmt::format("apply_ubatch: cell {} not in [0, {})", c, params_.kv_size));
+                            fmt::format("{}: cell {} not in [0, {})", what, c, params_.kv_size));
     }
-    for (uint32_t i = 0; i < ub.n_tokens; ++i) {
-        const uint32_t stream = sinfo.strm[i / sinfo.size()];
-        for (seq_id_t s : ub.seq_ids(i))
-            if (seq_to_stream(s) != stream)
-                throw error(
-                    errc::invalid_argument,
-                    fmt::format("apply_ubatch: token {} of seq {} placed in stream {}", i, s, stream));
-        if (ub.pos[i] < 0)
-            throw error(errc::invalid_argument,
-                        fmt::format("apply_ubatch: token {} has position {}", i, ub.pos[i]));
-    }
+}
+
+void kv_cache::apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, journal* j) {
+    // validate everything before the first change
+    check_ubatch(ub, "apply_ubatch");
+    check_slot(sinfo, ub.n_tokens, "apply_ubatch");
+    for (size_t k = 0, i = 0; k < sinfo.n_stream(); ++k)
+        for (size_t t = 0; t < sinfo.idxs[k].size(); ++t, ++i) {
+            for (seq_id_t s : ub.seq_ids(static_cast<uint32_t>(i)))
+                if (seq_to_stream(s) != sinfo.strm[k])
+                    throw error(errc::invalid_argument,
+                                fmt::format("apply_ubatch: token {} of seq {} placed in "
+                                            "stream {}",
+                                            i, s, sinfo.strm[k]));
+            if (ub.pos[i] < 0)
+                throw error(errc::invalid_argument,
+                            fmt::format("apply_ubatch: token {} has position {}", i, ub.pos[i]));
+        }
 
     if (j)
         for (size_t k = 0; k < sinfo.n_stream(); ++k)
@@ -315,23 +331,26 @@ void kv_cache::apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, 
 
     std::vector<std::pair<seq_id_t, pos_t>> max_rm;  // per sequence: highest position of a reused cell
     const uint32_t n = ub.n_tokens;
-    for (uint32_t i = 0; i < n; ++i) {
-        const size_t k = i / sinfo.size();
-        const uint32_t c = sinfo.idxs[k][i % sinfo.size()];
+    uint32_t i = 0;  // token index: group by group, cell by cell
+    for (size_t k = 0; k < sinfo.n_stream(); ++k) {
         kv_cells& cells = streams_[sinfo.strm[k]];
-        if (!cells.is_empty(c)) {  // an SWA-dead cell of one sequence
-            const seq_id_t q = cells.seq_get(c);
-            const pos_t p = cells.pos_get(c);
-            auto it = std::find_if(max_rm.begin(), max_rm.end(), [q](const auto& e) { return e.first == q; });
-            if (it == max_rm.end())
-                max_rm.emplace_back(q, p);
-            else
-                it->second = std::max(it->second, p);
-            cells.rm(c);
+        for (uint32_t c : sinfo.idxs[k]) {
+            if (!cells.is_empty(c)) {  // an SWA-dead cell of one sequence
+                const seq_id_t q = cells.seq_get(c);
+                const pos_t p = cells.pos_get(c);
+                auto it =
+                    std::find_if(max_rm.begin(), max_rm.end(), [q](const auto& e) { return e.first == q; });
+                if (it == max_rm.end())
+                    max_rm.emplace_back(q, p);
+                else
+                    it->second = std::max(it->second, p);
+                cells.rm(c);
+            }
+            cells.pos_set(c, ub.pos[i]);
+            if (ub.n_pos >= 3) cells.ext_set(c, {ub.pos[i + 2 * n], ub.pos[i + n]});
+            for (seq_id_t s : ub.seq_ids(i)) cells.seq_add(c, s);
+            ++i;
         }
-        cells.pos_set(c, ub.pos[i]);
-        if (ub.n_pos >= 3) cells.ext_set(c, {ub.pos[i + 2 * n], ub.pos[i + n]});
-        for (seq_id_t s : ub.seq_ids(i)) cells.seq_add(c, s);
     }
     // Keep every sequence gap-free: a reused cell took an old position, so drop anything older.
     for (const auto& [q, m] : max_rm) {

@@ -1,6 +1,7 @@
 // kv_cache: K/V rows, views, attention inputs (KQ mask, shifts, position buckets) and the K-shift.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -127,32 +128,35 @@ const std::byte* token_row(const const_tensor_view& src, uint32_t e, uint32_t n_
 void kv_cache::cpy_k(uint32_t il, const_tensor_view src, const slot_info& sinfo) {
     const layer& l = own_layer(il);
     const auto n = static_cast<uint32_t>(sinfo.n_stream() * sinfo.size());
-    for (uint32_t t = 0; t < n; ++t) {
-        const std::byte* row = token_row(src, l.e_k, n, t, "cpy_k");
-        const size_t k = t / sinfo.size();
-        convert_row(src.type, row, params_.type_k,
-                    k_row_ptr(l, sinfo.strm[k], sinfo.idxs[k][t % sinfo.size()]), l.e_k);
-    }
+    check_slot(sinfo, n, "cpy_k");
+    uint32_t t = 0;  // token index: group by group, cell by cell
+    for (size_t k = 0; k < sinfo.n_stream(); ++k)
+        for (uint32_t cell : sinfo.idxs[k]) {
+            const std::byte* row = token_row(src, l.e_k, n, t++, "cpy_k");
+            convert_row(src.type, row, params_.type_k, k_row_ptr(l, sinfo.strm[k], cell), l.e_k);
+        }
 }
 
 void kv_cache::cpy_v(uint32_t il, const_tensor_view src, const slot_info& sinfo) {
     const layer& l = own_layer(il);
     const auto n = static_cast<uint32_t>(sinfo.n_stream() * sinfo.size());
+    check_slot(sinfo, n, "cpy_v");
     std::vector<float> x(e_vmax_, 0.0f);  // channels past E_v stay zero (padding of transposed V)
     const size_t esz = type_size(params_.type_v);
     auto* vdata = const_cast<std::byte*>(l.v.data());
-    for (uint32_t t = 0; t < n; ++t) {
-        const std::byte* row = token_row(src, l.e_v, n, t, "cpy_v");
-        const size_t k = t / sinfo.size();
-        const uint32_t stream = sinfo.strm[k], cell = sinfo.idxs[k][t % sinfo.size()];
-        if (!params_.v_trans) {
-            convert_row(src.type, row, params_.type_v, v_row_ptr(l, stream, cell), l.e_v);
-            continue;
+    uint32_t t = 0;
+    for (size_t k = 0; k < sinfo.n_stream(); ++k)
+        for (uint32_t cell : sinfo.idxs[k]) {
+            const std::byte* row = token_row(src, l.e_v, n, t++, "cpy_v");
+            const uint32_t stream = sinfo.strm[k];
+            if (!params_.v_trans) {
+                convert_row(src.type, row, params_.type_v, v_row_ptr(l, stream, cell), l.e_v);
+                continue;
+            }
+            to_f32(src.type, row, x.data(), l.e_v);
+            for (uint32_t e = 0; e < e_vmax_; ++e)
+                from_f32(params_.type_v, &x[e], vdata + v_elem_offset(stream, e, cell) * esz, 1);
         }
-        to_f32(src.type, row, x.data(), l.e_v);
-        for (uint32_t e = 0; e < e_vmax_; ++e)
-            from_f32(params_.type_v, &x[e], vdata + v_elem_offset(stream, e, cell) * esz, 1);
-    }
 }
 
 std::vector<int64_t> kv_cache::k_idxs(const slot_info& sinfo) const {
@@ -218,38 +222,61 @@ void kv_cache::set_input_kq_mask(tensor_view dst, const ubatch& ub, const slot_i
         throw error(errc::invalid_argument,
                     fmt::format("set_input_kq_mask: need {} contiguous elements ([{}, {}]), got {}",
                                 kq_mask_elements(ub, n_kv), n_kv, ub.n_tokens, dst.describe()));
-    if (sinfo.n_stream() * sinfo.size() != ub.n_tokens)
-        throw error(errc::invalid_argument, "set_input_kq_mask: slot does not match the ubatch");
+    check_ubatch(ub, "set_input_kq_mask");
+    check_slot(sinfo, ub.n_tokens, "set_input_kq_mask");
 
     const bool f16 = dst.type == dtype::f16;
+    if (reinterpret_cast<uintptr_t>(dst.data) % (f16 ? alignof(uint16_t) : alignof(float)) != 0)
+        throw error(errc::invalid_argument,
+                    "set_input_kq_mask: destination is not aligned to its element type");
+    auto* m32 = reinterpret_cast<float*>(dst.data);
+    auto* m16 = reinterpret_cast<uint16_t*>(dst.data);
     const auto put = [&](size_t at, float v) {
-        if (f16) {
-            const uint16_t h = fp32_to_fp16(v);
-            std::memcpy(dst.data + at * 2, &h, 2);
-        } else {
-            std::memcpy(dst.data + at * 4, &v, 4);
-        }
+        if (f16)
+            m16[at] = fp32_to_fp16(v);
+        else
+            m32[at] = v;
     };
     const uint32_t n = ub.n_tokens;
     const bool two_d = ub.n_pos >= 3;
+    // Rows of one sequence differ only by the cells that became visible since its previous row (no
+    // window, no ALiBi, no 2-D order): copy that row and open the new cells.
+    const bool incremental = params_.swa == swa_type::none && !alibi && !two_d;
+    std::vector<std::pair<seq_id_t, uint32_t>> last_row;  // per sequence: its latest row in this ubatch
     // Row i of the flat mask is token i in either layout ([n_kv, n_tps, 1, n_stream_mask] with token
-    // i = s * n_tps + r): fill it with -inf, then open the cells of the token's sequence it may see. The
-    // sequence's cells come from its position index, in position order, so causal rows stop early.
+    // i = s * n_tps + r). A row starts all -inf, then the cells of the token's sequence it may see open;
+    // they come from the sequence's position index in position order, so causal rows stop early.
     for (uint32_t i = 0; i < n; ++i) {
         const size_t row = size_t{i} * n_kv;
-        if (f16) {
-            const uint16_t ninf = 0xfc00;
-            for (uint32_t j = 0; j < n_kv; ++j) std::memcpy(dst.data + (row + j) * 2, &ninf, 2);
-        } else {
-            std::fill_n(reinterpret_cast<float*>(dst.data) + row, n_kv,
-                        -std::numeric_limits<float>::infinity());
-        }
         const seq_id_t q = ub.primary_seq(i);
         const kv_cells& cells = streams_[seq_to_stream(q)];
         const pos_t p1 = ub.pos[i];
-        const pos_t x1 = two_d ? ub.pos[i + 2 * n] : 0, y1 = two_d ? ub.pos[i + n] : 0;
+        auto prev =
+            std::find_if(last_row.begin(), last_row.end(), [q](const auto& e) { return e.first == q; });
         pos_t lo = 0;
-        if (params_.swa == swa_type::standard) lo = std::max<int64_t>(0, int64_t{p1} - params_.n_swa + 1);
+        if (incremental && prev != last_row.end() && ub.pos[prev->second] <= p1) {
+            const size_t from = size_t{prev->second} * n_kv;
+            if (f16)
+                std::copy_n(m16 + from, n_kv, m16 + row);
+            else
+                std::copy_n(m32 + from, n_kv, m32 + row);
+            if (!causal) {  // every cell of the sequence is already open
+                prev->second = i;
+                continue;
+            }
+            lo = ub.pos[prev->second] + 1;
+        } else {
+            if (f16)
+                std::fill_n(m16 + row, n_kv, uint16_t{0xfc00});  // -inf
+            else
+                std::fill_n(m32 + row, n_kv, -std::numeric_limits<float>::infinity());
+            if (params_.swa == swa_type::standard) lo = std::max<int64_t>(0, int64_t{p1} - params_.n_swa + 1);
+        }
+        if (prev == last_row.end())
+            last_row.emplace_back(q, i);
+        else
+            prev->second = i;
+        const pos_t x1 = two_d ? ub.pos[i + 2 * n] : 0, y1 = two_d ? ub.pos[i + n] : 0;
         const pos_t hi = causal && p1 < std::numeric_limits<pos_t>::max() ? p1 + 1 : -1;
         for (const auto& [p0, c] : cells.seq_entries(q, lo, hi)) {
             if (c >= n_kv) continue;
@@ -315,21 +342,30 @@ void kv_cache::set_input_pos_bucket(std::span<int32_t> dst, const ubatch& ub, ui
 // -- K-shift --
 
 void kv_cache::k_shift() {
+    // Cells moved together share their delta (a context shift moves a whole suffix by one amount): one
+    // rotation table per distinct delta, then every row is decoded, rotated and encoded again, whatever
+    // the K type (decision 4), as a pure rotation (decision 5).
+    std::vector<std::pair<pos_t, uint32_t>> shifted;  // (delta, cell) of one stream
     std::vector<float> row;
-    for (const layer& l : layers_) {
-        if (l.desc.rope.type == rope_type::none) continue;
-        row.resize(l.e_k);
-        for (uint32_t s = 0; s < streams_.size(); ++s) {
-            const kv_cells& cells = streams_[s];
-            for (uint32_t i = cells.used_min(); i < cells.used_max_p1(); ++i) {
-                if (cells.is_empty(i) || cells.get_shift(i) == 0) continue;
-                // every K type: decode, rotate by the delta (a pure rotation, decision 5), encode (decision
-                // 4)
-                std::byte* k = k_row_ptr(l, s, i);
-                to_f32(params_.type_k, k, row.data(), l.e_k);
-                ops::rope(row, l.desc.n_head_kv, l.desc.n_embd_head_k, cells.get_shift(i), l.desc.rope,
-                          false);
-                from_f32(params_.type_k, row.data(), k, l.e_k);
+    for (uint32_t s = 0; s < streams_.size(); ++s) {
+        const kv_cells& cells = streams_[s];
+        shifted.clear();
+        std::vector<uint32_t> used;
+        cells.used_cells(used);
+        for (uint32_t i : used)
+            if (cells.get_shift(i) != 0) shifted.emplace_back(cells.get_shift(i), i);
+        std::sort(shifted.begin(), shifted.end());
+        for (const layer& l : layers_) {
+            if (l.desc.rope.type == rope_type::none) continue;
+            row.resize(l.e_k);
+            ops::rope_table table;
+            for (size_t k = 0; k < shifted.size(); ++k) {
+                if (k == 0 || shifted[k].first != shifted[k - 1].first)
+                    table = ops::make_rope_table(l.desc.n_embd_head_k, shifted[k].first, l.desc.rope, false);
+                std::byte* kp = k_row_ptr(l, s, shifted[k].second);
+                to_f32(params_.type_k, kp, row.data(), l.e_k);
+                ops::apply_rope(row, l.desc.n_head_kv, l.desc.n_embd_head_k, table);
+                from_f32(params_.type_k, row.data(), kp, l.e_k);
             }
         }
     }

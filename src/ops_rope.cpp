@@ -32,16 +32,15 @@ float corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
 
 }  // namespace
 
-void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, const rope_params& p,
-          bool with_magnitude) {
+rope_table make_rope_table(uint32_t head_dim, pos_t pos, const rope_params& p, bool with_magnitude) {
     const uint32_t n_rot = p.n_rot > 0 ? static_cast<uint32_t>(p.n_rot) : head_dim;
     if (n_rot % 2 != 0 || n_rot > head_dim)
         throw error(errc::invalid_argument,
                     fmt::format("rope: n_rot {} must be even and at most the head size {}", n_rot, head_dim));
-    if (x.size() != static_cast<size_t>(n_head) * head_dim)
-        throw error(errc::invalid_argument,
-                    fmt::format("rope: {} values for {} heads of {}", x.size(), n_head, head_dim));
-    if (p.type == rope_type::none) return;
+    rope_table t;
+    t.type = p.type;
+    t.n_rot = n_rot;
+    if (p.type == rope_type::none) return t;
 
     const auto n_dims = static_cast<int>(n_rot);
     const float theta_scale = std::pow(p.freq_base, -2.0f / static_cast<float>(n_dims));
@@ -54,8 +53,8 @@ void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, con
     float mscale = with_magnitude ? p.attn_factor : 1.0f;
     if (with_magnitude && p.ext_factor != 0.0f) mscale *= 1.0f + 0.1f * std::log(1.0f / p.freq_scale);
 
-    // one angle per rotated pair, shared by every head
     const uint32_t n_pairs = n_rot / 2;
+    t.cos_sin.resize(2 * size_t{n_pairs});
     float theta_extrap = static_cast<float>(pos);
     for (uint32_t k = 0; k < n_pairs; ++k, theta_extrap *= theta_scale) {
         const float theta_interp = p.freq_scale * theta_extrap;
@@ -65,16 +64,37 @@ void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, con
             const float ramp_mix = (1.0f - std::min(1.0f, std::max(0.0f, y))) * p.ext_factor;
             theta = theta_interp * (1.0f - ramp_mix) + theta_extrap * ramp_mix;
         }
-        const float c = std::cos(theta) * mscale, s = std::sin(theta) * mscale;
-        const uint32_t i0 = p.type == rope_type::neox ? k : 2 * k;
-        const uint32_t i1 = p.type == rope_type::neox ? k + n_pairs : 2 * k + 1;
-        for (uint32_t h = 0; h < n_head; ++h) {
-            float* v = x.data() + static_cast<size_t>(h) * head_dim;
+        t.cos_sin[2 * k] = std::cos(theta) * mscale;
+        t.cos_sin[2 * k + 1] = std::sin(theta) * mscale;
+    }
+    return t;
+}
+
+void apply_rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, const rope_table& t) {
+    if (x.size() != static_cast<size_t>(n_head) * head_dim || t.n_rot > head_dim)
+        throw error(errc::invalid_argument, fmt::format("rope: {} values for {} heads of {} (n_rot {})",
+                                                        x.size(), n_head, head_dim, t.n_rot));
+    if (t.type == rope_type::none) return;
+    const uint32_t n_pairs = t.n_rot / 2;
+    for (uint32_t h = 0; h < n_head; ++h) {
+        float* v = x.data() + static_cast<size_t>(h) * head_dim;
+        for (uint32_t k = 0; k < n_pairs; ++k) {
+            const float c = t.cos_sin[2 * k], s = t.cos_sin[2 * k + 1];
+            const uint32_t i0 = t.type == rope_type::neox ? k : 2 * k;
+            const uint32_t i1 = t.type == rope_type::neox ? k + n_pairs : 2 * k + 1;
             const float x0 = v[i0], x1 = v[i1];
             v[i0] = x0 * c - x1 * s;
             v[i1] = x0 * s + x1 * c;
         }
     }
+}
+
+void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, const rope_params& p,
+          bool with_magnitude) {
+    if (x.size() != static_cast<size_t>(n_head) * head_dim)
+        throw error(errc::invalid_argument,
+                    fmt::format("rope: {} values for {} heads of {}", x.size(), n_head, head_dim));
+    apply_rope(x, n_head, head_dim, make_rope_table(head_dim, pos, p, with_magnitude));
 }
 
 }  // namespace ops

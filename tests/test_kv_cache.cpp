@@ -282,6 +282,32 @@ TEST(kv_cache, seq_ids_beyond_the_cache_are_errors) {
     }
 }
 
+TEST(kv_cache, malformed_slots_and_ubatches_are_errors_that_change_nothing) {
+    kv_cache c(small_params(8));
+    place(c, {0}, {0});
+    const std::string before = c.cells(0).picture();
+    slot_info empty_group = slot({});
+    EXPECT_THROW(c.apply_ubatch(empty_group, make_ub({}, {})), error);
+    EXPECT_THROW(c.apply_ubatch(slot({1, 2}), make_ub({1}, {0})), error);  // 2 cells for 1 token
+    EXPECT_THROW(c.apply_ubatch(slot({9}), make_ub({1}, {0})), error);     // cell outside
+    EXPECT_THROW(c.apply_ubatch(slot({1}, 3), make_ub({1}, {0})), error);  // stream outside
+    ubatch short_pos = make_ub({1}, {0});
+    short_pos.pos.clear();
+    EXPECT_THROW(c.apply_ubatch(slot({1}), short_pos), error);
+    EXPECT_THROW((void)c.find_slot(short_pos), error);
+    ubatch no_seq = make_ub({1}, {0});
+    no_seq.seq_id_begin = {0, 0};
+    no_seq.seq_id_data.clear();
+    EXPECT_THROW(c.apply_ubatch(slot({1}), no_seq), error);
+    EXPECT_EQ(c.cells(0).picture(), before);
+    std::vector<float> row(8);
+    EXPECT_THROW(
+        c.cpy_k(0,
+                const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(row.data()), 8),
+                empty_group),
+        error);
+}
+
 // -- streams --
 
 TEST(kv_cache, one_stream_per_sequence) {

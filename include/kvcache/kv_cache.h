@@ -170,6 +170,9 @@ private:
     layer& own_layer(uint32_t il);
     const layer& own_layer(uint32_t il) const;
     void check_seq(seq_id_t s, const char* what) const;
+    static void check_ubatch(const ubatch& ub, const char* what);  // arrays consistent with n_tokens
+    // A slot of n_tokens tokens: groups of equal, non-zero size in valid streams and cells.
+    void check_slot(const slot_info& sinfo, size_t n_tokens, const char* what) const;
     void lower_head(uint32_t stream, uint32_t cell);
     bool find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vector<uint32_t>& out) const;
     void apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, journal* j);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include <kvcache/types.h>
 
@@ -38,6 +39,16 @@ namespace ops {
 // by d after p equals rotating by p + d. Throws kvc::error on bad sizes.
 void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, const rope_params& p,
           bool with_magnitude = true);
+
+// The same in two steps, for many rows at one position (a K-shift moves whole runs of cells by the
+// same delta): the (cos, sin) of every rotated pair, then their application to rows.
+struct rope_table {
+    rope_type type = rope_type::normal;
+    uint32_t n_rot = 0;
+    std::vector<float> cos_sin;  // [n_rot / 2][2]
+};
+rope_table make_rope_table(uint32_t head_dim, pos_t pos, const rope_params& p, bool with_magnitude = true);
+void apply_rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, const rope_table& t);
 
 }  // namespace ops
 }  // namespace kvc
