@@ -432,9 +432,47 @@ memory_context_ptr kv_cache::init_full() {
     return std::make_unique<kv_cache_context>(*this, memory_status::success, kv_cache_context::kind::full);
 }
 
-memory_context_ptr kv_cache::init_update(bool /*optimize*/) {
-    const memory_status st = get_has_shift() ? memory_status::success : memory_status::no_update;
-    return std::make_unique<kv_cache_context>(*this, st, kv_cache_context::kind::update);
+memory_context_ptr kv_cache::init_update(bool optimize) {
+    const float frag = fragmentation();
+    const bool compacting =
+        frag > 0.0f && (optimize || (params_.compact_threshold > 0.0f && frag > params_.compact_threshold));
+    const memory_status st =
+        get_has_shift() || compacting ? memory_status::success : memory_status::no_update;
+    return std::make_unique<kv_cache_context>(
+        *this, st, compacting ? kv_cache_context::kind::compact_update : kv_cache_context::kind::update);
+}
+
+float kv_cache::fragmentation() const {
+    float worst = 0.0f;
+    for (const kv_cells& c : streams_) {
+        const uint32_t top = c.used_max_p1();
+        if (top > 0)
+            worst = std::max(worst, static_cast<float>(top - c.get_used()) / static_cast<float>(top));
+    }
+    return worst;
+}
+
+uint32_t kv_cache::compact() {
+    uint32_t moved = 0;
+    for (uint32_t s = 0; s < streams_.size(); ++s) {
+        kv_cells& c = streams_[s];
+        std::vector<uint32_t> used;
+        c.used_cells(used);
+        // the highest used cells fill the lowest holes, until every cell sits below the used count
+        size_t hi = used.size();
+        uint32_t hole = 0;
+        while (hi > 0) {
+            while (hole < c.size() && !c.is_empty(hole)) ++hole;
+            const uint32_t from = used[hi - 1];
+            if (hole >= from) break;
+            c.mv(from, hole);
+            copy_cell_data(s, from, s, hole);
+            ++moved;
+            --hi;
+        }
+        heads_[s] = c.get_used();
+    }
+    return moved;
 }
 
 bool kv_cache::update() {
@@ -589,6 +627,10 @@ bool kv_cache_context::apply() {
     switch (kind_) {
         case kind::update:
             cache_->update();
+            return true;
+        case kind::compact_update:
+            cache_->update();  // shifts first: compaction moves the rotated rows
+            cache_->compact();
             return true;
         case kind::full:
             return true;

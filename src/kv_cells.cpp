@@ -407,6 +407,21 @@ void kv_cells::pos_div(uint32_t i, int d) {
     index_add(i);
 }
 
+void kv_cells::mv(uint32_t src, uint32_t dst) {
+    check_used(src, "mv");
+    check(dst);
+    if (pos_[dst] != pos_none)
+        throw error(errc::invalid_state, fmt::format("kv_cells::mv: destination cell {} is in use", dst));
+    index_remove(src);
+    pos_[dst] = pos_[src];
+    ext_[dst] = ext_[src];
+    shift_[dst] = shift_[src];
+    seq_[dst] = seq_[src];
+    mark_used(dst);
+    index_add(dst);
+    make_empty(src);
+}
+
 // -- sequence operations --
 
 void kv_cells::clear_cell(uint32_t i) {

@@ -480,6 +480,67 @@ TEST(kv_cache, shifted_keys_equal_keys_computed_at_the_new_position) {
     }
 }
 
+// -- compaction --
+
+TEST(kv_cache, compaction_moves_cells_down_and_changes_nothing_visible) {
+    auto p = small_params(64, 4);
+    kv_cache c(p);
+    // 4 sequences x 8 tokens, interleaved; K and V rows carry (seq, pos)
+    for (pos_t pos = 0; pos < 8; ++pos) {
+        const ubatch ub = make_ub({pos, pos, pos, pos}, {0, 1, 2, 3});
+        const slot_info si = c.find_slot(ub);
+        c.apply_ubatch(si, ub);
+        std::vector<float> rows(32);
+        for (uint32_t t = 0; t < 4; ++t)
+            for (uint32_t e = 0; e < 8; ++e) rows[t * 8 + e] = static_cast<float>(t * 100 + pos) + 0.01f * e;
+        const auto view =
+            const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, 4);
+        c.cpy_k(0, view, si);
+        c.cpy_v(0, view, si);
+    }
+    c.seq_rm(1, -1, -1);
+    c.seq_rm(3, -1, -1);
+    c.seq_add(2, 4, -1, 3);  // a pending shift travels with the moved cells
+    EXPECT_GT(c.fragmentation(), 0.4f);
+    EXPECT_EQ(c.init_update(false)->get_status(), memory_status::success) << "the shift is pending";
+    const auto before = [&] {
+        std::map<std::pair<seq_id_t, pos_t>, std::vector<float>> m;
+        std::vector<float> v(8);
+        for (seq_id_t s : {0, 2})
+            for (const auto& [pos, cell] : c.cells(0).seq_entries(s, -1, -1)) {
+                c.read_v_row(0, 0, cell, v);
+                m[{s, pos}] = v;
+            }
+        return m;
+    };
+    const auto seen = before();
+    auto up = c.init_update(true);
+    ASSERT_EQ(up->get_status(), memory_status::success);
+    up->apply();
+    EXPECT_EQ(before(), seen);
+    EXPECT_EQ(c.fragmentation(), 0.0f);
+    EXPECT_EQ(c.cells(0).used_max_p1(), 16u);
+    EXPECT_EQ(c.cells(0).picture().find('.'), 16u) << c.cells(0).picture();
+    EXPECT_FALSE(c.get_has_shift());
+    EXPECT_EQ(c.init_update(true)->get_status(), memory_status::no_update);
+    c.cells(0).validate();
+}
+
+TEST(kv_cache, compaction_by_threshold) {
+    auto p = small_params(64, 2);
+    p.compact_threshold = 0.3f;
+    kv_cache c(p);
+    place(c, {0, 1, 2, 3}, {0, 1, 2, 3}, 0);
+    place(c, {4, 5, 6, 7}, {0, 1, 2, 3}, 1);
+    c.seq_rm(0, -1, -1);  // half of [0, 8) is empty now
+    auto up = c.init_update(false);
+    ASSERT_EQ(up->get_status(), memory_status::success);
+    up->apply();
+    EXPECT_EQ(c.cells(0).picture().substr(0, 5), "1111.");
+    c.seq_rm(1, 3, 4);  // a hole at the end only: nothing to move
+    EXPECT_EQ(c.init_update(false)->get_status(), memory_status::no_update);
+}
+
 // -- masks against a naive reference --
 
 TEST(kv_cache_property, masks_match_a_naive_reference) {
@@ -650,6 +711,10 @@ TEST(kv_cache_property, sequences_see_what_a_simple_model_says) {
                 drop_empty(recs);
                 for (record& r : recs)  // whole cells move, for every sequence sharing them
                     if (r.seqs.count(s) && r.pos >= 2) r.pos -= 2;
+            } else if (step % 3 == 0) {  // compaction: invisible to every sequence
+                auto up = c.init_update(true);
+                if (up->get_status() == memory_status::success) up->apply();
+                ASSERT_EQ(c.fragmentation(), 0.0f);
             } else {
                 c.update();
             }

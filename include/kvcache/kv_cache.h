@@ -63,7 +63,10 @@ struct kv_cache_params {
     uint32_t n_kv_pad = 256;  // attention reads a multiple of max(n_pad, n_kv_pad) cells
     uint32_t n_swa = 0;       // window of this cache's SWA rule
     swa_type swa = swa_type::none;
-    uint32_t n_pos = 1;                     // positions per token (4 for M-RoPE: cells then keep (x, y))
+    uint32_t n_pos = 1;  // positions per token (4 for M-RoPE: cells then keep (x, y))
+    // Compaction (decision 12): init_update(false) also compacts once the empty cells below the last
+    // used one exceed this fraction of it (0: only when asked with init_update(true)).
+    float compact_threshold = 0.0f;
     buffer_allocator* allocator = nullptr;  // null: host memory
 };
 
@@ -162,6 +165,12 @@ public:
     // Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
     // Returns false when there was nothing to do.
     bool update();
+    // Moves used cells down, with their K/V rows, into the empty cells below them, so that every stream
+    // holds its cells in [0, used) and n_kv shrinks. No sequence sees any difference. Returns the
+    // number of cells moved.
+    uint32_t compact();
+    // Empty cells below the last used one, as a fraction of it (0 when nothing can be compacted).
+    float fragmentation() const;
 
 private:
     struct layer;
@@ -196,7 +205,7 @@ private:
 // is valid after apply() until next().
 class kv_cache_context final : public memory_context_i {
 public:
-    enum class kind : uint8_t { batch, full, update };
+    enum class kind : uint8_t { batch, full, update, compact_update };
 
     kv_cache_context(kv_cache& cache, memory_status status, kind k);  // failure, full or update
     kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches, std::vector<slot_info> sinfos,

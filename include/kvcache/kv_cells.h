@@ -117,6 +117,7 @@ public:
     bool pos_add(uint32_t i,
                  pos_t d);            // used cell: pos += d, shift += d; true if it fell below 0 (now empty)
     void pos_div(uint32_t i, int d);  // used cell, d >= 1: pos /= d, shift += new - old
+    void mv(uint32_t src, uint32_t dst);  // used src -> empty dst, with all it holds (compaction)
 
     // -- sequence operations on this stream (what kv_cache does per stream; spec kv-core §5) --
     // Position ranges are [p0, p1) with p0 < 0 meaning 0 and p1 < 0 meaning no bound. Cost: the cells of
