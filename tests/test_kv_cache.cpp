@@ -480,6 +480,123 @@ TEST(kv_cache, shifted_keys_equal_keys_computed_at_the_new_position) {
     }
 }
 
+// -- named rules of spec kv-core §3-6 --
+
+TEST(kv_cache, is_masked_swa_rules) {
+    // standard: a query at p1 sees (p1 - n_swa, p1]
+    EXPECT_FALSE(is_masked_swa(4, swa_type::standard, 7, 10));
+    EXPECT_TRUE(is_masked_swa(4, swa_type::standard, 6, 10));
+    // chunked: from the start of the query's chunk of n_swa positions
+    EXPECT_FALSE(is_masked_swa(4, swa_type::chunked, 8, 10));
+    EXPECT_TRUE(is_masked_swa(4, swa_type::chunked, 7, 10));
+    // symmetric: within n_swa / 2 on either side
+    EXPECT_FALSE(is_masked_swa(4, swa_type::symmetric, 12, 10));
+    EXPECT_TRUE(is_masked_swa(4, swa_type::symmetric, 13, 10));
+    EXPECT_TRUE(is_masked_swa(4, swa_type::symmetric, 7, 10));
+    EXPECT_FALSE(is_masked_swa(4, swa_type::none, 0, 1000));
+}
+
+TEST(kv_cache, get_n_kv_pads_to_256_and_caps_at_kv_size) {
+    kv_cache c(small_params(1024));
+    place(c, {0, 300}, {0, 1});
+    EXPECT_EQ(c.get_n_kv(slot({300})), 512u);
+    auto p = small_params(64);
+    p.n_kv_pad = 16;
+    kv_cache d(p);
+    place(d, {17}, {0});
+    EXPECT_EQ(d.get_n_kv(slot({17})), 32u);
+    kv_cache e(small_params(100));
+    place(e, {99}, {0});
+    EXPECT_EQ(e.get_n_kv(slot({99})), 100u);
+}
+
+TEST(kv_cache, find_slot_contiguous_mode_wants_one_run) {
+    kv_cache c(small_params(16));
+    place(c, {1, 5}, {0, 1});
+    const slot_info s = c.find_slot(make_ub({2, 3, 4, 5}, {0, 0, 0, 0}), true);
+    ASSERT_FALSE(s.empty());
+    EXPECT_TRUE(s.is_contiguous());
+    EXPECT_EQ(s.idxs[0], (std::vector<uint32_t>{6, 7, 8, 9}));
+    EXPECT_FALSE(c.find_slot(make_ub({2, 3, 4, 5}, {0, 0, 0, 0})).is_contiguous() &&
+                 c.find_slot(make_ub({2, 3, 4, 5}, {0, 0, 0, 0})).idxs[0][0] != 6);
+}
+
+TEST(kv_cache, seq_cp_in_one_stream_shares_cells_idempotently) {
+    kv_cache c(small_params(8, 2));
+    place(c, {0, 1, 2}, {0, 1, 2});
+    c.seq_cp(0, 1, 1, -1);
+    c.seq_cp(0, 1, 1, -1);
+    EXPECT_EQ(c.cells(0).picture().substr(0, 4), "0MM.");
+    EXPECT_EQ(c.seq_pos_min(1), 1);
+    c.seq_cp(0, 0, -1, -1);  // src == dst: nothing
+    EXPECT_EQ(c.cells(0).get_used(), 3u);
+}
+
+TEST(kv_cache, seq_keep_in_one_stream_keeps_shared_cells_for_that_sequence_only) {
+    kv_cache c(small_params(8, 3));
+    place(c, {0, 1}, {0, 1}, 0);
+    c.seq_cp(0, 1, -1, -1);
+    place(c, {2}, {0}, 2);
+    c.seq_keep(1);
+    EXPECT_EQ(c.cells(0).picture().substr(0, 4), "11..");
+    EXPECT_EQ(c.head(0), 2u) << "head lowered to the first freed cell";
+}
+
+TEST(kv_cache, seq_div_moves_whole_cells_and_keeps_the_head) {
+    kv_cache c(small_params(8));
+    place(c, {0, 1, 2, 3}, {0, 1, 2, 3});
+    const uint32_t head = c.head(0);
+    c.seq_div(0, 2, -1, 2);
+    EXPECT_EQ(c.cells(0).pos_get(2), 1);
+    EXPECT_EQ(c.cells(0).pos_get(3), 1);
+    EXPECT_EQ(c.cells(0).get_shift(3), -2);
+    EXPECT_EQ(c.head(0), head);
+    EXPECT_THROW(c.seq_div(0, -1, -1, 0), error);
+}
+
+TEST(kv_cache, mrope_caches_refuse_shifts) {
+    auto p = small_params(8);
+    p.n_pos = 4;
+    kv_cache c(p);
+    EXPECT_FALSE(c.get_can_shift());
+    EXPECT_THROW(c.seq_add(0, -1, -1, 1), error);
+    EXPECT_THROW(c.seq_div(0, -1, -1, 2), error);
+}
+
+TEST(kv_cache, alibi_mask_holds_minus_distance_and_f16_matches_f32) {
+    kv_cache c(small_params(8));
+    place(c, {0, 1, 2}, {0, 1, 2});
+    const ubatch ub = make_ub({3}, {0});
+    const slot_info si = slot({3});
+    c.apply_ubatch(si, ub);
+    std::vector<float> m(8);
+    c.set_input_kq_mask(tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), 8), ub,
+                        si, 8, true, true);
+    EXPECT_EQ(m, (std::vector<float>{-3, -2, -1, 0, ninf, ninf, ninf, ninf}));
+    std::vector<uint16_t> h(8);
+    c.set_input_kq_mask(tensor_view::contiguous(dtype::f16, reinterpret_cast<std::byte*>(h.data()), 8), ub,
+                        si, 8, true, true);
+    for (size_t j = 0; j < 8; ++j) EXPECT_EQ(fp16_to_fp32(h[j]), m[j]);
+    // non-causal: the whole sequence is visible
+    c.set_input_kq_mask(tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), 8),
+                        make_ub({1}, {0}), slot({1}), 8, false);
+    EXPECT_EQ(m, (std::vector<float>{0, 0, 0, 0, ninf, ninf, ninf, ninf}));
+}
+
+TEST(kv_cache, k_shift_input_and_position_buckets) {
+    kv_cache c(small_params(4));
+    place(c, {0, 1, 2}, {0, 1, 2});
+    c.seq_add(0, 1, -1, 5);
+    std::vector<int32_t> shift(4);
+    c.set_input_k_shift(shift);
+    EXPECT_EQ(shift, (std::vector<int32_t>{0, 5, 5, 0}));
+    EXPECT_THROW(c.set_input_k_shift(std::span<int32_t>(shift.data(), 3)), error);
+    // buckets of keys at pos 0, 6, 7 and an empty cell for a query at pos 7 (32 buckets, causal)
+    std::vector<int32_t> b(4);
+    c.set_input_pos_bucket(b, make_ub({7}, {0}), 4, 32);
+    EXPECT_EQ(b, (std::vector<int32_t>{7, 1, 0, 8})) << "an empty cell counts as position -1";
+}
+
 // -- compaction --
 
 TEST(kv_cache, compaction_moves_cells_down_and_changes_nothing_visible) {
