@@ -517,8 +517,11 @@ TEST(kv_cache, find_slot_contiguous_mode_wants_one_run) {
     ASSERT_FALSE(s.empty());
     EXPECT_TRUE(s.is_contiguous());
     EXPECT_EQ(s.idxs[0], (std::vector<uint32_t>{6, 7, 8, 9}));
-    EXPECT_FALSE(c.find_slot(make_ub({2, 3, 4, 5}, {0, 0, 0, 0})).is_contiguous() &&
-                 c.find_slot(make_ub({2, 3, 4, 5}, {0, 0, 0, 0})).idxs[0][0] != 6);
+    c.seq_rm(0, -1, -1);
+    place(c, {0, 2, 4, 6, 8, 10, 12}, {0, 1, 2, 3, 4, 5, 6});  // every other cell: no run of 2 from the head
+    EXPECT_TRUE(c.find_slot(make_ub({7, 8}, {0, 0}), true).idxs[0] == (std::vector<uint32_t>{13, 14}));
+    EXPECT_TRUE(c.find_slot(make_ub({7, 8, 9, 10}, {0, 0, 0, 0}), true).empty());
+    EXPECT_FALSE(c.find_slot(make_ub({7, 8, 9, 10}, {0, 0, 0, 0})).empty()) << "scattered cells still fit";
 }
 
 TEST(kv_cache, seq_cp_in_one_stream_shares_cells_idempotently) {
