@@ -424,10 +424,6 @@ void kv_cells::mv(uint32_t src, uint32_t dst) {
 
 // -- sequence operations --
 
-void kv_cells::clear_cell(uint32_t i) {
-    make_empty(i);
-}
-
 uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
     uint32_t lowest = size();
     if (s == seq_all) {
@@ -440,7 +436,7 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
         const int64_t hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
         for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1)) {
             if (pos_[i] < std::max<pos_t>(p0, 0) || pos_[i] >= hi) continue;
-            clear_cell(i);
+            make_empty(i);
             lowest = std::min(lowest, i);
         }
         return lowest;
@@ -451,7 +447,7 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
         const uint32_t i = e->second;
         seq_[i].erase(s);
         if (seq_[i].empty()) {
-            clear_cell(i);
+            make_empty(i);
             lowest = std::min(lowest, i);
         }
     }
@@ -485,7 +481,7 @@ uint32_t kv_cells::seq_keep_all(seq_id_t s) {
                 seqs.insert(s);
             }
         } else if (!seqs.empty()) {  // a used cell with no sequence is left alone (as upstream)
-            clear_cell(i);
+            make_empty(i);
             lowest = std::min(lowest, i);
         }
     }
@@ -555,7 +551,7 @@ uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
             if (q != s) moves_.push_back({q, *e, np});
         e->first = static_cast<pos_t>(np < 0 ? pos_none : np);
         if (np < 0) {
-            clear_cell(i);
+            make_empty(i);
             lowest = std::min(lowest, i);
             ++gone;
         } else {

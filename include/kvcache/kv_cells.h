@@ -194,7 +194,6 @@ private:
 
     // [lo, hi) slice of s's index with positions in [p0, p1) (p0 < 0: 0, p1 < 0: no bound)
     std::pair<seq_index::entry*, seq_index::entry*> range(seq_id_t s, pos_t p0, pos_t p1);
-    void clear_cell(uint32_t i);  // used cell, already out of every index -> empty
     // After positions in s's index changed by a map that keeps [lo, hi) ordered: restore the order.
     void reorder(seq_id_t s, size_t lo, size_t hi);
     // Other sequences' entries of moved cells: (seq, old entry, new position); new < 0 = cell removed.
