@@ -583,14 +583,6 @@ pos_t kv_cache::seq_pos_max(seq_id_t seq_id) const {
     return streams_[seq_to_stream(seq_id)].seq_pos_max(seq_id);
 }
 
-void kv_cache::state_write(io_write_i& /*io*/, seq_id_t /*seq_id*/, state_seq_flags /*flags*/) const {
-    throw error(errc::unsupported, "kv_cache::state_write: saving state is not available yet");
-}
-
-void kv_cache::state_read(io_read_i& /*io*/, seq_id_t /*seq_id*/, state_seq_flags /*flags*/) {
-    throw error(errc::unsupported, "kv_cache::state_read: restoring state is not available yet");
-}
-
 // -- context --
 
 kv_cache_context::kv_cache_context(kv_cache& cache, memory_status status, kind k)

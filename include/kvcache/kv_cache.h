@@ -106,6 +106,7 @@ public:
 
     void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
     void state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) override;
+    void state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
 
     // -- shape --
     const kv_cache_params& params() const { return params_; }
@@ -174,7 +175,11 @@ public:
 
 private:
     struct layer;
-    struct journal;  // cell snapshots taken by a trial placement, for its rollback
+    struct journal;       // cell snapshots taken by a trial placement, for its rollback
+    struct staged_state;  // a parsed, checked state waiting to be applied
+
+    staged_state parse_state(io_read_i& io, seq_id_t seq_id) const;
+    void write_cells(io_write_i& io, uint32_t stream, std::span<const uint32_t> cells, seq_id_t seq_id) const;
 
     layer& own_layer(uint32_t il);
     const layer& own_layer(uint32_t il) const;

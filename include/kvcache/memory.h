@@ -94,6 +94,8 @@ public:
     // memory exactly as it was.
     virtual void state_write(io_write_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const = 0;
     virtual void state_read(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) = 0;
+    // Parses and checks a state exactly as state_read would, changing nothing; throws on any problem.
+    virtual void state_check(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const = 0;
 };
 
 using memory_ptr = std::unique_ptr<memory_i>;

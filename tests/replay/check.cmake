@@ -1,9 +1,15 @@
 # Runs one golden op script: `kvcache replay NAME.ops` must print exactly NAME.out on stdout (empty if
 # absent) and, when NAME.err exists, exactly that on stderr with exit status 2; else exit status 0.
-#   cmake -DCLI=path/to/kvcache -DSCRIPT=path/to/NAME.ops -P check.cmake
+# Scripts run in WORKDIR (files they save land there), next to a copy of data/.
+#   cmake -DCLI=path/to/kvcache -DSCRIPT=path/to/NAME.ops -DWORKDIR=dir -P check.cmake
 get_filename_component(dir "${SCRIPT}" DIRECTORY)
 get_filename_component(name "${SCRIPT}" NAME_WE)
-execute_process(COMMAND "${CLI}" replay "${SCRIPT}" OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+set(work "${WORKDIR}/${name}")
+file(REMOVE_RECURSE "${work}")
+file(MAKE_DIRECTORY "${work}")
+file(COPY "${dir}/data" DESTINATION "${work}")
+execute_process(COMMAND "${CLI}" replay "${SCRIPT}" WORKING_DIRECTORY "${work}" OUTPUT_VARIABLE out
+                ERROR_VARIABLE err RESULT_VARIABLE rc)
 set(want_out "")
 if(EXISTS "${dir}/${name}.out")
   file(READ "${dir}/${name}.out" want_out)

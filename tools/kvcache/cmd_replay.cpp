@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -14,6 +15,7 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/state.h>
 
 #include "commands.h"
 
@@ -126,8 +128,9 @@ public:
         if (op == "update") return update(words);
         if (op == "show") return show(words);
         if (op == "cells") return cells(words);
-        if (op == "size" || op == "save" || op == "load")
-            fail(fmt::format("'{}' is not supported by this version of kvcache", op));
+        if (op == "size") return size(words);
+        if (op == "save") return save(words);
+        if (op == "load") return load(words);
         fail(fmt::format("unknown operation '{}'", op));
     }
 
@@ -400,6 +403,45 @@ private:
                 seqs += std::to_string(s);
             }
             fmt::print("{} pos={} seqs={} shift={}\n", i, c.pos_get(i), seqs, c.get_shift(i));
+        }
+    }
+
+    seq_id_t state_seq(std::string_view w, const char* op) const {
+        return parse_i32(w, fmt::format("{} seq", op));
+    }
+    void size(const std::vector<std::string_view>& w) {
+        arity(w, 2, "size SEQ");
+        const seq_id_t s = state_seq(w[1], "size");
+        guarded("size", [&] { fmt::print("size {}\n", state_seq_get_size(*cache_, s)); });
+    }
+    void save(const std::vector<std::string_view>& w) {
+        arity(w, 3, "save SEQ FILE");
+        const seq_id_t s = state_seq(w[1], "save");
+        const std::string path(w[2]);
+        guarded("save", [&] {
+            const std::vector<uint8_t> bytes = state_seq_get_data(*cache_, s);
+            std::ofstream out(path, std::ios::binary | std::ios::trunc);
+            out.write(reinterpret_cast<const char*>(bytes.data()),
+                      static_cast<std::streamsize>(bytes.size()));
+            if (!out.flush()) throw error(errc::io, fmt::format("cannot write '{}'", path));
+            fmt::print("save {}\n", bytes.size());
+        });
+    }
+    void load(const std::vector<std::string_view>& w) {
+        arity(w, 3, "load SEQ FILE");
+        const seq_id_t s = state_seq(w[1], "load");
+        const std::string path(w[2]);
+        std::ifstream in(path, std::ios::binary);
+        if (!in) {
+            fmt::print("load failed: cannot open '{}'\n", path);
+            return;
+        }
+        const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
+                                         std::istreambuf_iterator<char>());
+        try {
+            fmt::print("load {}\n", state_seq_set_data(*cache_, bytes, s));
+        } catch (const error& e) {
+            fmt::print("load failed: {}\n", e.what());
         }
     }
 

@@ -1,0 +1,100 @@
+// Saving and restoring memories: byte streams (io_write_i / io_read_i) and the per-sequence buffer of
+// llama.cpp (magic 0xaf143cd8, source sequence id, then the memory's payload).
+//
+// Payloads are llama.cpp's memory state layout (spec kv-core §7), byte for byte: a state written by one
+// can be read by the other when layer shapes and types match. Reading is transactional: everything is
+// parsed and checked before the memory changes, so a bad or truncated state leaves it exactly as it was
+// and the error names what was wrong and at which byte.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <kvcache/memory.h>
+#include <kvcache/types.h>
+
+namespace kvc {
+
+// -- byte streams --
+
+class io_write_i {
+public:
+    virtual ~io_write_i() = default;
+    virtual void write(const void* src, size_t size) = 0;  // throws kvc::error when it cannot
+    virtual size_t n_bytes() const = 0;                    // written so far
+};
+
+class io_read_i {
+public:
+    virtual ~io_read_i() = default;
+    // Exactly `size` bytes, or kvc::error(corrupt_data) naming the offset when the input ends first.
+    virtual void read(void* dst, size_t size) = 0;
+    virtual size_t n_bytes() const = 0;  // consumed so far
+};
+
+// Counts bytes without storing them (the size of a state before allocating for it).
+class io_size_counter final : public io_write_i {
+public:
+    void write(const void*, size_t size) override { n_ += size; }
+    size_t n_bytes() const override { return n_; }
+
+private:
+    size_t n_ = 0;
+};
+
+// Appends to a growing byte vector.
+class io_vector_writer final : public io_write_i {
+public:
+    explicit io_vector_writer(std::vector<uint8_t>& out) : out_(&out) {}
+    void write(const void* src, size_t size) override;
+    size_t n_bytes() const override { return n_; }
+
+private:
+    std::vector<uint8_t>* out_;  // borrowed
+    size_t n_ = 0;
+};
+
+// Writes into a fixed span; throws when it would overflow.
+class io_span_writer final : public io_write_i {
+public:
+    explicit io_span_writer(std::span<uint8_t> dst) : dst_(dst) {}
+    void write(const void* src, size_t size) override;
+    size_t n_bytes() const override { return n_; }
+
+private:
+    std::span<uint8_t> dst_;
+    size_t n_ = 0;
+};
+
+// Reads from a span of bytes (borrowed).
+class io_span_reader final : public io_read_i {
+public:
+    explicit io_span_reader(std::span<const uint8_t> src) : src_(src) {}
+    void read(void* dst, size_t size) override;
+    size_t n_bytes() const override { return n_; }
+    size_t remaining() const { return src_.size() - n_; }
+
+private:
+    std::span<const uint8_t> src_;
+    size_t n_ = 0;
+};
+
+// -- per-sequence buffers (llama_state_seq_get_size / get_data / set_data) --
+
+inline constexpr uint32_t state_seq_magic = 0xaf143cd8u;
+
+// Bytes of the buffer for seq_id (-1: the whole memory): 8-byte header + payload.
+size_t state_seq_get_size(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags = 0);
+// The buffer: u32 magic, i32 seq_id, payload.
+std::vector<uint8_t> state_seq_get_data(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags = 0);
+// Restores a buffer into dest (-1: the whole memory); the stored source id is not used, so a sequence
+// restores into any destination. Every byte must be consumed. Returns the bytes read. Throws
+// kvc::error and leaves the memory unchanged on any problem.
+size_t state_seq_set_data(memory_i& mem, std::span<const uint8_t> data, seq_id_t dest,
+                          state_seq_flags flags = 0);
+
+}  // namespace kvc

@@ -1,0 +1,337 @@
+// kv_cache: state payloads in llama.cpp's layout (spec kv-core §7.1-7.3), read transactionally.
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <kvcache/kv_cache.h>
+#include <kvcache/state.h>
+
+#include "detail/kv_cache_layer.h"
+
+namespace kvc {
+
+namespace {
+
+template <class T>
+void put(io_write_i& io, T v) {
+    io.write(&v, sizeof v);
+}
+
+template <class T>
+T get(io_read_i& io) {
+    T v{};
+    io.read(&v, sizeof v);
+    return v;
+}
+
+[[noreturn]] void bad(const io_read_i& io, const std::string& what) {
+    throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", io.n_bytes(), what));
+}
+
+}  // namespace
+
+// -- writing --
+
+void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint32_t> cells,
+                           seq_id_t seq_id) const {
+    const kv_cells& c = streams_[stream];
+    put<uint32_t>(io, static_cast<uint32_t>(cells.size()));
+    if (cells.empty()) return;
+    for (uint32_t i : cells) {
+        put<int32_t>(io, c.pos_get(i));
+        const seq_set& seqs = c.seqs(i);
+        const uint32_t n_ids = seq_id >= 0 ? 1 : static_cast<uint32_t>(seqs.size());
+        put<uint32_t>(io, n_ids);
+        if (params_.n_pos > 1) {
+            put<int32_t>(io, c.ext_get(i).x);
+            put<int32_t>(io, c.ext_get(i).y);
+        }
+        if (seq_id >= 0)
+            put<int32_t>(io, seq_id);
+        else
+            for (seq_id_t s : seqs) put<int32_t>(io, s);
+    }
+    put<uint32_t>(io, params_.v_trans ? 1 : 0);
+    put<uint32_t>(io, static_cast<uint32_t>(layers_.size()));
+    // Decision 8: a pending shift never leaks into a state; keys are written as the K-shift would leave
+    // them, so that restoring gives the attention results of the cache that was saved.
+    std::vector<float> row;
+    std::vector<std::byte> shifted;
+    for (const layer& l : layers_) {
+        put<int32_t>(io, static_cast<int32_t>(params_.type_k));
+        put<uint64_t>(io, l.k_row);
+        row.resize(l.e_k);
+        shifted.resize(l.k_row);
+        ops::rope_table table;
+        pos_t table_for = 0;
+        for (uint32_t i : cells) {
+            const pos_t d = c.get_shift(i);
+            if (d == 0 || l.desc.rope.type == rope_type::none) {
+                io.write(k_row_ptr(l, stream, i), l.k_row);
+                continue;
+            }
+            if (table.cos_sin.empty() || table_for != d) {
+                table = ops::make_rope_table(l.desc.n_embd_head_k, d, l.desc.rope, false);
+                table_for = d;
+            }
+            to_f32(params_.type_k, k_row_ptr(l, stream, i), row.data(), l.e_k);
+            ops::apply_rope(row, l.desc.n_head_kv, l.desc.n_embd_head_k, table);
+            from_f32(params_.type_k, row.data(), shifted.data(), l.e_k);
+            io.write(shifted.data(), l.k_row);
+        }
+    }
+    const size_t esz = type_size(params_.type_v);
+    for (const layer& l : layers_) {
+        put<int32_t>(io, static_cast<int32_t>(params_.type_v));
+        if (!params_.v_trans) {
+            put<uint64_t>(io, l.v_row);
+            for (uint32_t i : cells) io.write(v_row_ptr(l, stream, i), l.v_row);
+            continue;
+        }
+        put<uint32_t>(io, static_cast<uint32_t>(esz));
+        put<uint32_t>(io, l.e_v);
+        for (uint32_t e = 0; e < l.e_v; ++e)
+            for (uint32_t i : cells) io.write(l.v.data() + v_elem_offset(stream, e, i) * esz, esz);
+    }
+}
+
+void kv_cache::state_write(io_write_i& io, seq_id_t seq_id,
+                           state_seq_flags /*flags: none apply to a plain cache*/) const {
+    if (seq_id != seq_all) check_seq(seq_id, "state_write");
+    put<uint32_t>(io, static_cast<uint32_t>(streams_.size()));
+    std::vector<uint32_t> cells;
+    for (uint32_t s = 0; s < streams_.size(); ++s) {
+        const kv_cells& c = streams_[s];
+        cells.clear();
+        if (seq_id == seq_all) {
+            c.used_cells(cells);
+        } else if (seq_to_stream(seq_id) == s) {
+            const pos_t pmax = c.seq_pos_max(seq_id);
+            for (const auto& [pos, i] : c.seq_entries(seq_id, -1, -1))  // SWA: cells the sequence still sees
+                if (!is_masked_swa(params_.n_swa, params_.swa, pos, pmax)) cells.push_back(i);
+            std::sort(cells.begin(), cells.end());  // cell order, as llama.cpp writes ranges
+        }
+        write_cells(io, s, cells, seq_id);
+    }
+}
+
+// -- reading --
+
+struct kv_cache::staged_state {
+    struct stream_part {
+        uint32_t stream = 0;  // target stream
+        std::vector<pos_t> pos;
+        std::vector<cell_ext> ext;
+        std::vector<std::vector<seq_id_t>> seqs;  // whole restore only
+        std::vector<std::vector<std::byte>> k;    // [layer] cell rows back to back
+        std::vector<std::vector<std::byte>> v;    // [layer] rows, or channel-major elements (transposed)
+    };
+    std::vector<stream_part> parts;  // streams with cells, ascending
+};
+
+kv_cache::staged_state kv_cache::parse_state(io_read_i& io, seq_id_t seq_id) const {
+    if (seq_id != seq_all) check_seq(seq_id, "state_read");
+    staged_state st;
+    const auto n_stream = get<uint32_t>(io);
+    if (n_stream != streams_.size())
+        bad(io, fmt::format(
+                    "the state has {} streams, this cache {} (unified and per-sequence caches do not mix)",
+                    n_stream, streams_.size()));
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        const auto count = get<uint32_t>(io);
+        if (count == 0) continue;
+        if (count > params_.kv_size)
+            bad(io, fmt::format("stream {} holds {} cells, this cache has {} per stream", s, count,
+                                params_.kv_size));
+        staged_state::stream_part part;
+        part.stream = seq_id == seq_all ? s : seq_to_stream(seq_id);
+        if (seq_id != seq_all && !st.parts.empty())
+            bad(io, "a sequence's state holds cells in more than one stream");
+        part.pos.resize(count);
+        part.ext.resize(count);
+        int32_t first_id = 0;
+        if (seq_id == seq_all) part.seqs.resize(count);
+        for (uint32_t j = 0; j < count; ++j) {
+            const auto pos = get<int32_t>(io);
+            if (pos < 0) bad(io, fmt::format("cell {} of stream {} has position {}", j, s, pos));
+            part.pos[j] = pos;
+            const auto n_ids = get<uint32_t>(io);
+            if (params_.n_pos > 1) {
+                part.ext[j].x = get<int32_t>(io);
+                part.ext[j].y = get<int32_t>(io);
+            }
+            if (seq_id != seq_all) {
+                if (n_ids != 1)
+                    bad(io, fmt::format(
+                                "cell {} has {} sequence ids; a sequence's state has exactly one per cell "
+                                "(a whole-memory state cannot be restored into one sequence)",
+                                j, n_ids));
+                // The source id does not matter (a sequence restores into any destination), but every
+                // cell must carry the same one: cells of several sequences make no single sequence.
+                const auto id = get<int32_t>(io);
+                if (j == 0)
+                    first_id = id;
+                else if (id != first_id)
+                    bad(io, fmt::format(
+                                "cells of seq {} and seq {}: a whole-memory state cannot be restored into "
+                                "one sequence",
+                                first_id, id));
+                continue;
+            }
+            if (n_ids > params_.n_seq_max)
+                bad(io, fmt::format("cell {} lists {} sequence ids, more than n_seq_max {}", j, n_ids,
+                                    params_.n_seq_max));
+            for (uint32_t q = 0; q < n_ids; ++q) {
+                const auto id = get<int32_t>(io);
+                if (id < 0 || static_cast<uint32_t>(id) >= params_.n_seq_max)
+                    bad(io, fmt::format("cell {} holds seq_id {} not in [0, {})", j, id, params_.n_seq_max));
+                if (!params_.unified && static_cast<uint32_t>(id) != s)
+                    bad(io, fmt::format("cell {} of stream {} holds seq_id {}, which lives in stream {}", j,
+                                        s, id, id));
+                if (std::find(part.seqs[j].begin(), part.seqs[j].end(), id) != part.seqs[j].end())
+                    bad(io, fmt::format("cell {} lists seq_id {} twice", j, id));
+                part.seqs[j].push_back(id);
+            }
+        }
+        const auto v_trans = get<uint32_t>(io);
+        if (v_trans != (params_.v_trans ? 1u : 0u))
+            bad(io, fmt::format("the state's V is {}transposed, this cache's is {}", v_trans ? "" : "not ",
+                                params_.v_trans ? "transposed" : "not"));
+        const auto n_layer = get<uint32_t>(io);
+        if (n_layer != layers_.size())
+            bad(io, fmt::format("the state has {} layers, this cache {}", n_layer, layers_.size()));
+        for (const layer& l : layers_) {
+            const auto type = get<int32_t>(io);
+            if (type != static_cast<int32_t>(params_.type_k))
+                bad(io, fmt::format("layer {} K type {} (ggml id), this cache has {} ({})", l.il, type,
+                                    to_string(params_.type_k), static_cast<int32_t>(params_.type_k)));
+            const auto row = get<uint64_t>(io);
+            if (row != l.k_row)
+                bad(io, fmt::format("layer {} K rows of {} bytes, this cache {}", l.il, row, l.k_row));
+            auto& k = part.k.emplace_back(size_t{count} * l.k_row);
+            io.read(k.data(), k.size());
+        }
+        const size_t esz = type_size(params_.type_v);
+        for (const layer& l : layers_) {
+            const auto type = get<int32_t>(io);
+            if (type != static_cast<int32_t>(params_.type_v))
+                bad(io, fmt::format("layer {} V type {} (ggml id), this cache has {} ({})", l.il, type,
+                                    to_string(params_.type_v), static_cast<int32_t>(params_.type_v)));
+            if (!params_.v_trans) {
+                const auto row = get<uint64_t>(io);
+                if (row != l.v_row)
+                    bad(io, fmt::format("layer {} V rows of {} bytes, this cache {}", l.il, row, l.v_row));
+            } else {
+                const auto elem = get<uint32_t>(io);
+                const auto e_v = get<uint32_t>(io);
+                if (elem != esz || e_v != l.e_v)
+                    bad(io, fmt::format("layer {} V of {} channels x {} bytes, this cache {} x {}", l.il, e_v,
+                                        elem, l.e_v, esz));
+            }
+            const size_t bytes = params_.v_trans ? size_t{count} * l.e_v * esz : size_t{count} * l.v_row;
+            auto& v = part.v.emplace_back(bytes);
+            io.read(v.data(), v.size());
+        }
+        st.parts.push_back(std::move(part));
+    }
+    return st;
+}
+
+void kv_cache::state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) const {
+    (void)parse_state(io, seq_id);
+}
+
+void kv_cache::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) {
+    const staged_state st = parse_state(io, seq_id);  // everything checked before anything changes
+
+    // placement
+    std::vector<slot_info> slots;
+    if (seq_id == seq_all) {
+        for (kv_cells& c : streams_) c.reset();  // decision 2: every stream is replaced
+        std::fill(heads_.begin(), heads_.end(), 0);
+        for (const auto& part : st.parts) {
+            kv_cells& c = streams_[part.stream];
+            slot_info si;
+            si.s0 = si.s1 = part.stream;
+            si.strm = {part.stream};
+            si.idxs.resize(1);
+            for (uint32_t j = 0; j < part.pos.size(); ++j) {
+                c.pos_set(j, part.pos[j]);
+                c.ext_set(j, part.ext[j]);
+                for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
+                si.idxs[0].push_back(j);
+            }
+            slots.push_back(std::move(si));
+        }
+    } else {
+        const uint32_t s = seq_to_stream(seq_id);
+        kv_cells& c = streams_[s];
+        // the destination's cells are replaced: keep them until the new ones have found room
+        std::vector<uint32_t> old;
+        c.seq_cells(seq_id, -1, -1, old);
+        const cells_snapshot saved = c.cp(old);
+        const std::vector<uint32_t> saved_heads = heads_;
+        seq_rm(seq_id, -1, -1);
+        if (!st.parts.empty()) {
+            const auto& part = st.parts[0];
+            const auto n = static_cast<uint32_t>(part.pos.size());
+            ubatch ub;
+            ub.n_tokens = n;
+            ub.n_seq_tokens = n;
+            ub.n_seqs = 1;
+            ub.equal_seqs = true;
+            ub.n_pos = params_.n_pos >= 3 ? params_.n_pos : 1;
+            ub.pos.assign(size_t{n} * ub.n_pos, 0);
+            for (uint32_t j = 0; j < n; ++j) {
+                ub.pos[j] = part.pos[j];
+                if (ub.n_pos >= 3) {
+                    ub.pos[j + n] = part.ext[j].y;
+                    ub.pos[j + 2 * n] = part.ext[j].x;
+                }
+            }
+            ub.n_seq_id.assign(n, 1);
+            ub.seq_id_data.assign(n, seq_id);
+            ub.seq_id_begin.resize(n + 1);
+            for (uint32_t j = 0; j <= n; ++j) ub.seq_id_begin[j] = j;
+            ub.seq_id_unq = {seq_id};
+            ub.n_seqs_unq = 1;
+            ub.output.assign(n, 0);
+            slot_info si = find_slot(ub);
+            if (si.empty()) {
+                c.set(old, saved);
+                heads_ = saved_heads;
+                throw error(errc::invalid_state,
+                            fmt::format("state_read: no room for the {} cells of the state in the "
+                                        "stream of seq {}",
+                                        n, seq_id));
+            }
+            apply_ubatch(si, ub);
+            slots.push_back(std::move(si));
+        }
+    }
+
+    // data
+    const size_t esz = type_size(params_.type_v);
+    for (size_t p = 0; p < st.parts.size(); ++p) {
+        const auto& part = st.parts[p];
+        const slot_info& si = slots[p];
+        const uint32_t stream = si.strm[0];
+        const auto& cells = si.idxs[0];
+        for (size_t li = 0; li < layers_.size(); ++li) {
+            const layer& l = layers_[li];
+            for (size_t j = 0; j < cells.size(); ++j) {
+                std::memcpy(k_row_ptr(l, stream, cells[j]), part.k[li].data() + j * l.k_row, l.k_row);
+                if (!params_.v_trans)
+                    std::memcpy(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row, l.v_row);
+            }
+            if (!params_.v_trans) continue;
+            auto* v = const_cast<std::byte*>(l.v.data());
+            for (uint32_t e = 0; e < l.e_v; ++e)
+                for (size_t j = 0; j < cells.size(); ++j)
+                    std::memcpy(v + v_elem_offset(stream, e, cells[j]) * esz,
+                                part.v[li].data() + (size_t{e} * cells.size() + j) * esz, esz);
+        }
+    }
+}
+
+}  // namespace kvc

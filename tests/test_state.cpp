@@ -1,0 +1,367 @@
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <kvcache/kv_cache.h>
+#include <kvcache/state.h>
+
+namespace kvc {
+namespace {
+
+ubatch make_ub(std::vector<pos_t> pos, seq_id_t s, uint32_t n_pos = 1) {
+    ubatch u;
+    u.n_tokens = static_cast<uint32_t>(pos.size() / n_pos);
+    u.n_seq_tokens = 1;
+    u.n_seqs = u.n_tokens;
+    u.n_pos = n_pos;
+    u.pos = std::move(pos);
+    for (uint32_t i = 0; i <= u.n_tokens; ++i) u.seq_id_begin.push_back(i);
+    u.n_seq_id.assign(u.n_tokens, 1);
+    u.seq_id_data.assign(u.n_tokens, s);
+    u.output.assign(u.n_tokens, 0);
+    u.seq_id_unq = {s};
+    u.n_seqs_unq = 1;
+    return u;
+}
+
+// Places n tokens of s (positions from p0) through find_slot and writes random K/V rows.
+void decode(kv_cache& c, seq_id_t s, pos_t p0, uint32_t n, std::mt19937& rng, uint32_t n_pos = 1) {
+    std::vector<pos_t> pos(size_t{n} * n_pos, 0);
+    for (uint32_t i = 0; i < n; ++i) {
+        pos[i] = p0 + static_cast<pos_t>(i);
+        if (n_pos >= 3) pos[i + n] = static_cast<pos_t>(i % 3), pos[i + 2 * n] = static_cast<pos_t>(i % 2);
+    }
+    const ubatch ub = make_ub(pos, s, n_pos);
+    const slot_info si = c.find_slot(ub);
+    ASSERT_FALSE(si.empty());
+    c.apply_ubatch(si, ub);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (uint32_t il : c.layer_ids()) {
+        const layer_desc& d = c.params().layers[il];
+        for (bool is_v : {false, true}) {
+            const uint32_t e = d.n_head_kv * (is_v ? d.n_embd_head_v : d.n_embd_head_k);
+            std::vector<float> rows(size_t{e} * n);
+            for (float& x : rows) x = normal(rng);
+            const auto view = const_tensor_view::contiguous(
+                dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), e, n);
+            if (is_v)
+                c.cpy_v(il, view, si);
+            else
+                c.cpy_k(il, view, si);
+        }
+    }
+}
+
+kv_cache_params params_for(dtype tk, dtype tv, bool v_trans, bool unified, uint32_t n_seq_max = 4) {
+    kv_cache_params p;
+    p.layers = {layer_desc{.n_head_kv = 2, .n_embd_head_k = 32, .n_embd_head_v = 32},
+                layer_desc{.n_head_kv = 1, .n_embd_head_k = 64, .n_embd_head_v = 32}};
+    p.type_k = tk;
+    p.type_v = tv;
+    p.v_trans = v_trans;
+    p.unified = unified;
+    p.kv_size = 64;
+    p.n_seq_max = n_seq_max;
+    return p;
+}
+
+std::vector<uint8_t> whole(const kv_cache& c) {
+    return state_seq_get_data(c, seq_all);
+}
+
+TEST(state, b6_per_sequence_buffer_is_byte_exact) {
+    kv_cache_params p;
+    p.layers = {layer_desc{.n_head_kv = 1, .n_embd_head_k = 8, .n_embd_head_v = 8}};
+    p.type_k = dtype::f16;
+    p.type_v = dtype::f16;
+    p.v_trans = false;
+    p.kv_size = 16;
+    p.n_seq_max = 3;
+    kv_cache c(p);
+    slot_info si;
+    si.strm = {0};
+    si.idxs = {{4, 5}};
+    c.apply_ubatch(si, make_ub({0, 1}, 2));
+    std::vector<float> rows(16);
+    for (size_t i = 0; i < 16; ++i) rows[i] = static_cast<float>(i);
+    const auto view =
+        const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, 2);
+    c.cpy_k(0, view, si);
+    c.cpy_v(0, view, si);
+    const auto buf = state_seq_get_data(c, 2);
+    ASSERT_EQ(buf.size(), 136u);
+    EXPECT_EQ(state_seq_get_size(c, 2), 136u);
+    size_t at = 0;
+    const auto u32 = [&] {
+        uint32_t v;
+        std::memcpy(&v, buf.data() + at, 4);
+        at += 4;
+        return v;
+    };
+    EXPECT_EQ(u32(), 0xaf143cd8u);  // io magic
+    EXPECT_EQ(u32(), 2u);           // source seq
+    EXPECT_EQ(u32(), 1u);           // n_stream
+    EXPECT_EQ(u32(), 2u);           // cell_count
+    EXPECT_EQ(u32(), 0u);           // cell 4: pos 0, 1 seq id, seq 2
+    EXPECT_EQ(u32(), 1u);
+    EXPECT_EQ(u32(), 2u);
+    EXPECT_EQ(u32(), 1u);  // cell 5: pos 1
+    EXPECT_EQ(u32(), 1u);
+    EXPECT_EQ(u32(), 2u);
+    EXPECT_EQ(u32(), 0u);  // v_trans
+    EXPECT_EQ(u32(), 1u);  // n_layer
+    EXPECT_EQ(u32(), 1u);  // K type f16
+    uint64_t row;
+    std::memcpy(&row, buf.data() + at, 8);
+    at += 8;
+    EXPECT_EQ(row, 16u);
+    uint16_t h;
+    std::memcpy(&h, buf.data() + at + 2 * 9, 2);  // K of token 1, dim 1 = 9.0
+    EXPECT_EQ(fp16_to_fp32(h), 9.0f);
+    at += 32;
+    EXPECT_EQ(u32(), 1u);  // V type f16
+    std::memcpy(&row, buf.data() + at, 8);
+    EXPECT_EQ(row, 16u);
+    EXPECT_EQ(at + 8 + 32, 136u);
+}
+
+struct layout_case {
+    dtype tk, tv;
+    bool v_trans, unified;
+};
+
+TEST(state, whole_memory_round_trips_for_every_type_and_layout) {
+    const layout_case cases[] = {
+        {dtype::f32, dtype::f32, true, true},     {dtype::f16, dtype::f16, true, true},
+        {dtype::bf16, dtype::bf16, false, true},  {dtype::q8_0, dtype::q8_0, false, true},
+        {dtype::q4_0, dtype::q4_0, false, false}, {dtype::q8_0, dtype::f16, true, false},
+        {dtype::f16, dtype::q4_0, false, false},
+    };
+    std::mt19937 rng(1);
+    for (const layout_case& lc : cases) {
+        kv_cache a(params_for(lc.tk, lc.tv, lc.v_trans, lc.unified));
+        decode(a, 0, 0, 5, rng);
+        decode(a, 2, 0, 9, rng);
+        decode(a, 3, 0, 1, rng);
+        if (lc.unified) a.seq_cp(2, 1, 3, 7);
+        const auto bytes = whole(a);
+        kv_cache b(params_for(lc.tk, lc.tv, lc.v_trans, lc.unified));
+        decode(b, 1, 0, 3, rng);  // replaced by the restore
+        EXPECT_EQ(state_seq_set_data(b, bytes, seq_all), bytes.size());
+        EXPECT_EQ(whole(b), bytes) << to_string(lc.tk) << "/" << to_string(lc.tv);
+        for (seq_id_t s = 0; s < 4; ++s) {
+            EXPECT_EQ(b.seq_pos_min(s), a.seq_pos_min(s));
+            EXPECT_EQ(b.seq_pos_max(s), a.seq_pos_max(s));
+        }
+        // and the restored memory takes new tokens where they belong
+        decode(b, 0, 5, 2, rng);
+        EXPECT_EQ(b.seq_pos_max(0), 6);
+    }
+}
+
+TEST(state, a_sequence_restores_into_any_destination) {
+    std::mt19937 rng(2);
+    for (bool unified : {true, false}) {
+        kv_cache a(params_for(dtype::f16, dtype::f16, true, unified));
+        decode(a, 1, 0, 7, rng);
+        decode(a, 0, 0, 3, rng);
+        const auto seq1 = state_seq_get_data(a, 1);
+        kv_cache b(params_for(dtype::f16, dtype::f16, true, unified));
+        decode(b, 3, 0, 2, rng);  // dest's old contents go
+        decode(b, 2, 0, 4, rng);  // others stay
+        state_seq_set_data(b, seq1, 3);
+        EXPECT_EQ(b.seq_pos_min(3), 0);
+        EXPECT_EQ(b.seq_pos_max(3), 6);
+        EXPECT_EQ(b.seq_pos_max(2), 3);
+        // the restored rows are the saved ones: moved back into seq 1 of a fresh cache, the payload is
+        // the one that was saved (cells and streams may differ in between)
+        kv_cache c(params_for(dtype::f16, dtype::f16, true, unified));
+        state_seq_set_data(c, state_seq_get_data(b, 3), 1);
+        EXPECT_EQ(state_seq_get_data(c, 1), seq1);
+        // empty sequences save and restore as empty
+        const auto empty = state_seq_get_data(a, 2);
+        state_seq_set_data(b, empty, 2);
+        EXPECT_EQ(b.seq_pos_max(2), -1);
+    }
+}
+
+TEST(state, swa_and_mrope_states) {
+    std::mt19937 rng(3);
+    auto p = params_for(dtype::f16, dtype::f16, false, true);
+    p.swa = swa_type::standard;
+    p.n_swa = 4;
+    kv_cache a(p);
+    decode(a, 0, 0, 10, rng);
+    // a sequence's state keeps only the cells it still sees (positions 6..9) plus one (5: bound pos_max)
+    const auto seq0 = state_seq_get_data(a, 0);
+    kv_cache b(p);
+    state_seq_set_data(b, seq0, 0);
+    EXPECT_EQ(b.seq_pos_min(0), 6) << "masked at the bound pos_max = 9: 9 - 5 >= 4";
+    EXPECT_EQ(b.seq_pos_max(0), 9);
+
+    auto m = params_for(dtype::f32, dtype::f32, true, true);
+    m.n_pos = 4;
+    kv_cache c(m);
+    decode(c, 1, 0, 6, rng, 4);
+    const auto all = whole(c);
+    kv_cache d(m);
+    state_seq_set_data(d, all, seq_all);
+    EXPECT_EQ(whole(d), all);
+    EXPECT_EQ(d.cells(0).ext_get(1), c.cells(0).ext_get(1));
+    const auto seq1 = state_seq_get_data(c, 1);
+    kv_cache e(m);
+    state_seq_set_data(e, seq1, 2);
+    std::vector<uint32_t> cells;
+    e.cells(0).seq_cells(2, 4, 5, cells);
+    ASSERT_EQ(cells.size(), 1u);
+    EXPECT_EQ(e.cells(0).ext_get(cells[0]), (cell_ext{0, 1})) << "pos 4: x = 4 % 2, y = 4 % 3";
+}
+
+TEST(state, many_sequences_and_streams) {
+    std::mt19937 rng(4);
+    auto p = params_for(dtype::f16, dtype::f16, true, false, 40);
+    p.kv_size = 16;
+    kv_cache a(p);
+    for (seq_id_t s = 0; s < 40; s += 3) decode(a, s, 0, 1 + static_cast<uint32_t>(s % 5), rng);
+    const auto all = whole(a);
+    kv_cache b(p);
+    state_seq_set_data(b, all, seq_all);
+    EXPECT_EQ(whole(b), all) << "every stream is restored (decision 2)";
+}
+
+TEST(state, a_pending_shift_is_saved_as_applied) {
+    // decision 8: restore-then-attend equals attend-without-restore after a seq_add
+    std::mt19937 rng(5);
+    auto p = params_for(dtype::q8_0, dtype::f16, true, true);
+    for (layer_desc& l : p.layers) l.rope = {.type = rope_type::neox};
+    kv_cache a(p);
+    decode(a, 0, 0, 12, rng);
+    a.seq_rm(0, 0, 4);
+    a.seq_add(0, 4, -1, -4);
+    ASSERT_TRUE(a.get_has_shift());
+    const auto saved = whole(a);
+    a.update();
+    EXPECT_EQ(whole(a), saved) << "the saved keys are the keys after the shift";
+    kv_cache b(p);
+    state_seq_set_data(b, saved, seq_all);
+    EXPECT_FALSE(b.get_has_shift());
+    EXPECT_EQ(whole(b), whole(a));
+}
+
+TEST(state, every_truncation_and_corruption_is_rejected_without_change) {
+    std::mt19937 rng(6);
+    const auto p = params_for(dtype::q8_0, dtype::f16, true, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 3, rng);
+    decode(a, 1, 0, 2, rng);
+    const auto all = whole(a);
+    const auto seq1 = state_seq_get_data(a, 1);
+    kv_cache b(p);
+    decode(b, 2, 0, 4, rng);
+    const auto before = whole(b);
+    for (size_t n = 0; n < all.size(); ++n) {
+        EXPECT_THROW(state_seq_set_data(b, std::span(all.data(), n), seq_all), error) << n;
+        ASSERT_EQ(whole(b), before) << "truncated at " << n;
+    }
+    for (size_t n = 0; n < seq1.size(); ++n) {
+        EXPECT_THROW(state_seq_set_data(b, std::span(seq1.data(), n), 2), error) << n;
+        ASSERT_EQ(whole(b), before) << "truncated at " << n;
+    }
+    auto longer = all;
+    longer.push_back(0);
+    try {
+        state_seq_set_data(b, longer, seq_all);
+        FAIL();
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("1 trailing bytes"), std::string::npos) << e.what();
+    }
+    const auto corrupt = [&](size_t at, uint32_t value, const char* want, seq_id_t dest = seq_all) {
+        auto bad = dest == seq_all ? all : seq1;
+        std::memcpy(bad.data() + at, &value, 4);
+        try {
+            state_seq_set_data(b, bad, dest);
+            ADD_FAILURE() << "accepted: " << want;
+        } catch (const error& e) {
+            EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(whole(b), before);
+    };
+    corrupt(0, 0x12345678, "not a sequence state");
+    corrupt(8, 2, "the state has 2 streams");
+    corrupt(12, 1000, "holds 1000 cells");
+    corrupt(16, static_cast<uint32_t>(-5), "has position -5");
+    corrupt(24, 9, "seq_id 9 not in [0, 4)");
+    // whole-memory data: after 5 cells of meta (cell: pos, n, id -> 12 bytes) come v_trans and n_layer
+    const size_t data_at = 16 + 5 * 12;
+    corrupt(data_at, 0, "V is not transposed");
+    corrupt(data_at + 4, 3, "the state has 3 layers");
+    corrupt(data_at + 8, 1, "layer 0 K type 1");
+    // a whole-memory state with shared cells cannot go into one sequence: cells list two ids
+    kv_cache shared(p);
+    decode(shared, 0, 0, 2, rng);
+    shared.seq_cp(0, 1, -1, -1);
+    try {
+        state_seq_set_data(b, whole(shared), 2);
+        FAIL();
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("has 2 sequence ids"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(whole(b), before);
+}
+
+TEST(state, a_whole_memory_state_of_several_sequences_is_not_one_sequence) {
+    std::mt19937 rng(9);
+    const auto p = params_for(dtype::f16, dtype::f16, true, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 2, rng);
+    decode(a, 1, 0, 2, rng);
+    kv_cache b(p);
+    try {
+        state_seq_set_data(b, whole(a), 2);
+        FAIL();
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("cells of seq 0 and seq 1"), std::string::npos) << e.what();
+    }
+    kv_cache one(p);
+    decode(one, 3, 0, 2, rng);
+    EXPECT_NO_THROW(state_seq_set_data(b, whole(one), 2)) << "one sequence's cells are fine";
+    EXPECT_EQ(b.seq_pos_max(2), 1);
+}
+
+TEST(state, duplicate_ids_in_a_cell_are_rejected) {
+    std::mt19937 rng(8);
+    const auto p = params_for(dtype::f16, dtype::f16, true, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 1, rng);
+    a.seq_cp(0, 1, -1, -1);
+    auto bytes = whole(a);  // cell 0: pos 0, 2 ids (0, 1) at bytes 24 and 28
+    const int32_t zero = 0;
+    std::memcpy(bytes.data() + 28, &zero, 4);
+    kv_cache b(p);
+    try {
+        state_seq_set_data(b, bytes, seq_all);
+        FAIL();
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("lists seq_id 0 twice"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(b.cells(0).get_used(), 0u);
+}
+
+TEST(state, no_room_for_a_sequence_leaves_the_destination_as_it_was) {
+    std::mt19937 rng(7);
+    auto p = params_for(dtype::f16, dtype::f16, true, true);
+    p.kv_size = 16;
+    kv_cache a(p);
+    decode(a, 0, 0, 12, rng);
+    const auto seq0 = state_seq_get_data(a, 0);
+    kv_cache b(p);
+    decode(b, 1, 0, 3, rng);
+    decode(b, 2, 0, 10, rng);
+    const auto before = whole(b);
+    EXPECT_THROW(state_seq_set_data(b, seq0, 1), error);  // 12 cells, 6 free once seq 1 goes
+    EXPECT_EQ(whole(b), before);
+}
+
+}  // namespace
+}  // namespace kvc
