@@ -42,6 +42,12 @@ bool is_masked_swa(uint32_t n_swa, swa_type type, pos_t p0, pos_t p1) {
     return false;
 }
 
+uint32_t slot_info::head() const {
+    if (idxs.empty() || idxs[0].empty())
+        throw error(errc::invalid_state, "slot_info::head: the slot is empty");
+    return idxs[0][0];
+}
+
 bool slot_info::is_contiguous() const {
     if (idxs.size() != 1) return false;
     for (size_t i = 1; i < idxs[0].size(); ++i)

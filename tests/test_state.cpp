@@ -70,6 +70,18 @@ std::vector<uint8_t> whole(const kv_cache& c) {
     return state_seq_get_data(c, seq_all);
 }
 
+// Restoring `bytes` into dest must fail with an error containing `want` and leave c byte for byte as it was.
+void expect_rejected(kv_cache& c, std::span<const uint8_t> bytes, seq_id_t dest, const std::string& want) {
+    const auto before = whole(c);
+    try {
+        state_seq_set_data(c, bytes, dest);
+        ADD_FAILURE() << "accepted, expected: " << want;
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(whole(c), before) << "after: " << want;
+}
+
 TEST(state, b6_per_sequence_buffer_is_byte_exact) {
     kv_cache_params p;
     p.layers = {layer_desc{.n_head_kv = 1, .n_embd_head_k = 8, .n_embd_head_v = 8}};
@@ -270,22 +282,11 @@ TEST(state, every_truncation_and_corruption_is_rejected_without_change) {
     }
     auto longer = all;
     longer.push_back(0);
-    try {
-        state_seq_set_data(b, longer, seq_all);
-        FAIL();
-    } catch (const error& e) {
-        EXPECT_NE(std::string(e.what()).find("1 trailing bytes"), std::string::npos) << e.what();
-    }
-    const auto corrupt = [&](size_t at, uint32_t value, const char* want, seq_id_t dest = seq_all) {
-        auto bad = dest == seq_all ? all : seq1;
+    expect_rejected(b, longer, seq_all, "1 trailing bytes");
+    const auto corrupt = [&](size_t at, uint32_t value, const char* want) {
+        auto bad = all;
         std::memcpy(bad.data() + at, &value, 4);
-        try {
-            state_seq_set_data(b, bad, dest);
-            ADD_FAILURE() << "accepted: " << want;
-        } catch (const error& e) {
-            EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
-        }
-        EXPECT_EQ(whole(b), before);
+        expect_rejected(b, bad, seq_all, want);
     };
     corrupt(0, 0x12345678, "not a sequence state");
     corrupt(8, 2, "the state has 2 streams");
@@ -301,12 +302,7 @@ TEST(state, every_truncation_and_corruption_is_rejected_without_change) {
     kv_cache shared(p);
     decode(shared, 0, 0, 2, rng);
     shared.seq_cp(0, 1, -1, -1);
-    try {
-        state_seq_set_data(b, whole(shared), 2);
-        FAIL();
-    } catch (const error& e) {
-        EXPECT_NE(std::string(e.what()).find("has 2 sequence ids"), std::string::npos) << e.what();
-    }
+    expect_rejected(b, whole(shared), 2, "has 2 sequence ids");
     EXPECT_EQ(whole(b), before);
 }
 
@@ -317,12 +313,7 @@ TEST(state, a_whole_memory_state_of_several_sequences_is_not_one_sequence) {
     decode(a, 0, 0, 2, rng);
     decode(a, 1, 0, 2, rng);
     kv_cache b(p);
-    try {
-        state_seq_set_data(b, whole(a), 2);
-        FAIL();
-    } catch (const error& e) {
-        EXPECT_NE(std::string(e.what()).find("cells of seq 0 and seq 1"), std::string::npos) << e.what();
-    }
+    expect_rejected(b, whole(a), 2, "cells of seq 0 and seq 1");
     kv_cache one(p);
     decode(one, 3, 0, 2, rng);
     EXPECT_NO_THROW(state_seq_set_data(b, whole(one), 2)) << "one sequence's cells are fine";
@@ -339,12 +330,7 @@ TEST(state, duplicate_ids_in_a_cell_are_rejected) {
     const int32_t zero = 0;
     std::memcpy(bytes.data() + 28, &zero, 4);
     kv_cache b(p);
-    try {
-        state_seq_set_data(b, bytes, seq_all);
-        FAIL();
-    } catch (const error& e) {
-        EXPECT_NE(std::string(e.what()).find("lists seq_id 0 twice"), std::string::npos) << e.what();
-    }
+    expect_rejected(b, bytes, seq_all, "lists seq_id 0 twice");
     EXPECT_EQ(b.cells(0).get_used(), 0u);
 }
 

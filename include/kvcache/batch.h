@@ -161,7 +161,6 @@ public:
 private:
     ubatch make_ubatch(const std::vector<uint32_t>& idxs, uint32_t n_seqs, bool equal_seqs);
     void clear();
-    // Unused token set keys: index of token i's sequence set in sets_.
     uint32_t n_tokens_ = 0, n_outputs_ = 0, n_used_ = 0, n_pos_ = 1, n_embd_ = 0;
     bool has_cpl_ = false;
     std::vector<token_t> token_;                    // [n_tokens] copies (empty with embeddings)

@@ -80,7 +80,7 @@ struct slot_info {
     size_t n_stream() const { return strm.size(); }
     size_t size() const { return idxs.empty() ? 0 : idxs[0].size(); }
     bool empty() const { return idxs.empty(); }
-    uint32_t head() const { return idxs.at(0).at(0); }
+    uint32_t head() const;       // first cell of the only group; throws kvc::error on an empty slot
     bool is_contiguous() const;  // one group of consecutive ascending cells
 };
 
