@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(
   g++ cmake ninja-build pkg-config          # toolchain
   libfmt-dev libcli11-dev                   # formatting, CLI
+  libxxhash-dev libzstd-dev                 # session file checksums, compression
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks
 )

@@ -28,6 +28,17 @@ T get(io_read_i& io) {
     throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", io.n_bytes(), what));
 }
 
+// Calls f(j, n) for each run cells[j..j+n) of consecutive ascending cells, so rows go in one piece.
+template <class F>
+void for_each_run(std::span<const uint32_t> cells, F&& f) {
+    for (size_t j = 0; j < cells.size();) {
+        size_t n = 1;
+        while (j + n < cells.size() && cells[j + n] == cells[j] + n) ++n;
+        f(j, n);
+        j += n;
+    }
+}
+
 }  // namespace
 
 // -- writing --
@@ -62,11 +73,16 @@ void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint
         put<uint64_t>(io, l.k_row);
         row.resize(l.e_k);
         shifted.resize(l.k_row);
+        if (!c.get_has_shift() || l.desc.rope.type == rope_type::none) {
+            for_each_run(cells,
+                         [&](size_t j, size_t n) { io.write(k_row_ptr(l, stream, cells[j]), n * l.k_row); });
+            continue;
+        }
         ops::rope_table table;
         pos_t table_for = 0;
         for (uint32_t i : cells) {
             const pos_t d = c.get_shift(i);
-            if (d == 0 || l.desc.rope.type == rope_type::none) {
+            if (d == 0) {
                 io.write(k_row_ptr(l, stream, i), l.k_row);
                 continue;
             }
@@ -85,13 +101,16 @@ void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint
         put<int32_t>(io, static_cast<int32_t>(params_.type_v));
         if (!params_.v_trans) {
             put<uint64_t>(io, l.v_row);
-            for (uint32_t i : cells) io.write(v_row_ptr(l, stream, i), l.v_row);
+            for_each_run(cells,
+                         [&](size_t j, size_t n) { io.write(v_row_ptr(l, stream, cells[j]), n * l.v_row); });
             continue;
         }
         put<uint32_t>(io, static_cast<uint32_t>(esz));
         put<uint32_t>(io, l.e_v);
         for (uint32_t e = 0; e < l.e_v; ++e)
-            for (uint32_t i : cells) io.write(l.v.data() + v_elem_offset(stream, e, i) * esz, esz);
+            for_each_run(cells, [&](size_t j, size_t n) {
+                io.write(l.v.data() + v_elem_offset(stream, e, cells[j]) * esz, n * esz);
+            });
     }
 }
 
@@ -115,6 +134,28 @@ void kv_cache::state_write(io_write_i& io, seq_id_t seq_id,
     }
 }
 
+std::string kv_cache::state_layout() const {
+    std::string out = fmt::format("kv streams={} v_trans={} n_pos={} rotation=none layers=", streams_.size(),
+                                  params_.v_trans ? 1 : 0, params_.n_pos);
+    const auto shape = [&](const layer& l) {
+        return fmt::format("k={}x{},v={}x{}", to_string(params_.type_k), l.e_k, to_string(params_.type_v),
+                           l.e_v);
+    };
+    // runs of consecutive model layers with one shape: "0-31:k=f16x1024,v=f16x1024;32:..."
+    for (size_t i = 0; i < layers_.size();) {
+        size_t n = 1;
+        const std::string s = shape(layers_[i]);
+        while (i + n < layers_.size() && layers_[i + n].il == layers_[i].il + n && shape(layers_[i + n]) == s)
+            ++n;
+        if (i) out += ';';
+        out += n == 1 ? fmt::format("{}:{}", layers_[i].il, s)
+                      : fmt::format("{}-{}:{}", layers_[i].il, layers_[i + n - 1].il, s);
+        i += n;
+    }
+    if (layers_.empty()) out += "none";
+    return out;
+}
+
 // -- reading --
 
 struct kv_cache::staged_state {
@@ -122,9 +163,11 @@ struct kv_cache::staged_state {
         uint32_t stream = 0;  // target stream
         std::vector<pos_t> pos;
         std::vector<cell_ext> ext;
-        std::vector<std::vector<seq_id_t>> seqs;  // whole restore only
-        std::vector<std::vector<std::byte>> k;    // [layer] cell rows back to back
-        std::vector<std::vector<std::byte>> v;    // [layer] rows, or channel-major elements (transposed)
+        std::vector<std::vector<seq_id_t>> seqs;    // whole restore only
+        std::vector<std::span<const std::byte>> k;  // [layer] cell rows back to back
+        std::vector<std::span<const std::byte>> v;  // [layer] rows, or channel-major elements (transposed)
+        std::vector<std::vector<std::byte>> owned;  // [2 * layer] bytes behind k and v, unless the reader
+                                                    // lends them (io_span_reader)
     };
     std::vector<stream_part> parts;  // streams with cells, ascending
 };
@@ -147,6 +190,7 @@ kv_cache::staged_state kv_cache::parse_state(io_read_i& io, seq_id_t seq_id) con
         part.stream = seq_id == seq_all ? s : seq_to_stream(seq_id);
         if (seq_id != seq_all && !st.parts.empty())
             bad(io, "a sequence's state holds cells in more than one stream");
+        part.owned.reserve(2 * layers_.size());  // no reallocation: k and v point into it
         part.pos.resize(count);
         part.ext.resize(count);
         int32_t first_id = 0;
@@ -208,8 +252,7 @@ kv_cache::staged_state kv_cache::parse_state(io_read_i& io, seq_id_t seq_id) con
             const auto row = get<uint64_t>(io);
             if (row != l.k_row)
                 bad(io, fmt::format("layer {} K rows of {} bytes, this cache {}", l.il, row, l.k_row));
-            auto& k = part.k.emplace_back(size_t{count} * l.k_row);
-            io.read(k.data(), k.size());
+            part.k.push_back(io.read_span(size_t{count} * l.k_row, part.owned.emplace_back()));
         }
         const size_t esz = type_size(params_.type_v);
         for (const layer& l : layers_) {
@@ -229,8 +272,7 @@ kv_cache::staged_state kv_cache::parse_state(io_read_i& io, seq_id_t seq_id) con
                                         elem, l.e_v, esz));
             }
             const size_t bytes = params_.v_trans ? size_t{count} * l.e_v * esz : size_t{count} * l.v_row;
-            auto& v = part.v.emplace_back(bytes);
-            io.read(v.data(), v.size());
+            part.v.push_back(io.read_span(bytes, part.owned.emplace_back()));
         }
         st.parts.push_back(std::move(part));
     }
@@ -319,17 +361,18 @@ void kv_cache::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flag
         const auto& cells = si.idxs[0];
         for (size_t li = 0; li < layers_.size(); ++li) {
             const layer& l = layers_[li];
-            for (size_t j = 0; j < cells.size(); ++j) {
-                std::memcpy(k_row_ptr(l, stream, cells[j]), part.k[li].data() + j * l.k_row, l.k_row);
+            for_each_run(cells, [&](size_t j, size_t n) {
+                std::memcpy(k_row_ptr(l, stream, cells[j]), part.k[li].data() + j * l.k_row, n * l.k_row);
                 if (!params_.v_trans)
-                    std::memcpy(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row, l.v_row);
-            }
+                    std::memcpy(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row, n * l.v_row);
+            });
             if (!params_.v_trans) continue;
             auto* v = const_cast<std::byte*>(l.v.data());
             for (uint32_t e = 0; e < l.e_v; ++e)
-                for (size_t j = 0; j < cells.size(); ++j)
+                for_each_run(cells, [&](size_t j, size_t n) {
                     std::memcpy(v + v_elem_offset(stream, e, cells[j]) * esz,
-                                part.v[li].data() + (size_t{e} * cells.size() + j) * esz, esz);
+                                part.v[li].data() + (size_t{e} * cells.size() + j) * esz, n * esz);
+                });
         }
     }
 }

@@ -1,9 +1,157 @@
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 
 #include <fmt/format.h>
 #include <kvcache/state.h>
 
 namespace kvc {
+
+namespace {
+
+constexpr size_t file_buffer_size = size_t{1} << 20;
+
+[[noreturn]] void io_fail(const char* what, const std::string& path) {
+    throw error(errc::io, fmt::format("{} '{}': {}", what, path, std::strerror(errno)));
+}
+
+// Restores the payload data[start..]: checked first (nothing changes), including that it ends with the
+// data, then read. Error offsets count from the start of data.
+size_t restore_from(memory_i& mem, std::span<const uint8_t> data, size_t start, seq_id_t dest,
+                    state_seq_flags flags) {
+    io_span_reader r(data);
+    std::vector<std::byte> skipped;
+    r.read_span(start, skipped);
+    mem.state_check(r, dest, flags);
+    if (r.remaining() != 0)
+        throw error(errc::corrupt_data, fmt::format("state: {} trailing bytes after the state at byte {}",
+                                                    r.remaining(), r.n_bytes()));
+    io_span_reader again(data);
+    again.read_span(start, skipped);
+    mem.state_read(again, dest, flags);
+    return data.size();
+}
+
+}  // namespace
+
+// -- files --
+
+io_file_writer::io_file_writer(std::string path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) io_fail("cannot create", path_);
+    buf_.reserve(file_buffer_size);
+}
+
+io_file_writer::~io_file_writer() {
+    if (fd_ >= 0) ::close(fd_);
+}
+
+void io_file_writer::flush() {
+    const uint8_t* p = buf_.data();
+    size_t left = buf_.size();
+    while (left > 0) {
+        const ssize_t w = ::write(fd_, p, left);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) io_fail("cannot write", path_);
+        p += w;
+        left -= static_cast<size_t>(w);
+    }
+    buf_.clear();
+}
+
+void io_file_writer::write(const void* src, size_t size) {
+    if (fd_ < 0) throw error(errc::io, fmt::format("cannot write '{}': closed", path_));
+    if (size >= file_buffer_size) {  // large pieces go straight through
+        flush();
+        const auto* p = static_cast<const uint8_t*>(src);
+        size_t left = size;
+        while (left > 0) {
+            const ssize_t w = ::write(fd_, p, left);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) io_fail("cannot write", path_);
+            p += w;
+            left -= static_cast<size_t>(w);
+        }
+    } else {
+        if (buf_.size() + size > file_buffer_size) flush();
+        const auto* p = static_cast<const uint8_t*>(src);
+        buf_.insert(buf_.end(), p, p + size);
+    }
+    n_ += size;
+}
+
+void io_file_writer::write_at(uint64_t offset, const void* src, size_t size) {
+    if (offset + size > n_)
+        throw error(errc::out_of_range, fmt::format("write_at '{}': bytes [{}, {}) not written yet", path_,
+                                                    offset, offset + size));
+    flush();
+    const auto* p = static_cast<const uint8_t*>(src);
+    while (size > 0) {
+        const ssize_t w = ::pwrite(fd_, p, size, static_cast<off_t>(offset));
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) io_fail("cannot write", path_);
+        p += w;
+        offset += static_cast<uint64_t>(w);
+        size -= static_cast<size_t>(w);
+    }
+}
+
+void io_file_writer::sync() {
+    flush();
+    if (::fsync(fd_) != 0) io_fail("cannot sync", path_);
+}
+
+void io_file_writer::close() {
+    if (fd_ < 0) return;
+    flush();
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) io_fail("cannot close", path_);
+}
+
+io_file_reader::io_file_reader(std::string path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) io_fail("cannot open", path_);
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+        ::close(fd_);
+        io_fail("cannot stat", path_);
+    }
+    size_ = static_cast<uint64_t>(st.st_size);
+}
+
+io_file_reader::~io_file_reader() {
+    if (fd_ >= 0) ::close(fd_);
+}
+
+void io_file_reader::read(void* dst, size_t size) {
+    if (size > remaining())
+        throw error(errc::corrupt_data, fmt::format("'{}' truncated at byte {}: {} bytes needed, {} left",
+                                                    path_, n_, size, remaining()));
+    auto* p = static_cast<uint8_t*>(dst);
+    size_t left = size;
+    while (left > 0) {
+        const ssize_t r = ::read(fd_, p, left);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) io_fail("cannot read", path_);
+        if (r == 0)
+            throw error(errc::corrupt_data,
+                        fmt::format("'{}' ended at byte {} while being read", path_, n_ + (size - left)));
+        p += r;
+        left -= static_cast<size_t>(r);
+    }
+    n_ += size;
+}
+
+std::vector<uint8_t> read_file_bytes(const std::string& path) {
+    io_file_reader r(path);
+    std::vector<uint8_t> out(r.size());
+    r.read(out.data(), out.size());
+    return out;
+}
 
 void io_vector_writer::write(const void* src, size_t size) {
     const auto* p = static_cast<const uint8_t*>(src);
@@ -20,12 +168,29 @@ void io_span_writer::write(const void* src, size_t size) {
     n_ += size;
 }
 
-void io_span_reader::read(void* dst, size_t size) {
+std::span<const std::byte> io_read_i::read_span(size_t size, std::vector<std::byte>& scratch) {
+    scratch.resize(size);
+    read(scratch.data(), size);
+    return scratch;
+}
+
+void io_span_reader::need(size_t size) const {
     if (size > src_.size() - n_)
         throw error(errc::corrupt_data, fmt::format("state: truncated at byte {}: {} bytes needed, {} left",
                                                     n_, size, src_.size() - n_));
+}
+
+void io_span_reader::read(void* dst, size_t size) {
+    need(size);
     if (size) std::memcpy(dst, src_.data() + n_, size);
     n_ += size;
+}
+
+std::span<const std::byte> io_span_reader::read_span(size_t size, std::vector<std::byte>& /*scratch*/) {
+    need(size);
+    const auto out = std::as_bytes(src_.subspan(n_, size));
+    n_ += size;
+    return out;
 }
 
 size_t state_seq_get_size(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags) {
@@ -36,6 +201,7 @@ size_t state_seq_get_size(const memory_i& mem, seq_id_t seq_id, state_seq_flags 
 
 std::vector<uint8_t> state_seq_get_data(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags) {
     std::vector<uint8_t> out;
+    out.reserve(state_seq_get_size(mem, seq_id, flags));
     io_vector_writer w(out);
     const uint32_t magic = state_seq_magic;
     w.write(&magic, 4);
@@ -55,14 +221,12 @@ size_t state_seq_set_data(memory_i& mem, std::span<const uint8_t> data, seq_id_t
                     fmt::format("state: not a sequence state (magic {:#010x}, expected {:#010x})", magic,
                                 state_seq_magic));
     r.read(&source, 4);
-    // Check first (nothing changes), including that the payload ends with the buffer; then restore.
-    mem.state_check(r, dest, flags);
-    if (r.remaining() != 0)
-        throw error(errc::corrupt_data, fmt::format("state: {} trailing bytes after the state at byte {}",
-                                                    r.remaining(), r.n_bytes()));
-    io_span_reader again(data.subspan(8));
-    mem.state_read(again, dest, flags);
-    return data.size();
+    return restore_from(mem, data, 8, dest, flags);
+}
+
+size_t state_set_payload(memory_i& mem, std::span<const uint8_t> payload, seq_id_t dest,
+                         state_seq_flags flags) {
+    return restore_from(mem, payload, 0, dest, flags);
 }
 
 }  // namespace kvc

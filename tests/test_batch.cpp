@@ -39,6 +39,7 @@ public:
     void state_write(io_write_i&, seq_id_t, state_seq_flags) const override {}
     void state_read(io_read_i&, seq_id_t, state_seq_flags) override {}
     void state_check(io_read_i&, seq_id_t, state_seq_flags) const override {}
+    std::string state_layout() const override { return {}; }
 };
 
 // A batch described by value; view() points a kvc::batch at it.

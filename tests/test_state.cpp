@@ -6,69 +6,12 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/state.h>
 
+#include "state_test_util.h"
+
 namespace kvc {
 namespace {
 
-ubatch make_ub(std::vector<pos_t> pos, seq_id_t s, uint32_t n_pos = 1) {
-    ubatch u;
-    u.n_tokens = static_cast<uint32_t>(pos.size() / n_pos);
-    u.n_seq_tokens = 1;
-    u.n_seqs = u.n_tokens;
-    u.n_pos = n_pos;
-    u.pos = std::move(pos);
-    for (uint32_t i = 0; i <= u.n_tokens; ++i) u.seq_id_begin.push_back(i);
-    u.n_seq_id.assign(u.n_tokens, 1);
-    u.seq_id_data.assign(u.n_tokens, s);
-    u.output.assign(u.n_tokens, 0);
-    u.seq_id_unq = {s};
-    u.n_seqs_unq = 1;
-    return u;
-}
-
-// Places n tokens of s (positions from p0) through find_slot and writes random K/V rows.
-void decode(kv_cache& c, seq_id_t s, pos_t p0, uint32_t n, std::mt19937& rng, uint32_t n_pos = 1) {
-    std::vector<pos_t> pos(size_t{n} * n_pos, 0);
-    for (uint32_t i = 0; i < n; ++i) {
-        pos[i] = p0 + static_cast<pos_t>(i);
-        if (n_pos >= 3) pos[i + n] = static_cast<pos_t>(i % 3), pos[i + 2 * n] = static_cast<pos_t>(i % 2);
-    }
-    const ubatch ub = make_ub(pos, s, n_pos);
-    const slot_info si = c.find_slot(ub);
-    ASSERT_FALSE(si.empty());
-    c.apply_ubatch(si, ub);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (uint32_t il : c.layer_ids()) {
-        const layer_desc& d = c.params().layers[il];
-        for (bool is_v : {false, true}) {
-            const uint32_t e = d.n_head_kv * (is_v ? d.n_embd_head_v : d.n_embd_head_k);
-            std::vector<float> rows(size_t{e} * n);
-            for (float& x : rows) x = normal(rng);
-            const auto view = const_tensor_view::contiguous(
-                dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), e, n);
-            if (is_v)
-                c.cpy_v(il, view, si);
-            else
-                c.cpy_k(il, view, si);
-        }
-    }
-}
-
-kv_cache_params params_for(dtype tk, dtype tv, bool v_trans, bool unified, uint32_t n_seq_max = 4) {
-    kv_cache_params p;
-    p.layers = {layer_desc{.n_head_kv = 2, .n_embd_head_k = 32, .n_embd_head_v = 32},
-                layer_desc{.n_head_kv = 1, .n_embd_head_k = 64, .n_embd_head_v = 32}};
-    p.type_k = tk;
-    p.type_v = tv;
-    p.v_trans = v_trans;
-    p.unified = unified;
-    p.kv_size = 64;
-    p.n_seq_max = n_seq_max;
-    return p;
-}
-
-std::vector<uint8_t> whole(const kv_cache& c) {
-    return state_seq_get_data(c, seq_all);
-}
+using namespace kvc::test;
 
 // Restoring `bytes` into dest must fail with an error containing `want` and leave c byte for byte as it was.
 void expect_rejected(kv_cache& c, std::span<const uint8_t> bytes, seq_id_t dest, const std::string& want) {
@@ -304,6 +247,49 @@ TEST(state, every_truncation_and_corruption_is_rejected_without_change) {
     shared.seq_cp(0, 1, -1, -1);
     expect_rejected(b, whole(shared), 2, "has 2 sequence ids");
     EXPECT_EQ(whole(b), before);
+}
+
+// >= 10,000 random single-byte corruptions of a whole-memory state and of a sequence's state: each is
+// rejected with the memory unchanged, or accepted and leaves a valid memory that saves what was loaded.
+TEST(state, random_byte_corruptions_are_rejected_or_give_a_valid_memory) {
+    std::mt19937 rng(61);
+    for (const bool unified : {true, false}) {
+        const auto p = params_for(dtype::q8_0, dtype::f16, true, unified);
+        kv_cache a(p);
+        decode(a, 0, 0, 3, rng);
+        decode(a, 1, 4, 2, rng);
+        if (unified) a.seq_cp(0, 2, 1, 3);
+        const auto all = whole(a);
+        const auto seq1 = state_seq_get_data(a, 1);
+        kv_cache b(p);
+        decode(b, 3, 0, 4, rng);
+        const auto before = whole(b);
+        size_t accepted = 0, rejected = 0;
+        for (int i = 0; i < 6000; ++i) {
+            const bool one = i % 2 == 1;
+            auto bad = one ? seq1 : all;
+            const size_t at = std::uniform_int_distribution<size_t>(0, bad.size() - 1)(rng);
+            bad[at] ^= static_cast<uint8_t>(std::uniform_int_distribution<int>(1, 255)(rng));
+            const seq_id_t dest = one ? 3 : seq_all;
+            try {
+                state_seq_set_data(b, bad, dest);
+            } catch (const error&) {
+                ++rejected;
+                ASSERT_EQ(whole(b), before) << "rejected corruption at byte " << at << " changed the memory";
+                continue;
+            }
+            ++accepted;  // only data bytes and harmless metadata get here
+            for (uint32_t s = 0; s < b.get_n_stream(); ++s) ASSERT_NO_THROW(b.cells(s).validate()) << at;
+            kv_cache c(p);
+            if (!one) {
+                state_seq_set_data(c, whole(b), seq_all);
+                ASSERT_EQ(whole(c), whole(b)) << "corruption at byte " << at;
+            }
+            state_seq_set_data(b, before, seq_all);
+        }
+        EXPECT_GT(accepted, 0u);
+        EXPECT_GT(rejected, 0u);
+    }
 }
 
 TEST(state, a_whole_memory_state_of_several_sequences_is_not_one_sequence) {

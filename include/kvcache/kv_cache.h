@@ -107,6 +107,8 @@ public:
     void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
     void state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) override;
     void state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    // "kv streams=1 v_trans=1 n_pos=1 rotation=none layers=0-31:k=f16x1024,v=f16x1024"
+    std::string state_layout() const override;
 
     // -- shape --
     const kv_cache_params& params() const { return params_; }

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include <kvcache/dtype.h>
 #include <kvcache/types.h>
@@ -96,6 +97,9 @@ public:
     virtual void state_read(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) = 0;
     // Parses and checks a state exactly as state_read would, changing nothing; throws on any problem.
     virtual void state_check(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const = 0;
+    // What a state must match to load here, as one canonical line (kind, streams, V layout, positions
+    // per token, rotation, layers with K/V types and widths; not capacity). Session files store it.
+    virtual std::string state_layout() const = 0;
 };
 
 using memory_ptr = std::unique_ptr<memory_i>;

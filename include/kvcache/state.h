@@ -33,6 +33,9 @@ public:
     // Exactly `size` bytes, or kvc::error(corrupt_data) naming the offset when the input ends first.
     virtual void read(void* dst, size_t size) = 0;
     virtual size_t n_bytes() const = 0;  // consumed so far
+    // The next `size` bytes without a copy where the reader can: readers over memory return a view of
+    // their source; others read into `scratch`. The span lives as long as the source and `scratch`.
+    virtual std::span<const std::byte> read_span(size_t size, std::vector<std::byte>& scratch);
 };
 
 // Counts bytes without storing them (the size of a state before allocating for it).
@@ -75,12 +78,71 @@ public:
     explicit io_span_reader(std::span<const uint8_t> src) : src_(src) {}
     void read(void* dst, size_t size) override;
     size_t n_bytes() const override { return n_; }
+    std::span<const std::byte> read_span(size_t size, std::vector<std::byte>& scratch) override;
     size_t remaining() const { return src_.size() - n_; }
 
 private:
+    void need(size_t size) const;  // throws when fewer bytes remain
+
     std::span<const uint8_t> src_;
     size_t n_ = 0;
 };
+
+// Writes a file through a buffer (created or truncated); throws kvc::error(io) naming the path and the
+// system's reason when the operating system refuses.
+class io_file_writer final : public io_write_i {
+public:
+    explicit io_file_writer(std::string path);
+    ~io_file_writer() override;  // closes; bytes not flushed are lost (call close() to keep them)
+    io_file_writer(const io_file_writer&) = delete;
+    io_file_writer& operator=(const io_file_writer&) = delete;
+
+    void write(const void* src, size_t size) override;
+    size_t n_bytes() const override { return n_; }
+    void write_at(uint64_t offset, const void* src, size_t size);  // over bytes already written
+    void sync();   // everything written so far reaches the disk (fsync)
+    void close();  // flushes and closes
+    const std::string& path() const { return path_; }
+
+private:
+    void flush();
+
+    std::string path_;
+    int fd_ = -1;
+    std::vector<uint8_t> buf_;
+    size_t n_ = 0;
+};
+
+// Reads a file through a buffer; running out of bytes is kvc::error(corrupt_data) naming the offset.
+class io_file_reader final : public io_read_i {
+public:
+    explicit io_file_reader(std::string path);
+    ~io_file_reader() override;
+    io_file_reader(const io_file_reader&) = delete;
+    io_file_reader& operator=(const io_file_reader&) = delete;
+
+    void read(void* dst, size_t size) override;
+    size_t n_bytes() const override { return n_; }
+    uint64_t size() const { return size_; }  // of the file when it was opened
+    uint64_t remaining() const { return size_ - n_; }
+
+private:
+    std::string path_;
+    int fd_ = -1;
+    uint64_t size_ = 0;
+    size_t n_ = 0;
+};
+
+// Every byte of a file (kvc::error(io) when it cannot be read).
+std::vector<uint8_t> read_file_bytes(const std::string& path);
+
+// -- raw payloads --
+
+// Restores a payload without header (what state_write wrote) into dest (-1: the whole memory): the
+// payload is checked first and must end with the span, then read. Returns its size. Throws kvc::error
+// and leaves the memory unchanged on any problem.
+size_t state_set_payload(memory_i& mem, std::span<const uint8_t> payload, seq_id_t dest,
+                         state_seq_flags flags = 0);
 
 // -- per-sequence buffers (llama_state_seq_get_size / get_data / set_data) --
 

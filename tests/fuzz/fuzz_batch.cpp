@@ -54,6 +54,7 @@ public:
     void state_write(kvc::io_write_i&, kvc::seq_id_t, kvc::state_seq_flags) const override {}
     void state_read(kvc::io_read_i&, kvc::seq_id_t, kvc::state_seq_flags) override {}
     void state_check(kvc::io_read_i&, kvc::seq_id_t, kvc::state_seq_flags) const override {}
+    std::string state_layout() const override { return {}; }
 };
 
 void check(bool ok) {

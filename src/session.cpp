@@ -1,0 +1,372 @@
+// Session files (decision 11) and llama.cpp's per-sequence files.
+#include <bit>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+#include <zstd.h>
+
+#include <fmt/format.h>
+#include <kvcache/session.h>
+#include <kvcache/state.h>
+
+namespace kvc {
+
+static_assert(std::endian::native == std::endian::little, "session files are little-endian");
+
+namespace {
+
+// Header fields at fixed offsets (docs/state-format.md).
+constexpr size_t off_magic = 0, off_version = 4, off_flags = 8, off_seq = 12, off_state_flags = 16,
+                 off_n_tokens = 20, off_layout_len = 24, off_payload = 32, off_stored = 40,
+                 off_fingerprint = 48, off_checksum = 56, off_header_checksum = 64;
+
+template <class T>
+T load_at(std::span<const uint8_t> b, size_t at) {
+    T v;
+    std::memcpy(&v, b.data() + at, sizeof v);
+    return v;
+}
+
+template <class T>
+void store_at(uint8_t* b, size_t at, T v) {
+    std::memcpy(b + at, &v, sizeof v);
+}
+
+uint64_t xxh3(const void* p, size_t n) {
+    return XXH3_64bits(p, n);
+}
+
+// Forwards to a file and hashes what passes (the body of a session file).
+class hashing_writer final : public io_write_i {
+public:
+    explicit hashing_writer(io_write_i& down) : down_(&down), state_(XXH3_createState()) {
+        if (!state_) throw error(errc::out_of_memory, "save_file: cannot allocate a hash state");
+        XXH3_64bits_reset(state_);
+    }
+    ~hashing_writer() override { XXH3_freeState(state_); }
+    hashing_writer(const hashing_writer&) = delete;
+    hashing_writer& operator=(const hashing_writer&) = delete;
+
+    void write(const void* src, size_t size) override {
+        XXH3_64bits_update(state_, src, size);
+        down_->write(src, size);
+        n_ += size;
+    }
+    size_t n_bytes() const override { return n_; }
+    uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+private:
+    io_write_i* down_;
+    XXH3_state_t* state_;
+    size_t n_ = 0;
+};
+
+// Compresses what it is given into one zstd frame written downstream.
+class zstd_writer final : public io_write_i {
+public:
+    zstd_writer(io_write_i& down, int level, uint64_t src_size) : down_(&down), cctx_(ZSTD_createCCtx()) {
+        if (!cctx_) throw error(errc::out_of_memory, "save_file: cannot allocate a zstd context");
+        check(ZSTD_CCtx_setParameter(cctx_, ZSTD_c_compressionLevel, level));
+        check(ZSTD_CCtx_setPledgedSrcSize(cctx_, src_size));  // the frame records the payload's size
+        out_.resize(ZSTD_CStreamOutSize());
+    }
+    ~zstd_writer() override { ZSTD_freeCCtx(cctx_); }
+    zstd_writer(const zstd_writer&) = delete;
+    zstd_writer& operator=(const zstd_writer&) = delete;
+
+    void write(const void* src, size_t size) override {
+        ZSTD_inBuffer in{src, size, 0};
+        while (in.pos < in.size) pump(in, ZSTD_e_continue);
+        n_ += size;
+    }
+    size_t n_bytes() const override { return n_; }
+    void finish() {
+        ZSTD_inBuffer in{nullptr, 0, 0};
+        while (pump(in, ZSTD_e_end) != 0) {}
+    }
+
+private:
+    static size_t check(size_t r) {
+        if (ZSTD_isError(r)) throw error(errc::io, fmt::format("save_file: zstd: {}", ZSTD_getErrorName(r)));
+        return r;
+    }
+    size_t pump(ZSTD_inBuffer& in, ZSTD_EndDirective mode) {
+        ZSTD_outBuffer out{out_.data(), out_.size(), 0};
+        const size_t left = check(ZSTD_compressStream2(cctx_, &out, &in, mode));
+        if (out.pos) down_->write(out_.data(), out.pos);
+        return left;
+    }
+
+    io_write_i* down_;
+    ZSTD_CCtx* cctx_;
+    std::vector<uint8_t> out_;
+    size_t n_ = 0;
+};
+
+// Writes a file under a temporary name beside path, then syncs it and renames it over path.
+template <class F>
+uint64_t write_atomically(const std::string& path, F&& fill) {
+    std::random_device rd;
+    const std::string tmp = fmt::format("{}.tmp-{}-{:08x}", path, ::getpid(), rd());
+    try {
+        io_file_writer f(tmp);
+        fill(f);
+        f.sync();
+        const uint64_t bytes = f.n_bytes();
+        f.close();
+        if (std::rename(tmp.c_str(), path.c_str()) != 0)
+            throw error(errc::io,
+                        fmt::format("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
+        // the rename itself reaches the disk with the directory
+        const size_t slash = path.rfind('/');
+        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+        const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd >= 0) {
+            ::fsync(dfd);
+            ::close(dfd);
+        }
+        return bytes;
+    } catch (...) {
+        std::remove(tmp.c_str());
+        throw;
+    }
+}
+
+[[noreturn]] void bad_file(errc code, const std::string& what) {
+    throw error(code, fmt::format("session: {}", what));
+}
+
+// What the magic of a file that is not a kvcache session says it is.
+std::string what_else(uint32_t magic) {
+    switch (magic) {
+        case llama_seq_file_magic:
+            return "a llama.cpp sequence file ('ggsq'; read it with load_llama_seq_file)";
+        case llama_session_file_magic:
+            return "a llama.cpp whole-context session file ('ggsn'), which is not read";
+        case state_seq_magic:
+            return "a per-sequence state buffer (state_seq_set_data reads it)";
+        default:
+            return fmt::format("it starts with {:#010x}", magic);
+    }
+}
+
+struct parsed_session {
+    session_info info;
+    std::span<const uint8_t> payload;  // into the file, or into the storage given to parse
+};
+
+parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vector<uint8_t>& storage) {
+    const size_t size = file.size();
+    if (size < 4) bad_file(errc::corrupt_data, fmt::format("not a kvcache session file ({} bytes)", size));
+    const auto magic = load_at<uint32_t>(file, off_magic);
+    if (magic != session_magic)
+        bad_file(errc::corrupt_data, fmt::format("not a kvcache session file: {}", what_else(magic)));
+    if (size < 8)
+        bad_file(errc::corrupt_data,
+                 fmt::format("truncated: {} bytes, the header has {}", size, session_header_size));
+    parsed_session p;
+    session_info& info = p.info;
+    info.version = load_at<uint32_t>(file, off_version);
+    if (info.version != session_version)
+        bad_file(errc::unsupported, fmt::format("unsupported format version {} (this build reads version {})",
+                                                info.version, session_version));
+    if (size < session_header_size)
+        bad_file(errc::corrupt_data,
+                 fmt::format("truncated: {} bytes, the header has {}", size, session_header_size));
+    const auto header_sum = load_at<uint64_t>(file, off_header_checksum);
+    if (xxh3(file.data(), off_header_checksum) != header_sum)
+        bad_file(errc::corrupt_data,
+                 fmt::format("header checksum mismatch (stored {:016x}, computed {:016x}): "
+                             "the file is damaged",
+                             header_sum, xxh3(file.data(), off_header_checksum)));
+    info.file_flags = load_at<uint32_t>(file, off_flags);
+    if (info.file_flags & ~session_flag_zstd)
+        bad_file(errc::unsupported, fmt::format("unknown flags {:#x}", info.file_flags));
+    info.seq_id = load_at<int32_t>(file, off_seq);
+    info.state_flags = load_at<uint32_t>(file, off_state_flags);
+    const auto n_tokens = load_at<uint32_t>(file, off_n_tokens);
+    const auto layout_len = load_at<uint32_t>(file, off_layout_len);
+    info.payload_bytes = load_at<uint64_t>(file, off_payload);
+    info.stored_bytes = load_at<uint64_t>(file, off_stored);
+    info.layout_fingerprint = load_at<uint64_t>(file, off_fingerprint);
+    info.checksum = load_at<uint64_t>(file, off_checksum);
+
+    const uint64_t before_payload = session_header_size + uint64_t{layout_len} + uint64_t{n_tokens} * 4;
+    if (info.stored_bytes > size || before_payload + info.stored_bytes > size)
+        bad_file(errc::corrupt_data, fmt::format("truncated: the header promises {} bytes, the file has {}",
+                                                 before_payload + info.stored_bytes, size));
+    const uint64_t expected = before_payload + info.stored_bytes;
+    if (expected < size)
+        bad_file(errc::corrupt_data, fmt::format("{} trailing bytes after the {} the header promises",
+                                                 size - expected, expected));
+    const auto body = file.subspan(session_header_size);
+    const uint64_t sum = xxh3(body.data(), body.size());
+    if (sum != info.checksum)
+        bad_file(errc::corrupt_data, fmt::format("checksum mismatch (stored {:016x}, computed {:016x}): the "
+                                                 "file is damaged",
+                                                 info.checksum, sum));
+    info.layout.assign(reinterpret_cast<const char*>(body.data()), layout_len);
+    if (xxh3(info.layout.data(), info.layout.size()) != info.layout_fingerprint)
+        bad_file(errc::corrupt_data, "the layout fingerprint does not match the layout");
+    info.tokens.resize(n_tokens);
+    if (n_tokens) std::memcpy(info.tokens.data(), body.data() + layout_len, size_t{n_tokens} * 4);
+
+    const auto stored = file.subspan(before_payload);
+    if (!(info.file_flags & session_flag_zstd)) {
+        if (info.payload_bytes != info.stored_bytes)
+            bad_file(errc::corrupt_data, fmt::format("payload of {} bytes stored in {} without compression",
+                                                     info.payload_bytes, info.stored_bytes));
+        p.payload = stored;
+        return p;
+    }
+    const unsigned long long frame = ZSTD_getFrameContentSize(stored.data(), stored.size());
+    if (frame != info.payload_bytes)
+        bad_file(errc::corrupt_data,
+                 fmt::format("the zstd frame holds {} bytes, the header says {}",
+                             frame >= ZSTD_CONTENTSIZE_ERROR ? 0 : frame, info.payload_bytes));
+    if (!want_payload) return p;
+    try {
+        storage.resize(info.payload_bytes);
+    } catch (const std::bad_alloc&) {
+        bad_file(errc::out_of_memory,
+                 fmt::format("cannot allocate {} bytes for the payload", info.payload_bytes));
+    }
+    const size_t got = ZSTD_decompress(storage.data(), storage.size(), stored.data(), stored.size());
+    if (ZSTD_isError(got) || got != info.payload_bytes)
+        bad_file(errc::corrupt_data, fmt::format("the payload does not decompress: {}",
+                                                 ZSTD_isError(got) ? ZSTD_getErrorName(got)
+                                                                   : fmt::format("{} bytes", got).c_str()));
+    p.payload = storage;
+    return p;
+}
+
+// Runs f; a kvc::error it throws gets "load 'path': " in front.
+template <class F>
+auto about_file(const char* op, const std::string& path, F&& f) {
+    try {
+        return f();
+    } catch (const error& e) {
+        throw error(e.code(), fmt::format("{} '{}': {}", op, path, e.what()));
+    }
+}
+
+}  // namespace
+
+uint64_t save_file(const memory_i& mem, const std::string& path, seq_id_t seq_id,
+                   const session_save_options& options) {
+    return about_file("save_file", path, [&] {
+        if (options.zstd_level < 1 || options.zstd_level > ZSTD_maxCLevel())
+            throw error(errc::invalid_argument,
+                        fmt::format("zstd level {} not in [1, {}]", options.zstd_level, ZSTD_maxCLevel()));
+        io_size_counter counter;
+        mem.state_write(counter, seq_id, options.flags);  // also checks seq_id before a file is made
+        const uint64_t payload_bytes = counter.n_bytes();
+        const std::string layout = mem.state_layout();
+        return write_atomically(path, [&](io_file_writer& f) {
+            uint8_t header[session_header_size] = {};
+            f.write(header, sizeof header);  // placeholder: sizes and checksums are known at the end
+            hashing_writer body(f);
+            body.write(layout.data(), layout.size());
+            body.write(options.tokens.data(), options.tokens.size_bytes());
+            const size_t before = body.n_bytes();
+            if (options.compress) {
+                zstd_writer z(body, options.zstd_level, payload_bytes);
+                mem.state_write(z, seq_id, options.flags);
+                z.finish();
+            } else {
+                mem.state_write(body, seq_id, options.flags);
+            }
+            store_at<uint32_t>(header, off_magic, session_magic);
+            store_at<uint32_t>(header, off_version, session_version);
+            store_at<uint32_t>(header, off_flags, options.compress ? session_flag_zstd : 0);
+            store_at<int32_t>(header, off_seq, seq_id);
+            store_at<uint32_t>(header, off_state_flags, options.flags);
+            store_at<uint32_t>(header, off_n_tokens, static_cast<uint32_t>(options.tokens.size()));
+            store_at<uint32_t>(header, off_layout_len, static_cast<uint32_t>(layout.size()));
+            store_at<uint64_t>(header, off_payload, payload_bytes);
+            store_at<uint64_t>(header, off_stored, body.n_bytes() - before);
+            store_at<uint64_t>(header, off_fingerprint, xxh3(layout.data(), layout.size()));
+            store_at<uint64_t>(header, off_checksum, body.digest());
+            store_at<uint64_t>(header, off_header_checksum, xxh3(header, off_header_checksum));
+            f.write_at(0, header, sizeof header);
+        });
+    });
+}
+
+session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload) {
+    std::vector<uint8_t> storage;
+    parsed_session p = parse(file, payload != nullptr, storage);
+    if (payload) {
+        if (p.payload.data() == storage.data())
+            *payload = std::move(storage);
+        else
+            payload->assign(p.payload.begin(), p.payload.end());
+    }
+    return std::move(p.info);
+}
+
+session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest) {
+    return about_file("load_file", path, [&] {
+        const std::vector<uint8_t> file = read_file_bytes(path);
+        std::vector<uint8_t> storage;
+        parsed_session p = parse(file, true, storage);
+        const std::string layout = mem.state_layout();
+        if (p.info.layout != layout)
+            throw error(
+                errc::invalid_state,
+                fmt::format("session: layout mismatch\n  file:   {}\n  memory: {}", p.info.layout, layout));
+        state_set_payload(mem, p.payload, dest, p.info.state_flags);
+        return std::move(p.info);
+    });
+}
+
+uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_id_t seq_id,
+                             std::span<const token_t> tokens) {
+    return about_file("save_llama_seq_file", path, [&] {
+        io_size_counter counter;
+        mem.state_write(counter, seq_id, 0);  // checks seq_id before a file is made
+        return write_atomically(path, [&](io_file_writer& f) {
+            const uint32_t head[3] = {llama_seq_file_magic, llama_seq_file_version,
+                                      static_cast<uint32_t>(tokens.size())};
+            f.write(head, sizeof head);
+            f.write(tokens.data(), tokens.size_bytes());
+            mem.state_write(f, seq_id, 0);
+        });
+    });
+}
+
+std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest) {
+    return about_file("load_llama_seq_file", path, [&] {
+        const std::vector<uint8_t> file = read_file_bytes(path);
+        const std::span<const uint8_t> b(file);
+        if (b.size() < 12)
+            bad_file(errc::corrupt_data, fmt::format("truncated: {} bytes, the header has 12", b.size()));
+        const auto magic = load_at<uint32_t>(b, 0);
+        if (magic != llama_seq_file_magic)
+            bad_file(errc::corrupt_data,
+                     fmt::format("not a llama.cpp sequence file: {}",
+                                 magic == session_magic ? "a kvcache session file (load_file "
+                                                          "reads it)"
+                                                        : what_else(magic)));
+        const auto version = load_at<uint32_t>(b, 4);
+        if (version != llama_seq_file_version)
+            bad_file(errc::unsupported,
+                     fmt::format("unsupported llama.cpp sequence file version {} (this build "
+                                 "reads version {})",
+                                 version, llama_seq_file_version));
+        const auto n_tokens = load_at<uint32_t>(b, 8);
+        if (uint64_t{n_tokens} * 4 > b.size() - 12)
+            bad_file(errc::corrupt_data,
+                     fmt::format("truncated: {} tokens announced, {} bytes left", n_tokens, b.size() - 12));
+        std::vector<token_t> tokens(n_tokens);
+        if (n_tokens) std::memcpy(tokens.data(), b.data() + 12, size_t{n_tokens} * 4);
+        state_set_payload(mem, b.subspan(12 + size_t{n_tokens} * 4), dest, 0);
+        return tokens;
+    });
+}
+
+}  // namespace kvc

@@ -1,0 +1,332 @@
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <kvcache/kv_cache.h>
+#include <kvcache/session.h>
+#include <kvcache/state.h>
+
+#include "state_test_util.h"
+
+namespace kvc {
+namespace {
+
+using namespace kvc::test;
+namespace fs = std::filesystem;
+
+// A fresh directory per test, removed afterwards.
+class session : public ::testing::Test {
+protected:
+    void SetUp() override {
+        dir_ = fs::temp_directory_path() /
+               fmt::format("kvc-session-{}-{}", ::getpid(),
+                           ::testing::UnitTest::GetInstance()->current_test_info()->name());
+        fs::remove_all(dir_);
+        fs::create_directories(dir_);
+    }
+    void TearDown() override { fs::remove_all(dir_); }
+    std::string path(const char* name) const { return (dir_ / name).string(); }
+    std::vector<std::string> files() const {
+        std::vector<std::string> out;
+        for (const auto& e : fs::directory_iterator(dir_)) out.push_back(e.path().filename().string());
+        std::sort(out.begin(), out.end());
+        return out;
+    }
+    fs::path dir_;
+};
+
+std::vector<uint8_t> bytes_of(const std::string& path) {
+    return read_file_bytes(path);
+}
+
+void put_bytes(const std::string& path, std::span<const uint8_t> b) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+
+// Loading path into c must fail with an error containing `want`, leaving c byte for byte as it was.
+void expect_load_fails(kv_cache& c, const std::string& path, seq_id_t dest, const std::string& want) {
+    const auto before = whole(c);
+    try {
+        load_file(c, path, dest);
+        ADD_FAILURE() << "accepted, expected: " << want;
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(whole(c), before) << "after: " << want;
+}
+
+TEST_F(session, round_trips_a_sequence_and_the_whole_memory_with_tokens_compressed_or_not) {
+    std::mt19937 rng(1);
+    for (const dtype tk : {dtype::f32, dtype::f16, dtype::bf16, dtype::q8_0, dtype::q4_0})
+        for (const bool v_trans : {false, true})
+            for (const bool unified : {true, false})
+                for (const bool compress : {false, true}) {
+                    SCOPED_TRACE(fmt::format("{} v_trans={} unified={} zstd={}", to_string(tk), v_trans,
+                                             unified, compress));
+                    const auto p = params_for(tk, v_trans ? dtype::f16 : tk, v_trans, unified);
+                    kv_cache a(p);
+                    decode(a, 0, 0, 5, rng);
+                    decode(a, 2, 3, 4, rng);
+                    const std::vector<token_t> tokens = {7, 8, 9, 10, 11};
+                    session_save_options o;
+                    o.compress = compress;
+                    o.tokens = tokens;
+                    const uint64_t n = save_file(a, path("all.kvc"), seq_all, o);
+                    EXPECT_EQ(n, fs::file_size(path("all.kvc")));
+                    kv_cache b(p);
+                    decode(b, 1, 0, 2, rng);
+                    const session_info info = load_file(b, path("all.kvc"), seq_all);
+                    EXPECT_EQ(whole(b), whole(a));
+                    EXPECT_EQ(info.tokens, tokens);
+                    EXPECT_EQ(info.seq_id, seq_all);
+                    EXPECT_EQ(info.layout, a.state_layout());
+                    EXPECT_EQ(info.payload_bytes, whole(a).size() - 8);
+
+                    o.tokens = {};
+                    save_file(a, path("seq2.kvc"), 2, o);
+                    const session_info one = load_file(b, path("seq2.kvc"), unified ? 3 : 2);
+                    EXPECT_TRUE(one.tokens.empty());
+                    EXPECT_EQ(one.seq_id, 2);
+                    EXPECT_EQ(state_seq_get_data(b, unified ? 3 : 2).size(), state_seq_get_data(a, 2).size());
+                    EXPECT_EQ(files(), (std::vector<std::string>{"all.kvc", "seq2.kvc"}))
+                        << "no temporary files";
+                }
+}
+
+TEST_F(session, compression_shrinks_a_cleared_cache_and_changes_nothing_else) {
+    auto p = params_for(dtype::f16, dtype::f16, true, true);
+    p.kv_size = 1024;
+    kv_cache a(p);
+    std::mt19937 rng(2);
+    decode(a, 0, 0, 600, rng);
+    a.clear(true);  // zero rows...
+    decode(a, 0, 0, 40, rng);
+    for (uint32_t i = 0; i < 560; ++i) {  // ...and many cells of zeros
+        const ubatch ub = make_ub({static_cast<pos_t>(40 + i)}, 0);
+        a.apply_ubatch(a.find_slot(ub), ub);
+    }
+    session_save_options o;
+    const uint64_t plain = save_file(a, path("plain.kvc"), 0, o);
+    o.compress = true;
+    const uint64_t small = save_file(a, path("small.kvc"), 0, o);
+    EXPECT_LT(small * 4, plain);
+    std::vector<uint8_t> p1, p2;
+    read_session(bytes_of(path("plain.kvc")), &p1);
+    const session_info info = read_session(bytes_of(path("small.kvc")), &p2);
+    EXPECT_EQ(p1, p2);
+    EXPECT_EQ(info.file_flags, session_flag_zstd);
+    EXPECT_EQ(info.stored_bytes + session_header_size + info.layout.size(), small);
+}
+
+TEST_F(session, saving_replaces_the_target_atomically_and_a_failed_save_leaves_it_alone) {
+    std::mt19937 rng(3);
+    const auto p = params_for(dtype::f16, dtype::f16, false, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 3, rng);
+    save_file(a, path("s.kvc"), 0);
+    const auto first = bytes_of(path("s.kvc"));
+    EXPECT_THROW(save_file(a, path("s.kvc"), 9), error) << "seq 9 is not a sequence of this cache";
+    EXPECT_EQ(bytes_of(path("s.kvc")), first);
+    session_save_options bad_level;
+    bad_level.zstd_level = 99;
+    try {
+        save_file(a, path("s.kvc"), 0, bad_level);
+        ADD_FAILURE() << "zstd level 99 accepted";
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::invalid_argument);
+        EXPECT_NE(std::string(e.what()).find("zstd level 99"), std::string::npos) << e.what();
+    }
+    try {
+        save_file(a, path("no/such/dir/s.kvc"), 0);
+        ADD_FAILURE() << "saved into a missing directory";
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::io);
+        EXPECT_NE(std::string(e.what()).find("no/such/dir"), std::string::npos) << e.what();
+    }
+    decode(a, 0, 3, 2, rng);
+    save_file(a, path("s.kvc"), 0);
+    EXPECT_NE(bytes_of(path("s.kvc")), first);
+    EXPECT_EQ(files(), std::vector<std::string>{"s.kvc"});
+}
+
+TEST_F(session, load_errors_name_the_problem_and_change_nothing) {
+    std::mt19937 rng(4);
+    const auto p = params_for(dtype::q8_0, dtype::f16, true, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 4, rng);
+    decode(a, 1, 0, 2, rng);
+    const std::vector<token_t> tokens = {1, 2, 3};
+    session_save_options o;
+    o.tokens = tokens;
+    save_file(a, path("good.kvc"), seq_all, o);
+    const auto good = bytes_of(path("good.kvc"));
+    kv_cache b(p);
+    decode(b, 2, 0, 3, rng);
+
+    expect_load_fails(b, path("missing.kvc"), seq_all, "cannot open");
+    put_bytes(path("x"), {});
+    expect_load_fails(b, path("x"), seq_all, "not a kvcache session file (0 bytes)");
+    put_bytes(path("x"), std::vector<uint8_t>{'h', 'e', 'l', 'l', 'o'});
+    expect_load_fails(b, path("x"), seq_all, "not a kvcache session file: it starts with 0x6c6c6568");
+    save_llama_seq_file(a, path("x"), 0, tokens);
+    expect_load_fails(b, path("x"), seq_all, "llama.cpp sequence file ('ggsq'");
+    put_bytes(path("x"), state_seq_get_data(a, 0));
+    expect_load_fails(b, path("x"), seq_all, "per-sequence state buffer");
+
+    auto v2 = good;
+    v2[4] = 2;
+    put_bytes(path("x"), v2);
+    expect_load_fails(b, path("x"), seq_all, "unsupported format version 2 (this build reads version 1)");
+    for (size_t n = 4; n < good.size(); n += (n < 200 ? 1 : 97)) {
+        put_bytes(path("x"), std::span(good.data(), n));
+        expect_load_fails(b, path("x"), seq_all, "truncated");
+    }
+    auto longer = good;
+    longer.push_back(0);
+    put_bytes(path("x"), longer);
+    expect_load_fails(b, path("x"), seq_all, "1 trailing bytes");
+    auto header = good;
+    header[20] ^= 1;  // token count
+    put_bytes(path("x"), header);
+    expect_load_fails(b, path("x"), seq_all, "header checksum mismatch");
+    auto body = good;
+    body.back() ^= 0x40;  // last V byte
+    put_bytes(path("x"), body);
+    expect_load_fails(b, path("x"), seq_all, "checksum mismatch (stored");
+
+    // a cache of another layout: both layouts are printed
+    kv_cache other(params_for(dtype::f16, dtype::f16, true, true));
+    try {
+        load_file(other, path("good.kvc"), seq_all);
+        ADD_FAILURE() << "loaded into another layout";
+    } catch (const error& e) {
+        const std::string m = e.what();
+        EXPECT_EQ(e.code(), errc::invalid_state);
+        EXPECT_NE(m.find("layout mismatch"), std::string::npos) << m;
+        EXPECT_NE(m.find("file:   " + a.state_layout()), std::string::npos) << m;
+        EXPECT_NE(m.find("memory: " + other.state_layout()), std::string::npos) << m;
+        EXPECT_NE(m.find(path("good.kvc")), std::string::npos) << m;
+    }
+    // the payload's own checks still apply: a whole-memory file of two sequences is not one sequence
+    expect_load_fails(b, path("good.kvc"), 3, "cannot be restored into one sequence");
+}
+
+// Every single-byte corruption of a session file is caught by its checksums, before the memory changes.
+TEST_F(session, random_byte_corruptions_are_always_rejected) {
+    std::mt19937 rng(5);
+    const auto p = params_for(dtype::f16, dtype::f16, true, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 6, rng);
+    decode(a, 1, 0, 3, rng);
+    kv_cache b(p);
+    decode(b, 2, 0, 2, rng);
+    const auto before = whole(b);
+    for (const bool compress : {false, true}) {
+        session_save_options o;
+        o.compress = compress;
+        save_file(a, path("good.kvc"), seq_all, o);
+        const auto good = bytes_of(path("good.kvc"));
+        for (int i = 0; i < 5000; ++i) {
+            auto bad = good;
+            const size_t at = std::uniform_int_distribution<size_t>(0, bad.size() - 1)(rng);
+            bad[at] ^= static_cast<uint8_t>(std::uniform_int_distribution<int>(1, 255)(rng));
+            EXPECT_THROW(read_session(bad), error) << "byte " << at;
+            if (i % 50 == 0) {  // through the file too
+                put_bytes(path("bad.kvc"), bad);
+                EXPECT_THROW(load_file(b, path("bad.kvc"), seq_all), error) << "byte " << at;
+                ASSERT_EQ(whole(b), before);
+            }
+        }
+    }
+}
+
+// B.6's sequence saved as llama.cpp's 'ggsq' file with 3 tokens: the 12-byte header, the tokens, then the
+// 128 bytes of the per-sequence buffer after its magic and seq id (spec kv-core B.6).
+TEST_F(session, llama_seq_files_are_byte_exact_and_load_into_any_sequence) {
+    std::mt19937 rng(6);
+    const auto p = params_for(dtype::f16, dtype::f16, false, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 3, rng);
+    decode(a, 2, 0, 2, rng);
+    const std::vector<token_t> tokens = {101, 102, 103};
+    const uint64_t n = save_llama_seq_file(a, path("s.ggsq"), 2, tokens);
+    const auto file = bytes_of(path("s.ggsq"));
+    ASSERT_EQ(n, file.size());
+    std::vector<uint8_t> want(24);
+    const uint32_t head[3] = {0x67677371u, 2, 3};
+    std::memcpy(want.data(), head, 12);
+    std::memcpy(want.data() + 12, tokens.data(), 12);
+    const auto buffer = state_seq_get_data(a, 2);
+    want.insert(want.end(), buffer.begin() + 8, buffer.end());
+    EXPECT_EQ(file, want);
+
+    kv_cache same(p);
+    EXPECT_EQ(load_llama_seq_file(same, path("s.ggsq"), 2), tokens);
+    EXPECT_EQ(state_seq_get_data(same, 2), buffer);
+    kv_cache b(p);
+    EXPECT_EQ(load_llama_seq_file(b, path("s.ggsq"), 1), tokens);
+    EXPECT_EQ(b.seq_pos_min(1), 0);
+    EXPECT_EQ(b.seq_pos_max(1), 1);
+
+    const auto before = whole(b);
+    auto bad = file;
+    bad[4] = 3;
+    put_bytes(path("bad"), bad);
+    EXPECT_THROW(load_llama_seq_file(b, path("bad"), 1), error);
+    put_bytes(path("bad"), std::span(file.data(), file.size() - 1));
+    EXPECT_THROW(load_llama_seq_file(b, path("bad"), 1), error);
+    save_file(a, path("kvc"), 2);
+    try {
+        load_llama_seq_file(b, path("kvc"), 1);
+        ADD_FAILURE();
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("a kvcache session file"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(whole(b), before);
+}
+
+TEST(io_file, writer_and_reader_round_trip_and_report_errors) {
+    const std::string p = (fs::temp_directory_path() / fmt::format("kvc-io-{}", ::getpid())).string();
+    std::vector<uint8_t> big(3 << 20);
+    for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 31);
+    {
+        io_file_writer w(p);
+        w.write(big.data(), 10);
+        w.write(big.data() + 10, big.size() - 20);  // larger than the buffer: straight through
+        w.write(big.data() + big.size() - 10, 10);
+        const uint8_t patch[2] = {0xaa, 0xbb};
+        w.write_at(5, patch, 2);
+        big[5] = 0xaa, big[6] = 0xbb;
+        EXPECT_THROW(w.write_at(big.size() - 1, patch, 2), error);
+        w.close();
+    }
+    EXPECT_EQ(read_file_bytes(p), big);
+    io_file_reader r(p);
+    EXPECT_EQ(r.size(), big.size());
+    std::vector<uint8_t> head(7);
+    r.read(head.data(), 7);
+    EXPECT_TRUE(std::equal(head.begin(), head.end(), big.begin()));
+    std::vector<std::byte> scratch;
+    EXPECT_EQ(r.read_span(100, scratch).size(), 100u);
+    EXPECT_EQ(r.n_bytes(), 107u);
+    std::vector<uint8_t> rest(r.remaining() + 1);
+    try {
+        r.read(rest.data(), rest.size());
+        ADD_FAILURE();
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::corrupt_data);
+        EXPECT_NE(std::string(e.what()).find("truncated at byte 107"), std::string::npos) << e.what();
+    }
+    fs::remove(p);
+    EXPECT_THROW(io_file_reader{p}, error);
+}
+
+}  // namespace
+}  // namespace kvc
