@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=(
   g++ cmake ninja-build pkg-config          # toolchain
-  libfmt-dev libcli11-dev                   # formatting, CLI
+  libfmt-dev libcli11-dev nlohmann-json3-dev  # formatting, CLI, JSON output
   libxxhash-dev libzstd-dev                 # session file checksums, compression
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks

@@ -316,9 +316,9 @@ session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest) {
         parsed_session p = parse(file, true, storage);
         const std::string layout = mem.state_layout();
         if (p.info.layout != layout)
-            throw error(
-                errc::invalid_state,
-                fmt::format("session: layout mismatch\n  file:   {}\n  memory: {}", p.info.layout, layout));
+            throw error(errc::invalid_state,
+                        fmt::format("session: layout mismatch: the file's is \"{}\", this memory's is \"{}\"",
+                                    p.info.layout, layout));
         state_set_payload(mem, p.payload, dest, p.info.state_flags);
         return std::move(p.info);
     });

@@ -2,9 +2,9 @@
 // prints one canonical result line per operation. Script errors: `error line N: ...` on stderr, exit 2.
 #include <charconv>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/session.h>
 #include <kvcache/state.h>
 
 #include "commands.h"
@@ -414,32 +415,48 @@ private:
         const seq_id_t s = state_seq(w[1], "size");
         guarded("size", [&] { fmt::print("size {}\n", state_seq_get_size(*cache_, s)); });
     }
+    // save SEQ FILE [format=buffer|session|zstd|ggsq]: llama.cpp's per-sequence buffer by default, else a
+    // session file (zstd: compressed) or llama.cpp's 'ggsq' file (no tokens).
     void save(const std::vector<std::string_view>& w) {
-        arity(w, 3, "save SEQ FILE");
+        if (w.size() != 3 && w.size() != 4) fail("usage: save SEQ FILE [format=buffer|session|zstd|ggsq]");
         const seq_id_t s = state_seq(w[1], "save");
         const std::string path(w[2]);
+        const keys k(w, 3, {"format"}, "save");
+        const std::string format = k.get("format").value_or("buffer");
+        if (format != "buffer" && format != "session" && format != "zstd" && format != "ggsq")
+            fail(fmt::format("save: format '{}' is not buffer, session, zstd or ggsq", format));
         guarded("save", [&] {
-            const std::vector<uint8_t> bytes = state_seq_get_data(*cache_, s);
-            std::ofstream out(path, std::ios::binary | std::ios::trunc);
-            out.write(reinterpret_cast<const char*>(bytes.data()),
-                      static_cast<std::streamsize>(bytes.size()));
-            if (!out.flush()) throw error(errc::io, fmt::format("cannot write '{}'", path));
-            fmt::print("save {}\n", bytes.size());
+            if (format == "buffer") {
+                const std::vector<uint8_t> bytes = state_seq_get_data(*cache_, s);
+                io_file_writer out(path);
+                out.write(bytes.data(), bytes.size());
+                out.close();
+                fmt::print("save {}\n", bytes.size());
+            } else if (format == "ggsq") {
+                fmt::print("save {}\n", save_llama_seq_file(*cache_, path, s, {}));
+            } else {
+                session_save_options o;
+                o.compress = format == "zstd";
+                fmt::print("save {}\n", save_file(*cache_, path, s, o));
+            }
         });
     }
+    // load SEQ FILE: any file save writes, told apart by its magic.
     void load(const std::vector<std::string_view>& w) {
         arity(w, 3, "load SEQ FILE");
         const seq_id_t s = state_seq(w[1], "load");
         const std::string path(w[2]);
-        std::ifstream in(path, std::ios::binary);
-        if (!in) {
-            fmt::print("load failed: cannot open '{}'\n", path);
-            return;
-        }
-        const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
-                                         std::istreambuf_iterator<char>());
         try {
-            fmt::print("load {}\n", state_seq_set_data(*cache_, bytes, s));
+            const std::vector<uint8_t> bytes = read_file_bytes(path);
+            uint32_t magic = 0;
+            if (bytes.size() >= 4) std::memcpy(&magic, bytes.data(), 4);
+            if (magic == session_magic)
+                load_file(*cache_, path, s);
+            else if (magic == llama_seq_file_magic)
+                load_llama_seq_file(*cache_, path, s);
+            else
+                state_seq_set_data(*cache_, bytes, s);
+            fmt::print("load {}\n", bytes.size());
         } catch (const error& e) {
             fmt::print("load failed: {}\n", e.what());
         }

@@ -17,6 +17,7 @@ int run(int argc, char** argv) {
     kvc::cli::add_size_command(app);
     int exit_code = 0;
     kvc::cli::add_replay_command(app, exit_code);
+    kvc::cli::add_inspect_command(app, exit_code);
     try {
         app.parse(argc, argv);
     } catch (const CLI::CallForHelp& e) {

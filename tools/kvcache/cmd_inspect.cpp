@@ -1,0 +1,245 @@
+// kvcache inspect FILE [--json]: what a saved state holds. Reads kvcache session files, llama.cpp
+// per-sequence files ('ggsq'), per-sequence state buffers (state_seq_get_data) and raw KV payloads.
+// Exit status 0 for a valid file, 1 (with the reason) for anything else.
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <kvcache/session.h>
+#include <kvcache/state.h>
+#include <kvcache/state_summary.h>
+
+#include "commands.h"
+
+namespace kvc::cli {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+struct inspect_options {
+    std::string path;
+    bool json = false;
+};
+
+// What the file is, whatever its kind; the payload summary when there is a KV payload.
+struct report {
+    std::string format;  // kvcache-session, llama-seq-file, state-seq-buffer, kv-payload
+    uint64_t file_bytes = 0;
+    std::optional<session_info> session;
+    std::optional<seq_id_t> source_seq;
+    std::optional<size_t> n_tokens;
+    std::optional<state_summary> payload;
+    std::string payload_note;  // why there is no summary
+};
+
+template <class T>
+T load_at(const std::vector<uint8_t>& b, size_t at) {
+    T v;
+    std::memcpy(&v, b.data() + at, sizeof v);
+    return v;
+}
+
+// Positions per cell from a layout line ("kv ... n_pos=4 ..."): whether cells carry M-RoPE extensions.
+std::optional<bool> mrope_of(const std::string& layout) {
+    if (layout.rfind("kv ", 0) != 0) return std::nullopt;
+    const size_t at = layout.find(" n_pos=");
+    if (at == std::string::npos) return std::nullopt;
+    return std::atoi(layout.c_str() + at + 7) > 1;
+}
+
+report examine(const std::string& path) {
+    const std::vector<uint8_t> file = read_file_bytes(path);
+    report r;
+    r.file_bytes = file.size();
+    const uint32_t magic = file.size() >= 4 ? load_at<uint32_t>(file, 0) : 0;
+    std::span<const uint8_t> payload;
+    std::vector<uint8_t> storage;
+    if (magic == session_magic) {
+        r.format = "kvcache-session";
+        r.session = read_session(file, &storage);
+        r.source_seq = r.session->seq_id;
+        r.n_tokens = r.session->tokens.size();
+        const auto mrope = mrope_of(r.session->layout);
+        if (!mrope) {
+            r.payload_note = "not a KV cache payload";
+            return r;
+        }
+        r.payload = summarize_kv_state(storage, *mrope);
+        return r;
+    }
+    if (magic == llama_seq_file_magic) {
+        r.format = "llama-seq-file";
+        if (file.size() < 12) throw error(errc::corrupt_data, "llama.cpp sequence file: truncated header");
+        const auto version = load_at<uint32_t>(file, 4);
+        if (version != llama_seq_file_version)
+            throw error(errc::unsupported, fmt::format("llama.cpp sequence file version {}, expected {}",
+                                                       version, llama_seq_file_version));
+        const uint64_t n = load_at<uint32_t>(file, 8);
+        if (n * 4 > file.size() - 12)
+            throw error(errc::corrupt_data,
+                        fmt::format("llama.cpp sequence file: {} tokens announced, {} bytes "
+                                    "left",
+                                    n, file.size() - 12));
+        r.n_tokens = n;
+        payload = std::span(file).subspan(12 + n * 4);
+    } else if (magic == state_seq_magic) {
+        r.format = "state-seq-buffer";
+        if (file.size() < 8) throw error(errc::corrupt_data, "state buffer: truncated header");
+        r.source_seq = load_at<int32_t>(file, 4);
+        payload = std::span(file).subspan(8);
+    } else {
+        r.format = "kv-payload";
+        payload = file;
+        try {
+            r.payload = summarize_kv_state_any(payload);
+        } catch (const error& e) {
+            throw error(e.code(), fmt::format("not a kvcache session file, llama.cpp sequence file, state "
+                                              "buffer or KV cache payload ({})",
+                                              e.what()));
+        }
+        return r;
+    }
+    r.payload = summarize_kv_state_any(payload);
+    return r;
+}
+
+json to_json(const std::string& path, const report& r) {
+    json j;
+    j["file"] = path;
+    j["valid"] = true;
+    j["format"] = r.format;
+    j["file_bytes"] = r.file_bytes;
+    if (r.session) {
+        const session_info& s = *r.session;
+        j["version"] = s.version;
+        j["compression"] = s.file_flags & session_flag_zstd ? "zstd" : "none";
+        j["stored_bytes"] = s.stored_bytes;
+        j["checksum"] = {{"status", "ok"}, {"xxh3", fmt::format("{:016x}", s.checksum)}};
+        j["layout"] = s.layout;
+        j["layout_fingerprint"] = fmt::format("{:016x}", s.layout_fingerprint);
+        j["state_flags"] = s.state_flags;
+    }
+    if (r.source_seq) j["source_seq"] = *r.source_seq;
+    if (r.n_tokens) j["tokens"] = *r.n_tokens;
+    if (!r.payload) {
+        j["payload"] = {{"note", r.payload_note}};
+        return j;
+    }
+    const state_summary& p = *r.payload;
+    json streams = json::array();
+    for (const auto& st : p.streams) {
+        json seqs = json::array();
+        for (const auto& q : st.seqs)
+            seqs.push_back(
+                {{"seq", q.seq}, {"cells", q.n_cells}, {"pos_min", q.pos_min}, {"pos_max", q.pos_max}});
+        streams.push_back({{"cells", st.n_cells}, {"seqs", std::move(seqs)}});
+    }
+    json layers = json::array();
+    for (const auto& l : p.layers)
+        layers.push_back({{"type_k", to_string(l.type_k)},
+                          {"k_bytes", l.k_bytes},
+                          {"type_v", to_string(l.type_v)},
+                          {"v_bytes", l.v_bytes}});
+    json per_type = json::object();
+    for (const auto& [t, n] : p.bytes_per_type()) per_type[to_string(t)] = n;
+    j["payload"] = {{"bytes", p.bytes},   {"v_trans", p.v_trans},        {"mrope", p.mrope},
+                    {"streams", streams}, {"layers", std::move(layers)}, {"bytes_per_type", per_type}};
+    return j;
+}
+
+std::string human_bytes(uint64_t n) {
+    if (n < 1024) return fmt::format("{} B", n);
+    if (n < (uint64_t{1} << 20)) return fmt::format("{:.1f} KiB", static_cast<double>(n) / 1024);
+    if (n < (uint64_t{1} << 30)) return fmt::format("{:.1f} MiB", static_cast<double>(n) / (1 << 20));
+    return fmt::format("{:.2f} GiB", static_cast<double>(n) / (1 << 30));
+}
+
+void print_text(const std::string& path, const report& r) {
+    fmt::print("file:     {} ({} bytes)\n", path, r.file_bytes);
+    static constexpr const char* names[][2] = {
+        {"kvcache-session", "kvcache session file"},
+        {"llama-seq-file", "llama.cpp sequence file ('ggsq', version 2)"},
+        {"state-seq-buffer", "per-sequence state buffer (magic 0xaf143cd8)"},
+        {"kv-payload", "raw KV cache state payload"}};
+    for (const auto& [id, name] : names)
+        if (r.format == id) fmt::print("format:   {}\n", name);
+    if (r.session) {
+        const session_info& s = *r.session;
+        fmt::print("version:  {}\n", s.version);
+        if (s.file_flags & session_flag_zstd)
+            fmt::print("stored:   zstd, {} of {} payload bytes ({:.1f}%)\n", s.stored_bytes, s.payload_bytes,
+                       s.payload_bytes ? 100.0 * static_cast<double>(s.stored_bytes) /
+                                             static_cast<double>(s.payload_bytes)
+                                       : 0.0);
+        else
+            fmt::print("stored:   uncompressed\n");
+        fmt::print("checksum: ok (xxh3 {:016x})\n", s.checksum);
+        fmt::print("layout:   {}\n", s.layout);
+    }
+    if (r.source_seq) {
+        if (*r.source_seq < 0)
+            fmt::print("source:   the whole memory\n");
+        else
+            fmt::print("source:   seq {}\n", *r.source_seq);
+    }
+    if (r.n_tokens) fmt::print("tokens:   {}\n", *r.n_tokens);
+    if (!r.payload) {
+        fmt::print("payload:  {}\n", r.payload_note);
+        return;
+    }
+    const state_summary& p = *r.payload;
+    fmt::print("payload:  {} bytes, {} stream{}, V {}transposed{}\n", p.bytes, p.streams.size(),
+               p.streams.size() == 1 ? "" : "s", p.v_trans ? "" : "not ", p.mrope ? ", M-RoPE cells" : "");
+    for (size_t s = 0; s < p.streams.size(); ++s) {
+        const auto& st = p.streams[s];
+        if (st.n_cells == 0 && p.streams.size() > 1) continue;
+        fmt::print("stream {}: {} cells\n", s, st.n_cells);
+        for (const auto& q : st.seqs)
+            fmt::print("  seq {}: {} cells, positions [{}, {}]\n", q.seq, q.n_cells, q.pos_min, q.pos_max);
+    }
+    fmt::print("layers:   {}\n", p.layers.size());
+    for (size_t il = 0; il < p.layers.size(); ++il) {
+        const auto& l = p.layers[il];
+        fmt::print("  {:3}: K {} {}, V {} {}\n", il, to_string(l.type_k), human_bytes(l.k_bytes),
+                   to_string(l.type_v), human_bytes(l.v_bytes));
+    }
+    fmt::print("by type:");
+    for (const auto& [t, n] : p.bytes_per_type()) fmt::print(" {} {}", to_string(t), human_bytes(n));
+    fmt::print("\n");
+}
+
+}  // namespace
+
+void add_inspect_command(CLI::App& app, int& exit_code) {
+    auto opt = std::make_shared<inspect_options>();
+    CLI::App* cmd = app.add_subcommand(
+        "inspect",
+        "Summarise a saved state: session file, llama.cpp 'ggsq' file, state buffer or raw payload");
+    cmd->add_option("FILE", opt->path, "the file")->required();
+    cmd->add_flag("--json", opt->json, "print JSON");
+    cmd->callback([opt, &exit_code] {
+        try {
+            const report r = examine(opt->path);
+            if (opt->json)
+                fmt::print("{}\n", to_json(opt->path, r).dump(2));
+            else
+                print_text(opt->path, r);
+        } catch (const error& e) {
+            exit_code = 1;
+            if (opt->json) {
+                json j;
+                j["file"] = opt->path;
+                j["valid"] = false;
+                j["error"] = e.what();
+                fmt::print("{}\n", j.dump(2));
+            }
+            std::fprintf(stderr, "kvcache inspect: %s: %s\n", opt->path.c_str(), e.what());
+        }
+    });
+}
+
+}  // namespace kvc::cli
