@@ -28,15 +28,17 @@ T get(io_read_i& io) {
     throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", io.n_bytes(), what));
 }
 
-// Calls f(j, n) for each run cells[j..j+n) of consecutive ascending cells, so rows go in one piece.
-template <class F>
-void for_each_run(std::span<const uint32_t> cells, F&& f) {
+// The runs cells[j..j+n) of consecutive ascending cells, as (j, n): their rows move in one piece.
+// Found once per stream, then used for every layer and every channel of a transposed V.
+std::vector<std::pair<size_t, size_t>> runs_of(std::span<const uint32_t> cells) {
+    std::vector<std::pair<size_t, size_t>> runs;
     for (size_t j = 0; j < cells.size();) {
         size_t n = 1;
         while (j + n < cells.size() && cells[j + n] == cells[j] + n) ++n;
-        f(j, n);
+        runs.emplace_back(j, n);
         j += n;
     }
+    return runs;
 }
 
 }  // namespace
@@ -64,6 +66,7 @@ void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint
     }
     put<uint32_t>(io, params_.v_trans ? 1 : 0);
     put<uint32_t>(io, static_cast<uint32_t>(layers_.size()));
+    const auto runs = runs_of(cells);
     // Decision 8: a pending shift never leaks into a state; keys are written as the K-shift would leave
     // them, so that restoring gives the attention results of the cache that was saved.
     std::vector<float> row;
@@ -74,8 +77,7 @@ void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint
         row.resize(l.e_k);
         shifted.resize(l.k_row);
         if (!c.get_has_shift() || l.desc.rope.type == rope_type::none) {
-            for_each_run(cells,
-                         [&](size_t j, size_t n) { io.write(k_row_ptr(l, stream, cells[j]), n * l.k_row); });
+            for (const auto& [j, n] : runs) io.write(k_row_ptr(l, stream, cells[j]), n * l.k_row);
             continue;
         }
         ops::rope_table table;
@@ -101,16 +103,14 @@ void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint
         put<int32_t>(io, static_cast<int32_t>(params_.type_v));
         if (!params_.v_trans) {
             put<uint64_t>(io, l.v_row);
-            for_each_run(cells,
-                         [&](size_t j, size_t n) { io.write(v_row_ptr(l, stream, cells[j]), n * l.v_row); });
+            for (const auto& [j, n] : runs) io.write(v_row_ptr(l, stream, cells[j]), n * l.v_row);
             continue;
         }
         put<uint32_t>(io, static_cast<uint32_t>(esz));
         put<uint32_t>(io, l.e_v);
         for (uint32_t e = 0; e < l.e_v; ++e)
-            for_each_run(cells, [&](size_t j, size_t n) {
+            for (const auto& [j, n] : runs)
                 io.write(l.v.data() + v_elem_offset(stream, e, cells[j]) * esz, n * esz);
-            });
     }
 }
 
@@ -281,10 +281,12 @@ kv_cache::staged_state kv_cache::parse_state(io_read_i& io, seq_id_t seq_id) con
 
 void kv_cache::state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) const {
     (void)parse_state(io, seq_id);
+    io.end_of_state();
 }
 
 void kv_cache::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) {
     const staged_state st = parse_state(io, seq_id);  // everything checked before anything changes
+    io.end_of_state();
 
     // placement
     std::vector<slot_info> slots;
@@ -359,20 +361,20 @@ void kv_cache::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flag
         const slot_info& si = slots[p];
         const uint32_t stream = si.strm[0];
         const auto& cells = si.idxs[0];
+        const auto runs = runs_of(cells);
         for (size_t li = 0; li < layers_.size(); ++li) {
             const layer& l = layers_[li];
-            for_each_run(cells, [&](size_t j, size_t n) {
+            for (const auto& [j, n] : runs) {
                 std::memcpy(k_row_ptr(l, stream, cells[j]), part.k[li].data() + j * l.k_row, n * l.k_row);
                 if (!params_.v_trans)
                     std::memcpy(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row, n * l.v_row);
-            });
+            }
             if (!params_.v_trans) continue;
             auto* v = const_cast<std::byte*>(l.v.data());
             for (uint32_t e = 0; e < l.e_v; ++e)
-                for_each_run(cells, [&](size_t j, size_t n) {
+                for (const auto& [j, n] : runs)
                     std::memcpy(v + v_elem_offset(stream, e, cells[j]) * esz,
                                 part.v[li].data() + (size_t{e} * cells.size() + j) * esz, n * esz);
-                });
         }
     }
 }

@@ -18,20 +18,13 @@ constexpr size_t file_buffer_size = size_t{1} << 20;
     throw error(errc::io, fmt::format("{} '{}': {}", what, path, std::strerror(errno)));
 }
 
-// Restores the payload data[start..]: checked first (nothing changes), including that it ends with the
-// data, then read. Error offsets count from the start of data.
+// Restores the payload data[start..], which must end with data. Error offsets count from data's start.
 size_t restore_from(memory_i& mem, std::span<const uint8_t> data, size_t start, seq_id_t dest,
                     state_seq_flags flags) {
-    io_span_reader r(data);
+    io_span_reader r(data, true);
     std::vector<std::byte> skipped;
     r.read_span(start, skipped);
-    mem.state_check(r, dest, flags);
-    if (r.remaining() != 0)
-        throw error(errc::corrupt_data, fmt::format("state: {} trailing bytes after the state at byte {}",
-                                                    r.remaining(), r.n_bytes()));
-    io_span_reader again(data);
-    again.read_span(start, skipped);
-    mem.state_read(again, dest, flags);
+    mem.state_read(r, dest, flags);  // parses and checks everything (trailing bytes too), then restores
     return data.size();
 }
 
@@ -186,6 +179,12 @@ void io_span_reader::read(void* dst, size_t size) {
     n_ += size;
 }
 
+void io_span_reader::end_of_state() {
+    if (exact_ && remaining() != 0)
+        throw error(errc::corrupt_data,
+                    fmt::format("state: {} trailing bytes after the state at byte {}", remaining(), n_));
+}
+
 std::span<const std::byte> io_span_reader::read_span(size_t size, std::vector<std::byte>& /*scratch*/) {
     need(size);
     const auto out = std::as_bytes(src_.subspan(n_, size));
@@ -197,6 +196,16 @@ size_t state_seq_get_size(const memory_i& mem, seq_id_t seq_id, state_seq_flags 
     io_size_counter counter;
     mem.state_write(counter, seq_id, flags);
     return 8 + counter.n_bytes();
+}
+
+size_t state_seq_get_data(const memory_i& mem, seq_id_t seq_id, std::span<uint8_t> dst,
+                          state_seq_flags flags) {
+    io_span_writer w(dst);
+    const uint32_t magic = state_seq_magic;
+    w.write(&magic, 4);
+    w.write(&seq_id, 4);
+    mem.state_write(w, seq_id, flags);
+    return w.n_bytes();
 }
 
 std::vector<uint8_t> state_seq_get_data(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags) {

@@ -36,6 +36,11 @@ public:
     // The next `size` bytes without a copy where the reader can: readers over memory return a view of
     // their source; others read into `scratch`. The span lives as long as the source and `scratch`.
     virtual std::span<const std::byte> read_span(size_t size, std::vector<std::byte>& scratch);
+    // Called by state_read once the state is parsed and checked, before the memory changes (composite
+    // memories call it once, after all their parts). Readers that hold exactly one state throw
+    // kvc::error(corrupt_data) here when bytes remain, so trailing garbage is refused without a second
+    // pass.
+    virtual void end_of_state() {}
 };
 
 // Counts bytes without storing them (the size of a state before allocating for it).
@@ -75,16 +80,19 @@ private:
 // Reads from a span of bytes (borrowed).
 class io_span_reader final : public io_read_i {
 public:
-    explicit io_span_reader(std::span<const uint8_t> src) : src_(src) {}
+    // exact: the span holds one state and nothing after it (see end_of_state).
+    explicit io_span_reader(std::span<const uint8_t> src, bool exact = false) : src_(src), exact_(exact) {}
     void read(void* dst, size_t size) override;
     size_t n_bytes() const override { return n_; }
     std::span<const std::byte> read_span(size_t size, std::vector<std::byte>& scratch) override;
+    void end_of_state() override;
     size_t remaining() const { return src_.size() - n_; }
 
 private:
     void need(size_t size) const;  // throws when fewer bytes remain
 
     std::span<const uint8_t> src_;
+    bool exact_ = false;
     size_t n_ = 0;
 };
 
@@ -152,6 +160,11 @@ inline constexpr uint32_t state_seq_magic = 0xaf143cd8u;
 size_t state_seq_get_size(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags = 0);
 // The buffer: u32 magic, i32 seq_id, payload.
 std::vector<uint8_t> state_seq_get_data(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags = 0);
+// The same into the caller's buffer (reused across saves, no allocation); returns the bytes written.
+// Throws kvc::error(out_of_range) when dst is smaller than state_seq_get_size (its content is then
+// unspecified).
+size_t state_seq_get_data(const memory_i& mem, seq_id_t seq_id, std::span<uint8_t> dst,
+                          state_seq_flags flags = 0);
 // Restores a buffer into dest (-1: the whole memory); the stored source id is not used, so a sequence
 // restores into any destination. Every byte must be consumed. Returns the bytes read. Throws
 // kvc::error and leaves the memory unchanged on any problem.
