@@ -292,6 +292,39 @@ TEST(state, random_byte_corruptions_are_rejected_or_give_a_valid_memory) {
     }
 }
 
+TEST(state, buffers_into_caller_memory_and_raw_payloads) {
+    std::mt19937 rng(12);
+    const auto p = params_for(dtype::f16, dtype::f16, true, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 4, rng);
+    const auto buf = state_seq_get_data(a, 0);
+    std::vector<uint8_t> into(buf.size() + 10, 0xee);
+    EXPECT_EQ(state_seq_get_data(a, 0, std::span(into)), buf.size());
+    EXPECT_TRUE(std::equal(buf.begin(), buf.end(), into.begin()));
+    try {
+        state_seq_get_data(a, 0, std::span(into.data(), buf.size() - 1));
+        ADD_FAILURE() << "a buffer one byte short was accepted";
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::out_of_range);
+    }
+    // the payload alone (what llama.cpp's 'ggsq' files and other engines keep) restores the same way
+    const std::span<const uint8_t> payload(buf.data() + 8, buf.size() - 8);
+    kv_cache b(p);
+    EXPECT_EQ(state_set_payload(b, payload, 2), payload.size());
+    EXPECT_EQ(b.seq_pos_max(2), 3);
+    std::vector<uint8_t> longer(payload.begin(), payload.end());
+    longer.push_back(7);
+    const auto before = whole(b);
+    try {
+        state_set_payload(b, longer, 1);
+        ADD_FAILURE() << "a trailing byte was accepted";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("1 trailing bytes after the state at byte"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(whole(b), before);
+}
+
 TEST(state, a_whole_memory_state_of_several_sequences_is_not_one_sequence) {
     std::mt19937 rng(9);
     const auto p = params_for(dtype::f16, dtype::f16, true, true);
