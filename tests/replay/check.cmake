@@ -1,6 +1,6 @@
 # Runs one golden op script: `kvcache replay NAME.ops` must print exactly NAME.out on stdout (empty if
 # absent) and, when NAME.err exists, exactly that on stderr with exit status 2; else exit status 0.
-# Scripts run in WORKDIR (files they save land there), next to a copy of data/.
+# Scripts run in WORKDIR (files they save land there), next to a copy of data/ (and tiny.gguf, when named).
 #   cmake -DCLI=path/to/kvcache -DSCRIPT=path/to/NAME.ops -DWORKDIR=dir -P check.cmake
 get_filename_component(dir "${SCRIPT}" DIRECTORY)
 get_filename_component(name "${SCRIPT}" NAME_WE)
@@ -8,6 +8,15 @@ set(work "${WORKDIR}/${name}")
 file(REMOVE_RECURSE "${work}")
 file(MAKE_DIRECTORY "${work}")
 file(COPY "${dir}/data" DESTINATION "${work}")
+# scripts that name tiny.gguf get the built-in tiny model (kvcache tiny-model) beside them
+file(READ "${SCRIPT}" script_text)
+string(FIND "${script_text}" "tiny.gguf" uses_tiny)
+if(uses_tiny GREATER -1)
+  execute_process(COMMAND "${CLI}" tiny-model tiny.gguf WORKING_DIRECTORY "${work}" OUTPUT_QUIET RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "kvcache tiny-model failed")
+  endif()
+endif()
 execute_process(COMMAND "${CLI}" replay "${SCRIPT}" WORKING_DIRECTORY "${work}" OUTPUT_VARIABLE out
                 ERROR_VARIABLE err RESULT_VARIABLE rc)
 set(want_out "")

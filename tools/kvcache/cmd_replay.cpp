@@ -1,5 +1,6 @@
 // kvcache replay SCRIPT: runs an op script (docs/op-scripts.md, format v1) against a fresh memory and
 // prints one canonical result line per operation. Script errors: `error line N: ...` on stderr, exit 2.
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/runtime.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
@@ -156,7 +158,6 @@ private:
         if (type == "recurrent" || type == "iswa" || type == "hybrid")
             fail(fmt::format("memory: type={} is not supported by this version of kvcache", type));
         if (type != "kv") fail(fmt::format("memory: unknown type '{}'", type));
-        if (k.get("model")) fail("memory: model= is not supported by this version of kvcache");
         const auto positive = [&](const char* name, int64_t def) {
             const int64_t v = k.get_int(name, def);
             if (v < 1 || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
@@ -204,7 +205,13 @@ private:
                                             .n_embd_head_v = n_embd_v / n_head_kv,
                                             .rope = rope});
         try {
+            if (const auto path = k.get("model")) {  // the layers are the model's; decode runs it
+                model_ = std::make_unique<model>(model::load(*path));
+                p.layers = model_->layers();
+            }
             cache_ = std::make_unique<kv_cache>(p);
+            if (model_)
+                rt_ = std::make_unique<runtime>(*model_, *cache_, runtime_params{.n_ubatch = n_ubatch_});
         } catch (const error& e) {
             fail(fmt::format("memory: {}", e.what()));
         }
@@ -269,6 +276,10 @@ private:
             return;
         }
         if (out == "last") b.set_output(static_cast<int32_t>(n) - 1, true);
+        if (rt_) {
+            decode_model(b.view());
+            return;
+        }
         batch_allocr a;
         try {
             a.init(b.view(), cache_.get(), {.n_seq_max = n_seq_max_});
@@ -307,6 +318,32 @@ private:
             }
         } while (kc.next());
         fmt::print("decode ok ubatches={}\n", n_ub);
+    }
+
+    // decode with a model: the real forward pass, then one `out` line per output row in batch order
+    void decode_model(const batch& b) {
+        decode_result res;
+        try {
+            res = rt_->decode(b);
+        } catch (const error& e) {
+            fmt::print("decode failed invalid-batch: {}\n", e.what());
+            return;
+        }
+        if (is_fail(res.status)) {
+            fmt::print("decode failed no-slot\n");
+            return;
+        }
+        fmt::print("decode ok ubatches={}\n", res.n_ubatches);
+        const uint32_t n_vocab = model_->hparams().n_vocab;
+        for (size_t i = 0; i < res.output_ids.size(); ++i) {
+            const auto idx = static_cast<size_t>(res.output_ids[i]);
+            const auto l = res.row(i, n_vocab);
+            double sum = 0;
+            for (float x : l) sum += x;
+            fmt::print("out seq={} pos={} sum={:.6f} argmax={} first4=[{:.6f} {:.6f} {:.6f} {:.6f}]\n",
+                       b.seq_id[idx][0], b.pos[idx], sum, std::max_element(l.begin(), l.end()) - l.begin(),
+                       l[0], l[1], l[2], l[3]);
+        }
     }
 
     // Runs a memory call; a rejection prints `<op> failed: <why>` and the script goes on.
@@ -462,7 +499,9 @@ private:
         }
     }
 
+    std::unique_ptr<model> model_;
     std::unique_ptr<kv_cache> cache_;
+    std::unique_ptr<runtime> rt_;  // with a model
     uint32_t n_seq_max_ = 1;
     uint32_t n_ubatch_ = 512;
 };

@@ -13,9 +13,12 @@ int run(int argc, char** argv) {
     CLI::App app{"kvcache " KVC_VERSION_STRING ": sequence memory for LLM inference engines", "kvcache"};
     app.set_version_flag("-V,--version", std::string("kvcache ") + kvc::version_string());
     app.require_subcommand(1);
+    int exit_code = 0;
+    kvc::cli::add_demo_command(app, exit_code);
     kvc::cli::add_types_command(app);
     kvc::cli::add_size_command(app);
-    int exit_code = 0;
+    kvc::cli::add_tiny_model_command(app);
+    kvc::cli::add_bench_command(app);
     kvc::cli::add_replay_command(app, exit_code);
     kvc::cli::add_inspect_command(app, exit_code);
     try {

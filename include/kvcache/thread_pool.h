@@ -1,0 +1,45 @@
+// A small fixed pool of worker threads for the reference runtime's loops (and the K-shift): the caller
+// splits a range, the pool runs the pieces, the caller waits. No task queue, no futures.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kvc {
+
+class thread_pool {
+public:
+    // n_threads workers in all, the calling thread included (0: the hardware's count).
+    explicit thread_pool(unsigned n_threads = 0);
+    ~thread_pool();
+    thread_pool(const thread_pool&) = delete;
+    thread_pool& operator=(const thread_pool&) = delete;
+
+    unsigned size() const { return n_threads_; }
+    // Calls fn(begin, end) on disjoint pieces covering [0, n), in parallel, and returns when all are
+    // done. Pieces are at least `grain` long. An exception thrown by fn is rethrown here (the first one).
+    // One caller at a time: a pool is not shared by concurrent parallel_for calls.
+    void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);
+
+private:
+    void worker(unsigned index);
+
+    unsigned n_threads_ = 1;
+    std::vector<std::thread> workers_;
+    std::mutex mu_;
+    std::condition_variable wake_, done_;
+    const std::function<void(size_t, size_t)>* job_ = nullptr;
+    size_t job_n_ = 0, job_pieces_ = 0;
+    uint64_t generation_ = 0;
+    unsigned pending_ = 0;
+    std::exception_ptr error_;
+    bool stop_ = false;
+};
+
+}  // namespace kvc

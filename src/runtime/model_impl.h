@@ -1,0 +1,62 @@
+// The inside of a model and the pieces of the forward pass shared by the cache path (runtime) and the
+// oracle (reference_memory), so the two differ only in where keys and values come from.
+#pragma once
+
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <kvcache/gguf.h>
+#include <kvcache/runtime.h>
+
+namespace kvc::rt {
+
+// A 2-D weight: n_out rows of n_in values of `type`, row-major in the mapped file.
+struct weight {
+    dtype type = dtype::f32;
+    int64_t n_in = 0, n_out = 0;
+    size_t row_bytes = 0;
+    const std::byte* data = nullptr;
+};
+
+struct layer_weights {
+    std::vector<float> attn_norm, ffn_norm;
+    weight wq, wk, wv, wo, gate, up, down;
+};
+
+// Attention of n query tokens of one layer: q [n][n_head * hd] and k [n][n_head_kv * hd] already rotated,
+// k_raw the keys before rotation, v [n][n_head_kv * hd]; writes out [n][n_head * hd].
+using attend_fn = std::function<void(uint32_t il, const float* q, const float* k, const float* k_raw,
+                                     const float* v, float* out)>;
+
+// Scaled dot-product attention of one query head (q: hd values) over n_keys keys: key j at
+// k + j * k_stride; value j at v + j * v_stride, or with v_transposed channel e of value j at
+// v + e * v_stride + j; mask[j] is 0 or -inf (null: all visible). Writes hd values to out.
+void attend_head(const float* q, uint32_t hd, size_t n_keys, const float* k, size_t k_stride, const float* v,
+                 size_t v_stride, bool v_transposed, const float* mask, float* out,
+                 std::vector<float>& scratch);
+
+}  // namespace kvc::rt
+
+namespace kvc {
+
+struct model::impl {
+    gguf_file file;
+    model_hparams hp;
+    rt::weight tok_embd;
+    std::vector<float> output_norm;
+    rt::weight output;
+    std::vector<rt::layer_weights> layers;
+
+    explicit impl(gguf_file f) : file(std::move(f)) {}
+
+    // Runs the layers over n tokens (embedding rows of their ids) at their positions; attend is called
+    // once per layer after Q/K/V; fills logits [rows][n_vocab] for the tokens with out[i] != 0.
+    void forward(thread_pool& pool, std::span<const token_t> tokens, std::span<const pos_t> pos,
+                 std::span<const int8_t> out, const rt::attend_fn& attend, std::vector<float>& logits) const;
+    // y[t][o] = dot(w row o, x[t]) for n_tok tokens.
+    static void matmul(thread_pool& pool, const rt::weight& w, const float* x, size_t n_tok, float* y);
+};
+
+}  // namespace kvc

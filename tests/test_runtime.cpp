@@ -1,0 +1,323 @@
+// Cache == recompute: the logits of decoding through kv_cache equal those of reference_memory (plain f32
+// keys and values per sequence, attention recomputed from them) for every feature, within the
+// tolerance of the cache's element types (docs/runtime.md).
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <kvcache/runtime.h>
+#include <kvcache/session.h>
+#include <kvcache/state.h>
+#include <kvcache/tiny_model.h>
+
+namespace kvc {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The tiny model (head size 16) and a wider one (head size 32, for the block types q8_0 and q4_0).
+const model& tiny(bool wide) {
+    static std::unique_ptr<model> m[2];
+    auto& slot = m[wide ? 1 : 0];
+    if (!slot) {
+        const fs::path path =
+            fs::temp_directory_path() / fmt::format("kvc-runtime-{}-{}.gguf", ::getpid(), wide);
+        tiny_model_options o;
+        if (wide) {
+            o.n_embd = 128;
+            o.n_ff = 192;
+        }
+        write_tiny_model(path.string(), o);
+        slot = std::make_unique<model>(model::load(path.string()));
+        fs::remove(path);
+    }
+    return *slot;
+}
+
+struct setup {
+    dtype type_k = dtype::f16, type_v = dtype::f16;
+    bool v_trans = true, unified = true;
+    uint32_t n_swa = 0;
+    swa_type swa = swa_type::none;
+    uint32_t n_ubatch = 512;
+    std::string name() const {
+        return fmt::format("k={} v={} v_trans={} unified={} swa={}", to_string(type_k), to_string(type_v),
+                           v_trans, unified, n_swa);
+    }
+};
+
+// A cache with its runtime and the reference, driven side by side; every decode compares their logits.
+class pair_run {
+public:
+    explicit pair_run(const setup& s, uint32_t n_seq_max = 4, uint32_t kv_size = 256)
+        : s_(s), m_(&tiny(block_size(s.type_k) > 1 || block_size(s.type_v) > 1)), ref_(*m_, n_seq_max, 2) {
+        auto p = m_->cache_params(kv_size, n_seq_max);
+        p.type_k = s.type_k;
+        p.type_v = s.type_v;
+        p.v_trans = s.v_trans;
+        p.unified = s.unified;
+        p.n_swa = s.n_swa;
+        p.swa = s.swa;
+        cache_ = std::make_unique<kv_cache>(p);
+        rt_ = std::make_unique<runtime>(*m_, *cache_, runtime_params{.n_threads = 2, .n_ubatch = s.n_ubatch});
+        ref_.set_swa(s.n_swa, s.swa);
+    }
+
+    struct group {
+        std::vector<seq_id_t> seqs;
+        pos_t pos = -1;  // -1: after the first sequence's last position
+        std::vector<token_t> tokens;
+    };
+    // One batch of groups, every token an output; returns the relative difference.
+    double decode(const std::vector<group>& groups) {
+        size_t n = 0;
+        for (const auto& g : groups) n += g.tokens.size();
+        batch_storage b = batch::init(static_cast<int32_t>(n), 0, 4);
+        for (const auto& g : groups) {
+            pos_t p = g.pos >= 0 ? g.pos : cache_->seq_pos_max(g.seqs[0]) + 1;
+            EXPECT_EQ(cache_->seq_pos_max(g.seqs[0]), ref_.seq_pos_max(g.seqs[0]));
+            for (token_t t : g.tokens) b.add(t, p++, g.seqs, true);
+        }
+        const decode_result a = rt_->decode(b.view());
+        const decode_result r = ref_.decode(b.view());
+        EXPECT_EQ(a.status, memory_status::success);
+        EXPECT_EQ(a.output_ids, r.output_ids);
+        EXPECT_EQ(a.logits.size(), r.logits.size());
+        if (a.logits.size() != r.logits.size() || a.logits.empty()) return 1e9;
+        float scale = 0;
+        for (float x : r.logits) scale = std::max(scale, std::fabs(x));
+        const double rel = max_abs_diff(a.logits, r.logits) / std::max(scale, 1e-6f);
+        worst_ = std::max(worst_, rel);
+        return rel;
+    }
+    std::vector<token_t> tokens(size_t n) {
+        std::vector<token_t> t(n);
+        for (auto& x : t) x = static_cast<token_t>(rng_() % m_->hparams().n_vocab);
+        return t;
+    }
+    // The same operation on both.
+    template <class F>
+    void both(F&& f) {
+        f(*cache_, ref_);
+    }
+    double worst() const { return worst_; }
+    double limit() const { return std::max(logits_tolerance(s_.type_k), logits_tolerance(s_.type_v)); }
+    kv_cache& cache() { return *cache_; }
+    reference_memory& ref() { return ref_; }
+    runtime& rt() { return *rt_; }
+
+private:
+    setup s_;
+    const model* m_;
+    std::unique_ptr<kv_cache> cache_;
+    std::unique_ptr<runtime> rt_;
+    reference_memory ref_;
+    std::mt19937 rng_{42};
+    double worst_ = 0;
+};
+
+std::vector<setup> every_setup() {
+    std::vector<setup> out;
+    for (dtype t : {dtype::f32, dtype::f16, dtype::bf16, dtype::q8_0, dtype::q4_0})
+        for (bool v_trans : {false, true})
+            for (bool unified : {true, false}) {
+                if (v_trans && is_quantized(t)) continue;  // transposed V is for float types
+                setup s;
+                s.type_k = t;
+                s.type_v = t;
+                s.v_trans = v_trans;
+                s.unified = unified;
+                out.push_back(s);
+            }
+    return out;
+}
+
+class cache_equals_recompute : public ::testing::TestWithParam<setup> {};
+
+void PrintTo(const setup& s, std::ostream* os) {
+    *os << s.name();
+}
+
+#define EXPECT_CLOSE(run)                                                               \
+    do {                                                                                \
+        EXPECT_LE((run).worst(), (run).limit()) << GetParam().name();                   \
+        ::testing::Test::RecordProperty("worst", fmt::format("{:.3g}", (run).worst())); \
+    } while (0)
+
+TEST_P(cache_equals_recompute, single_sequence_prompt_then_steps) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(10)}});
+    for (int i = 0; i < 5; ++i) r.decode({{{0}, -1, r.tokens(1)}});
+    EXPECT_CLOSE(r);
+    EXPECT_EQ(r.cache().seq_pos_max(0), 14);
+}
+
+TEST_P(cache_equals_recompute, several_sequences_in_one_batch) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(7)}, {{1}, 0, r.tokens(3)}, {{2}, 0, r.tokens(5)}});
+    for (int i = 0; i < 3; ++i)
+        r.decode({{{2}, -1, r.tokens(1)}, {{0}, -1, r.tokens(2)}, {{1}, -1, r.tokens(1)}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(cache_equals_recompute, shared_prefix_through_seq_cp_and_multi_sequence_tokens) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(9)}});
+    r.both([](auto& c, auto& f) {
+        for (seq_id_t d : {1, 2, 3}) {
+            c.seq_cp(0, d, -1, -1);
+            f.seq_cp(0, d, -1, -1);
+        }
+    });
+    r.decode(
+        {{{0}, -1, r.tokens(2)}, {{1}, -1, r.tokens(3)}, {{2}, -1, r.tokens(2)}, {{3}, -1, r.tokens(2)}});
+    if (GetParam().unified) r.decode({{{2, 3}, -1, r.tokens(2)}});  // tokens in two sequences at once
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(cache_equals_recompute, partial_seq_rm_then_continue) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(12)}, {{1}, 0, r.tokens(6)}});
+    r.both([](auto& c, auto& f) {
+        c.seq_rm(0, 8, -1);
+        f.seq_rm(0, 8, -1);
+    });
+    r.decode({{{0}, 8, r.tokens(3)}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(cache_equals_recompute, context_shift_seq_rm_and_seq_add_with_k_shift) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(16)}, {{1}, 0, r.tokens(4)}});
+    r.both([](auto& c, auto& f) {
+        c.seq_rm(0, 2, 6);
+        f.seq_rm(0, 2, 6);
+        c.seq_add(0, 6, -1, -4);
+        f.seq_add(0, 6, -1, -4);
+    });
+    EXPECT_TRUE(r.cache().get_has_shift());
+    r.decode({{{0}, -1, r.tokens(4)}, {{1}, -1, r.tokens(1)}});
+    EXPECT_FALSE(r.cache().get_has_shift());
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(cache_equals_recompute, seq_div_and_seq_keep) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(8)}, {{1}, 0, r.tokens(5)}});
+    r.both([](auto& c, auto& f) {
+        c.seq_div(0, 0, -1, 2);
+        f.seq_div(0, 0, -1, 2);
+    });
+    r.decode({{{0}, 4, r.tokens(2)}, {{1}, -1, r.tokens(2)}});
+    r.both([](auto& c, auto& f) {
+        c.seq_keep(1);
+        f.seq_keep(1);
+    });
+    r.decode({{{1}, -1, r.tokens(3)}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(cache_equals_recompute, state_and_session_files_restore_into_other_sequences_and_caches) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(10)}, {{1}, 0, r.tokens(4)}});
+    r.both([](auto& c, auto& f) {  // a pending shift must not leak into the saved state (decision 8)
+        c.seq_add(0, 5, -1, 3);
+        f.seq_add(0, 5, -1, 3);
+    });
+    const auto saved = state_seq_get_data(r.cache(), 0);
+    state_seq_set_data(r.cache(), saved, 2);
+    r.ref().seq_cp(0, 2, -1, -1);
+    r.decode({{{2}, -1, r.tokens(3)}, {{0}, -1, r.tokens(1)}});
+
+    // the whole memory through a compressed session file: save, clear the cache, load
+    const auto path = (fs::temp_directory_path() / fmt::format("kvc-runtime-{}.kvc", ::getpid())).string();
+    session_save_options o;
+    o.compress = true;
+    save_file(r.cache(), path, seq_all, o);
+    r.cache().clear(true);
+    load_file(r.cache(), path, seq_all);
+    // one sequence through a plain session file, into another sequence
+    save_file(r.cache(), path, 1);
+    load_file(r.cache(), path, 3);
+    r.ref().seq_cp(1, 3, -1, -1);
+    fs::remove(path);
+    r.decode({{{1}, -1, r.tokens(2)}, {{2}, -1, r.tokens(1)}, {{3}, -1, r.tokens(2)}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(cache_equals_recompute, compaction_changes_nothing_a_sequence_sees) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(6)}, {{1}, 0, r.tokens(20)}, {{2}, 0, r.tokens(6)}});
+    r.both([](auto& c, auto& f) {
+        c.seq_rm(1, -1, -1);
+        f.seq_rm(1, -1, -1);
+    });
+    const uint32_t moved = r.cache().compact();
+    if (GetParam().unified) {
+        EXPECT_GT(moved, 0u);
+    }
+    r.decode({{{0}, -1, r.tokens(2)}, {{2}, -1, r.tokens(2)}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(cache_equals_recompute, small_ubatches) {
+    setup s = GetParam();
+    s.n_ubatch = 3;
+    pair_run r(s);
+    r.decode({{{0}, 0, r.tokens(7)}, {{1}, 0, r.tokens(5)}});
+    r.decode({{{1}, -1, r.tokens(4)}});
+    EXPECT_CLOSE(r);
+}
+
+INSTANTIATE_TEST_SUITE_P(types, cache_equals_recompute, ::testing::ValuesIn(every_setup()),
+                         [](const ::testing::TestParamInfo<setup>& i) {
+                             return fmt::format("{}_{}_{}", to_string(i.param.type_k),
+                                                i.param.v_trans ? "vt" : "v",
+                                                i.param.unified ? "unified" : "split");
+                         });
+
+TEST(cache_equals_recompute_swa, a_sliding_window_sees_the_same_keys) {
+    for (const swa_type t : {swa_type::standard, swa_type::chunked}) {
+        setup s;
+        s.n_swa = 4;
+        s.swa = t;
+        pair_run r(s, 2, 64);
+        r.decode({{{0}, 0, r.tokens(9)}});
+        for (int i = 0; i < 20; ++i) r.decode({{{0}, -1, r.tokens(1)}, {{1}, i, r.tokens(1)}});
+        EXPECT_LE(r.worst(), r.limit()) << to_string(t);
+    }
+}
+
+// The tolerances are not vacuous: a cache that loses a key differs from the reference by far more.
+TEST(cache_equals_recompute_oracle, a_missing_key_is_detected) {
+    pair_run r(setup{});
+    r.decode({{{0}, 0, r.tokens(8)}});
+    r.cache().seq_rm(0, 3, 4);  // only the cache forgets position 3
+    EXPECT_GT(r.decode({{{0}, 8, r.tokens(2)}}), 10 * logits_tolerance(dtype::f16));
+}
+
+TEST(runtime, rejects_a_cache_of_another_shape_and_invalid_batches) {
+    const model& m = tiny(false);
+    auto p = m.cache_params(64, 2);
+    p.layers.pop_back();
+    kv_cache wrong(p);
+    EXPECT_THROW(runtime(m, wrong), error);
+    kv_cache c(m.cache_params(64, 2));
+    runtime rt(m, c);
+    const token_t bad[1] = {100000};
+    EXPECT_THROW(rt.decode(batch::get_one(bad)), error);
+    EXPECT_EQ(c.seq_pos_max(0), -1) << "nothing placed";
+    std::vector<token_t> many(100, 5);
+    const decode_result res = rt.decode(batch::get_one(many));
+    EXPECT_EQ(res.status, memory_status::failed_prepare) << "100 tokens do not fit 64 cells";
+    EXPECT_EQ(c.seq_pos_max(0), -1);
+}
+
+}  // namespace
+}  // namespace kvc

@@ -1,0 +1,398 @@
+// kvcache bench: the project's key figures in one run, each next to its yardstick measured in the same
+// run (memcpy, a plain fill, the same operation on a smaller cache). Google Benchmark suites (bench/) go
+// deeper; this is the quick look. --json for machines.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <kvcache/kv_cache.h>
+#include <kvcache/runtime.h>
+#include <kvcache/state.h>
+#include <kvcache/tiny_model.h>
+#include <kvcache/version.h>
+
+#include "commands.h"
+
+namespace kvc::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using clock_type = std::chrono::steady_clock;
+
+struct bench_options {
+    bool json = false;
+    bool quick = false;  // fewer repetitions and smaller sizes (tests)
+    uint32_t threads = 0;
+};
+
+// One figure: value in `unit`, its yardstick, and value / yardstick (or its inverse: `ratio` is always
+// oriented so that the target reads "ratio >= target" when higher_is_better, else "<=").
+struct figure {
+    std::string section, name;
+    double value = 0;
+    std::string unit;
+    double yardstick = 0;
+    std::string yardstick_name;
+    double ratio = 0;
+    double target = 0;  // 0: none
+    bool higher_is_better = true;
+};
+
+// Best time of fn over `reps` runs, in seconds (each run timed as a whole; `setup` untimed before it).
+double best_of(int reps, const std::function<void()>& fn, const std::function<void()>& setup = {}) {
+    double best = 1e300;
+    for (int r = 0; r < reps; ++r) {
+        if (setup) setup();
+        const auto t0 = clock_type::now();
+        fn();
+        best = std::min(best, std::chrono::duration<double>(clock_type::now() - t0).count());
+    }
+    return best;
+}
+
+double memcpy_gbs(size_t bytes, int reps) {
+    std::vector<uint8_t> a(bytes, 1), b(bytes, 2);
+    const double s = best_of(reps, [&] {
+        std::memcpy(b.data(), a.data(), bytes);
+        asm volatile("" : : "r"(b.data()) : "memory");
+    });
+    return static_cast<double>(bytes) / s / 1e9;
+}
+
+ubatch tokens_of(seq_id_t s, pos_t p0, uint32_t n) {
+    ubatch u;
+    u.n_tokens = n;
+    u.n_seq_tokens = n;
+    u.n_seqs = 1;
+    u.equal_seqs = true;
+    for (uint32_t i = 0; i < n; ++i) u.pos.push_back(p0 + static_cast<pos_t>(i));
+    for (uint32_t i = 0; i <= n; ++i) u.seq_id_begin.push_back(i);
+    u.n_seq_id.assign(n, 1);
+    u.seq_id_data.assign(n, s);
+    u.seq_id_unq = {s};
+    u.n_seqs_unq = 1;
+    u.output.assign(n, 0);
+    return u;
+}
+
+// Places n tokens of each of n_seq sequences (positions from 0), with random K/V rows when rows is set.
+void fill(kv_cache& c, uint32_t n_seq, uint32_t n, bool rows, std::mt19937& rng) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (uint32_t s = 0; s < n_seq; ++s)
+        for (uint32_t p0 = 0; p0 < n; p0 += 512) {
+            const uint32_t m = std::min(512u, n - p0);
+            const ubatch u = tokens_of(static_cast<seq_id_t>(s), static_cast<pos_t>(p0), m);
+            const slot_info si = c.find_slot(u);
+            if (si.empty()) throw error(errc::invalid_state, "bench: the cache is full");
+            c.apply_ubatch(si, u);
+            if (!rows) continue;
+            for (uint32_t il : c.layer_ids()) {
+                const layer_desc& d = c.params().layers[il];
+                std::vector<float> k(size_t{m} * d.n_head_kv * d.n_embd_head_k);
+                for (float& x : k) x = normal(rng);
+                const auto view =
+                    const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(k.data()),
+                                                  d.n_head_kv * d.n_embd_head_k, m);
+                c.cpy_k(il, view, si);
+                c.cpy_v(il, view, si);
+            }
+        }
+}
+
+kv_cache_params shape(uint32_t kv_size, uint32_t n_seq, uint32_t n_layer, uint32_t n_head_kv, uint32_t hd,
+                      dtype t) {
+    kv_cache_params p;
+    p.layers.assign(n_layer, layer_desc{.n_head_kv = n_head_kv,
+                                        .n_embd_head_k = hd,
+                                        .n_embd_head_v = hd,
+                                        .rope = rope_params{.n_rot = static_cast<int32_t>(hd)}});
+    p.kv_size = kv_size;
+    p.n_seq_max = n_seq;
+    p.type_k = p.type_v = t;
+    p.v_trans = false;
+    return p;
+}
+
+class runner {
+public:
+    explicit runner(const bench_options& o) : o_(o), reps_(o.quick ? 2 : 5) {}
+
+    std::vector<figure> run() {
+        dtypes();
+        bookkeeping();
+        mask();
+        seq_ops();
+        k_shift();
+        state();
+        decode();
+        return std::move(out_);
+    }
+
+private:
+    void add(figure f) {
+        if (!o_.json)
+            fmt::print(
+                "  {:<44} {:>10.3g} {:<6} {:>10.3g} {:<14} {:>7.2f}x{}\n", f.name, f.value, f.unit,
+                f.yardstick, f.yardstick_name, f.ratio,
+                f.target > 0
+                    ? fmt::format(
+                          "  (target {} {:g}x: {})", f.higher_is_better ? ">=" : "<=", f.target,
+                          (f.higher_is_better ? f.ratio >= f.target : f.ratio <= f.target) ? "met" : "MISSED")
+                    : "");
+        out_.push_back(std::move(f));
+    }
+    void section(const char* title) {
+        section_ = title;
+        if (!o_.json) fmt::print("\n{}\n", title);
+    }
+
+    void dtypes() {
+        section("element conversion (GB/s of f32 data vs memcpy of the same bytes)");
+        const size_t n = o_.quick ? (1u << 18) : (4u << 20);
+        const double mc = memcpy_gbs(n * 4, reps_);
+        std::vector<float> x(n);
+        std::mt19937 rng(1);
+        std::normal_distribution<float> normal;
+        for (float& v : x) v = normal(rng);
+        for (dtype t : {dtype::f16, dtype::bf16, dtype::q8_0, dtype::q4_0}) {
+            std::vector<std::byte> enc(row_size(t, static_cast<int64_t>(n)));
+            const double se =
+                best_of(reps_, [&] { from_f32(t, x.data(), enc.data(), static_cast<int64_t>(n)); });
+            const double sd =
+                best_of(reps_, [&] { to_f32(t, enc.data(), x.data(), static_cast<int64_t>(n)); });
+            const double ge = static_cast<double>(n) * 4 / se / 1e9,
+                         gd = static_cast<double>(n) * 4 / sd / 1e9;
+            const double target = is_quantized(t) ? 0.25 : 0.5;
+            add({section_, fmt::format("f32 -> {}", to_string(t)), ge, "GB/s", mc, "memcpy GB/s", ge / mc,
+                 target});
+            add({section_, fmt::format("{} -> f32", to_string(t)), gd, "GB/s", mc, "memcpy GB/s", gd / mc,
+                 target});
+        }
+    }
+
+    // one decode step of one token for each of 64 sequences: batch validation, init_batch, apply
+    double step_ns_per_token(uint32_t kv_size) {
+        const uint32_t n_seq = 64;
+        kv_cache c(shape(kv_size, n_seq, 1, 1, 32, dtype::f16));
+        std::mt19937 rng(2);
+        fill(c, n_seq, 256, false, rng);
+        batch_storage b = batch::init(static_cast<int32_t>(n_seq), 0, 1);
+        const int steps = o_.quick ? 20 : 200;
+        const double s = best_of(reps_, [&] {
+            for (int i = 0; i < steps; ++i) {
+                b.clear();
+                for (uint32_t q = 0; q < n_seq; ++q) {
+                    const seq_id_t id[1] = {static_cast<seq_id_t>(q)};
+                    b.add(1, c.seq_pos_max(id[0]) + 1, id, true);
+                }
+                batch_allocr a;
+                a.init(b.view(), &c, {.n_seq_max = n_seq});
+                auto ctx = c.init_batch(a, 512, false);
+                do ctx->apply();
+                while (ctx->next());
+                for (uint32_t q = 0; q < n_seq; ++q) {  // back to the same contents
+                    const auto id = static_cast<seq_id_t>(q);
+                    c.seq_rm(id, c.seq_pos_max(id), -1);
+                }
+            }
+        });
+        return s / steps / n_seq * 1e9;
+    }
+
+    void bookkeeping() {
+        section(
+            "decode-step bookkeeping (64 sequences x 256 tokens; ns per token incl. restoring the contents)");
+        const double small = step_ns_per_token(32768), big = step_ns_per_token(o_.quick ? 65536 : 262144);
+        add({section_, o_.quick ? "at 65,536 cells" : "at 262,144 cells", big, "ns", small, "at 32,768",
+             big / small, 1.3, false});
+    }
+
+    void mask() {
+        section("KQ mask of a 512-token ubatch of 4 sequences over n_kv = 32,768 (vs a plain fill)");
+        kv_cache c(shape(32768, 4, 1, 1, 32, dtype::f16));
+        std::mt19937 rng(3);
+        fill(c, 4, 8000, false, rng);
+        for (seq_id_t s = 0; s < 4; ++s) {  // the ubatch's own 4 x 128 tokens
+
+            ubatch one = tokens_of(s, 8000, 128);
+            const slot_info si = c.find_slot(one);
+            c.apply_ubatch(si, one);
+        }
+        ubatch all = tokens_of(0, 8000, 512);
+        for (uint32_t i = 0; i < 512; ++i) {
+            all.seq_id_data[i] = static_cast<seq_id_t>(i / 128);
+            all.pos[i] = 8000 + static_cast<pos_t>(i % 128);
+        }
+        all.n_seqs = 4;
+        all.n_seq_tokens = 128;
+        all.seq_id_unq = {0, 1, 2, 3};
+        all.n_seqs_unq = 4;
+        slot_info si;
+        si.strm = {0};
+        si.idxs = {std::vector<uint32_t>(512)};
+        for (uint32_t i = 0; i < 512; ++i) si.idxs[0][i] = i;
+        const uint32_t n_kv = 32768;
+        std::vector<float> m(size_t{n_kv} * 512);
+        const double sm = best_of(reps_, [&] {
+            c.set_input_kq_mask(
+                tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), n_kv, 512), all,
+                si, n_kv, true);
+        });
+        const double sf = best_of(reps_, [&] {
+            std::fill(m.begin(), m.end(), -1.0f);
+            asm volatile("" : : "r"(m.data()) : "memory");
+        });
+        add({section_, "f32 mask", sm * 1e3, "ms", sf * 1e3, "fill ms", sm / sf, 2.0, false});
+    }
+
+    void seq_ops() {
+        section("sequence operations, 64 sequences x 256 tokens (ns per call; big cache vs 32,768 cells)");
+        const auto measure = [&](uint32_t kv_size, int op) {
+            kv_cache c(shape(kv_size, 64, 1, 1, 32, dtype::f16));
+            std::mt19937 rng(4);
+            fill(c, 64, 256, false, rng);
+            const int calls = o_.quick ? 50 : 1000;
+            return best_of(reps_,
+                           [&] {
+                               for (int i = 0; i < calls; ++i) {
+                                   const auto s = static_cast<seq_id_t>(i % 32);
+                                   if (op == 0) {  // seq_add of a suffix by +1 and back
+                                       c.seq_add(s, 128, -1, 1);
+                                       c.seq_add(s, 129, -1, -1);
+                                   } else {  // seq_cp of a whole sequence and its removal
+                                       c.seq_cp(s, s + 32, -1, -1);
+                                       c.seq_rm(s + 32, 0, 256);
+                                       c.seq_cp(s + 32, s + 32, -1, -1);
+                                   }
+                               }
+                           }) /
+                   calls * 1e9;
+        };
+        const uint32_t big = o_.quick ? 65536 : 262144;
+        for (int op : {0, 1}) {
+            const double a = measure(32768, op), b = measure(big, op);
+            add({section_, op == 0 ? "seq_add of a suffix, and back" : "seq_cp of a sequence + seq_rm", b,
+                 "ns", a, "at 32,768", b / a, 1.3, false});
+        }
+    }
+
+    void k_shift() {
+        section("K-shift (GB/s of K re-rotated vs memcpy of the same bytes)");
+        const uint32_t cells = o_.quick ? 4096 : 32768;
+        for (dtype t : {dtype::f16, dtype::q8_0}) {
+            kv_cache c(shape(cells, 1, 4, 8, 128, t));
+            std::mt19937 rng(5);
+            fill(c, 1, cells, true, rng);
+            const double s = best_of(
+                reps_, [&] { c.update(); }, [&] { c.seq_add(0, 0, -1, 1); });
+            const double bytes = static_cast<double>(c.size_k_bytes());
+            const double g = bytes / s / 1e9, mc = memcpy_gbs(static_cast<size_t>(bytes), reps_);
+            add({section_, fmt::format("{} K, {} cells x 4 layers x 1,024 dims", to_string(t), cells), g,
+                 "GB/s", mc, "memcpy GB/s", g / mc, 0});
+        }
+    }
+
+    void state() {
+        section("state of one sequence (~4 MB; GB/s vs memcpy of the same bytes)");
+        kv_cache c(shape(1024, 2, 8, 8, 128, dtype::f16));
+        std::mt19937 rng(6);
+        fill(c, 1, 128, true, rng);
+        const auto buf = state_seq_get_data(c, 0);
+        std::vector<uint8_t> into(buf.size());
+        const double mc = memcpy_gbs(buf.size(), reps_);
+        const double ss = best_of(reps_, [&] { state_seq_get_data(c, 0, std::span(into)); });
+        const double sl = best_of(reps_, [&] { state_seq_set_data(c, buf, 0); });
+        const double n = static_cast<double>(buf.size());
+        add({section_, "save into a buffer", n / ss / 1e9, "GB/s", mc, "memcpy GB/s", n / ss / 1e9 / mc,
+             0.5});
+        add({section_, "load", n / sl / 1e9, "GB/s", mc, "memcpy GB/s", n / sl / 1e9 / mc, 0.5});
+    }
+
+    void decode() {
+        const uint32_t n_kv = o_.quick ? 4096 : 32768;
+        section(fmt::format(
+                    "runtime decode, one token over n_kv = {} (f16 K/V; K/V read bandwidth vs memcpy)", n_kv)
+                    .c_str());
+        const fs::path path = fs::temp_directory_path() / fmt::format("kvcache-bench-{}.gguf", ::getpid());
+        tiny_model_options t;
+        t.n_embd = 512;
+        t.n_head = 8;
+        t.n_head_kv = 4;
+        t.n_layer = 2;
+        t.n_ff = 512;
+        write_tiny_model(path.string(), t);
+        const model m = model::load(path.string());
+        fs::remove(path);
+        auto p = m.cache_params(n_kv + 256, 1);
+        p.v_trans = false;
+        kv_cache c(p);
+        std::mt19937 rng(7);
+        fill(c, 1, n_kv - 1, true, rng);
+        runtime rt(m, c, runtime_params{.n_threads = o_.threads});
+        const token_t tok[1] = {1};
+        const double s = best_of(
+            reps_, [&] { rt.decode(batch::get_one(tok)); },
+            [&] { c.seq_rm(0, static_cast<pos_t>(n_kv - 1), -1); });
+        const double bytes = static_cast<double>(m.hparams().n_layer) * n_kv *
+                             static_cast<double>(row_size(p.type_k, 256) + row_size(p.type_v, 256));
+        const double g = bytes / s / 1e9, mc = memcpy_gbs(static_cast<size_t>(bytes), reps_);
+        add({section_, "tokens per second", 1.0 / s, "tok/s", 0, "", 0, 0});
+        add({section_, "K/V read bandwidth", g, "GB/s", mc, "memcpy GB/s", g / mc, 0.5});
+    }
+
+    bench_options o_;
+    int reps_;
+    std::string section_;
+    std::vector<figure> out_;
+};
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+    auto opt = std::make_shared<bench_options>();
+    CLI::App* cmd =
+        app.add_subcommand("bench", "The key figures, each next to a yardstick from the same run");
+    cmd->add_flag("--json", opt->json, "print JSON");
+    cmd->add_flag("--quick", opt->quick, "smaller sizes, fewer repetitions (a smoke run)");
+    cmd->add_option("--threads", opt->threads, "runtime threads (0: all cores)");
+    cmd->callback([opt] {
+        if (!opt->json)
+            fmt::print(
+                "kvcache {} bench{} ({} hardware threads)\n  {:<44} {:>10} {:<6} {:>10} {:<14} {:>8}\n",
+                version_string(), opt->quick ? " --quick" : "", std::thread::hardware_concurrency(), "figure",
+                "value", "", "yardstick", "", "ratio");
+        runner r(*opt);
+        const std::vector<figure> figs = r.run();
+        if (!opt->json) return;
+        nlohmann::ordered_json j;
+        j["version"] = version_string();
+        j["hardware_threads"] = std::thread::hardware_concurrency();
+        j["quick"] = opt->quick;
+        auto& arr = j["figures"] = nlohmann::ordered_json::array();
+        for (const figure& f : figs) {
+            nlohmann::ordered_json e{{"section", f.section},     {"name", f.name},
+                                     {"value", f.value},         {"unit", f.unit},
+                                     {"yardstick", f.yardstick}, {"yardstick_name", f.yardstick_name},
+                                     {"ratio", f.ratio}};
+            if (f.target > 0) {
+                e["target"] = f.target;
+                e["target_met"] = f.higher_is_better ? f.ratio >= f.target : f.ratio <= f.target;
+            }
+            arr.push_back(std::move(e));
+        }
+        fmt::print("{}\n", j.dump(2));
+    });
+}
+
+}  // namespace kvc::cli

@@ -1,0 +1,348 @@
+// kvcache demo: the main job. A llama model (the built-in tiny one, or --model FILE) serves several
+// sequences through the cache the way an inference server does — a shared system prompt, parallel
+// decoding, a context shift, a sequence saved to a session file and restored into another, compaction —
+// and after every phase the logits are compared with a reference that recomputes attention from plain
+// f32 keys and values without the cache. Exit status 1 if a difference exceeds the K/V types' tolerance.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <kvcache/runtime.h>
+#include <kvcache/session.h>
+#include <kvcache/tiny_model.h>
+#include <kvcache/version.h>
+
+#include "commands.h"
+
+namespace kvc::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct demo_options {
+    std::string model;
+    std::string type_k = "f16", type_v = "f16";
+    uint32_t seqs = 4;
+    uint32_t ctx = 1024;
+    uint32_t threads = 0;
+    bool v_trans = true;
+    bool unified = true;
+    std::string plot;
+};
+
+// Colours of sequences in the cell pictures.
+const char* colour(seq_id_t s) {
+    static const char* c[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
+                              "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
+    return c[static_cast<size_t>(s) % 10];
+}
+
+class demo {
+public:
+    demo(const demo_options& o, const model& m)
+        : o_(o), m_(m), ref_(m, o.seqs, o.threads), rng_state_(0x5EED) {
+        auto p = m.cache_params(o.ctx, o.seqs);
+        p.type_k = parse_dtype(o.type_k);
+        p.type_v = parse_dtype(o.type_v);
+        p.v_trans = o.v_trans;
+        p.unified = o.unified;
+        cache_ = std::make_unique<kv_cache>(p);
+        rt_ = std::make_unique<runtime>(m, *cache_, runtime_params{.n_threads = o.threads, .n_ubatch = 512});
+        limit_ = std::max(logits_tolerance(p.type_k), logits_tolerance(p.type_v));
+    }
+
+    int run() {
+        const model_hparams& hp = m_.hparams();
+        fmt::print("kvcache {} demo: decoding through the cache vs recomputing without it\n",
+                   version_string());
+        fmt::print("model   {}: {} layers, {} dims, {} heads / {} KV heads of {}, vocab {}, weights {}\n",
+                   hp.name.empty() ? "(unnamed)" : hp.name, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv,
+                   hp.n_embd_head, hp.n_vocab, to_string(hp.weight_type));
+        fmt::print("cache   {} cells{}, K {}, V {}{}, {} sequences, {:.1f} KiB of K/V; {} threads\n",
+                   cache_->get_size(), o_.unified ? "" : fmt::format(" x {} streams", cache_->get_n_stream()),
+                   o_.type_k, o_.type_v, o_.v_trans ? " (transposed)" : "", o_.seqs,
+                   static_cast<double>(cache_->size_bytes()) / 1024, rt_->pool().size());
+        fmt::print("cells   one character per {} cells: the sequence holding them, + several, . empty\n\n",
+                   cells_per_char());
+
+        const uint32_t n = o_.seqs;
+        // 1. a system prompt in sequence 0, shared by every sequence through seq_cp
+        phase("shared system prompt", [&] {
+            step({{0, tokens(48)}});
+            for (seq_id_t s = 1; s < static_cast<seq_id_t>(n); ++s) both_cp(0, s);
+            return fmt::format("48 tokens in seq 0, seq_cp to {} more", n - 1);
+        });
+        // 2. each sequence gets its own question, then answers token by token, all in one batch per step
+        phase("parallel decoding", [&] {
+            std::vector<std::pair<seq_id_t, std::vector<token_t>>> prompts;
+            for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s)
+                prompts.emplace_back(s, tokens(5 + 3 * s));
+            step(prompts);
+            generate(24, "decode");
+            return fmt::format("{} prompts in one batch, then 24 steps of {} tokens", n, n);
+        });
+        // 3. sequence 0 runs out of room: keep the system prompt, drop the oldest 12 positions after it,
+        // shift
+        //    the rest down (the cells of the shared prompt are not moved: a shift moves a cell for every
+        //    sequence that holds it)
+        phase("context shift", [&] {
+            const pos_t keep = 48, drop = 12;
+            cache_->seq_rm(0, keep, keep + drop);
+            ref_.seq_rm(0, keep, keep + drop);
+            cache_->seq_add(0, keep + drop, -1, -drop);
+            ref_.seq_add(0, keep + drop, -1, -drop);
+            const bool pending = cache_->get_has_shift();
+            generate(8, "decode");
+            return fmt::format("seq 0: rm [{}, {}), add {} to the rest ({}K-shift on the next decode)", keep,
+                               keep + drop, -drop, pending ? "" : "no ");
+        });
+        // 4. sequence 1 saved to a session file and restored into the last sequence
+        phase("save and restore", [&] {
+            const fs::path file = fs::temp_directory_path() / fmt::format("kvcache-demo-{}.kvc", ::getpid());
+            session_save_options so;
+            so.compress = true;
+            const uint64_t bytes = save_file(*cache_, file.string(), 1, so);
+            const seq_id_t last = static_cast<seq_id_t>(n) - 1;
+            load_file(*cache_, file.string(), last);
+            fs::remove(file);
+            ref_.seq_rm(last, -1, -1);
+            ref_.seq_cp(1, last, -1, -1);
+            generate(8, "decode");
+            return fmt::format("seq 1 -> {} bytes (zstd) -> seq {}", bytes, last);
+        });
+        // 5. a finished request frees its cells; compaction closes the holes
+        phase("compaction", [&] {
+            const seq_id_t done = n > 2 ? 2 : 0;
+            cache_->seq_rm(done, -1, -1);
+            ref_.seq_rm(done, -1, -1);
+            const float before = cache_->fragmentation();
+            const uint32_t moved = cache_->compact();
+            generate(8, "decode");
+            return fmt::format("seq {} done; {} cells moved (fragmentation {:.0f}% -> {:.0f}%)", done, moved,
+                               100 * before, 100 * cache_->fragmentation());
+        });
+
+        fmt::print(
+            "\n{} tokens decoded through the cache in {:.2f} s; worst difference {:.2e} (limit {:.0e}): {}\n",
+            n_decoded_, seconds_, worst_, limit_, worst_ <= limit_ ? "cache == recompute" : "MISMATCH");
+        if (!o_.plot.empty()) fmt::print("cell pictures in {}\n", o_.plot);
+        return worst_ <= limit_ ? 0 : 1;
+    }
+
+private:
+    std::vector<token_t> tokens(size_t count) {
+        std::vector<token_t> t(count);
+        for (auto& x : t) x = static_cast<token_t>(next() % m_.hparams().n_vocab);
+        return t;
+    }
+    uint64_t next() {
+        rng_state_ += 0x9E3779B97F4A7C15ull;
+        uint64_t z = rng_state_;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+    }
+
+    void both_cp(seq_id_t src, seq_id_t dst) {
+        cache_->seq_cp(src, dst, -1, -1);
+        ref_.seq_cp(src, dst, -1, -1);
+    }
+
+    // One batch: every group continues its sequence, every token an output; compares the logits.
+    std::vector<token_t> step(const std::vector<std::pair<seq_id_t, std::vector<token_t>>>& groups) {
+        size_t count = 0;
+        for (const auto& g : groups) count += g.second.size();
+        batch_storage b = batch::init(static_cast<int32_t>(count), 0, 1);
+        std::vector<size_t> last;  // output row of each group's last token
+        for (const auto& [s, toks] : groups) {
+            pos_t p = cache_->seq_pos_max(s) + 1;
+            const seq_id_t ids[1] = {s};
+            for (token_t t : toks) b.add(t, p++, ids, true);
+            last.push_back(static_cast<size_t>(b.view().n_tokens) - 1);
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        const decode_result a = rt_->decode(b.view());
+        seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (is_fail(a.status)) throw error(errc::invalid_state, "demo: the cache has no room for the batch");
+        const decode_result r = ref_.decode(b.view());
+        n_decoded_ += count;
+        float scale = 0;
+        for (float x : r.logits) scale = std::max(scale, std::fabs(x));
+        phase_worst_ = std::max(
+            phase_worst_, static_cast<double>(max_abs_diff(a.logits, r.logits)) / std::max(scale, 1e-6f));
+        // greedy next tokens from the cache's logits
+        const uint32_t nv = m_.hparams().n_vocab;
+        std::vector<token_t> out;
+        for (size_t row : last) {
+            const auto l = a.row(row, nv);
+            out.push_back(static_cast<token_t>(std::max_element(l.begin(), l.end()) - l.begin()));
+        }
+        return out;
+    }
+
+    // steps of one token for every live sequence, greedy, with a progress bar
+    void generate(int steps, const char* what) {
+        std::vector<seq_id_t> live;
+        for (seq_id_t s = 0; s < static_cast<seq_id_t>(o_.seqs); ++s)
+            if (cache_->seq_pos_max(s) >= 0) live.push_back(s);
+        std::vector<token_t> next_tok(live.size(), 1);
+        for (int i = 0; i < steps; ++i) {
+            std::vector<std::pair<seq_id_t, std::vector<token_t>>> groups;
+            for (size_t j = 0; j < live.size(); ++j)
+                groups.emplace_back(live[j], std::vector<token_t>{next_tok[j]});
+            next_tok = step(groups);
+            progress(what, i + 1, steps);
+        }
+    }
+
+    void progress(const char* what, int done, int total) {
+        if (!isatty(fileno(stdout))) return;
+        const int width = 30, filled = done * width / total;
+        fmt::print("\r  {} [{}{}] {}/{}", what, std::string(static_cast<size_t>(filled), '#'),
+                   std::string(static_cast<size_t>(width - filled), '.'), done, total);
+        if (done == total) fmt::print("\r{}\r", std::string(60, ' '));
+        std::fflush(stdout);
+    }
+
+    template <class F>
+    void phase(const char* name, F&& body) {
+        ++n_phase_;
+        phase_worst_ = 0;
+        const std::string what = body();
+        worst_ = std::max(worst_, phase_worst_);
+        const bool ok = phase_worst_ <= limit_;
+        uint32_t used = 0;
+        for (uint32_t s = 0; s < cache_->get_n_stream(); ++s) used += cache_->cells(s).get_used();
+        fmt::print("{}. {:<22} {}\n", n_phase_, name, what);
+        fmt::print("   cells {:>5}/{:<5} {}  max|diff| {:.2e} {} {:.0e}  {}\n", used,
+                   cache_->get_size() * cache_->get_n_stream(), occupancy(), phase_worst_, ok ? "<=" : ">",
+                   limit_, ok ? "ok" : "MISMATCH");
+        if (!o_.plot.empty()) plot(name);
+    }
+
+    uint32_t cells_per_char() const {
+        const uint32_t width = 64 / cache_->get_n_stream();
+        return std::max(1u, (cache_->get_size() + width - 1) / width);
+    }
+
+    // One character per group of cells: '.' empty, the digit of the only sequence holding them, '+' several.
+    std::string occupancy() const {
+        const uint32_t per = cells_per_char();
+        std::string out;
+        for (uint32_t st = 0; st < cache_->get_n_stream(); ++st) {
+            const kv_cells& c = cache_->cells(st);
+            if (st) out += '|';
+            for (uint32_t i = 0; i < c.size(); i += per) {
+                char ch = '.';
+                for (uint32_t j = i; j < std::min(c.size(), i + per); ++j) {
+                    if (c.is_empty(j)) continue;
+                    const char d = c.seq_count(j) > 1 ? '+' : static_cast<char>('0' + c.seq_get(j) % 10);
+                    ch = ch == '.' ? d : (ch == d ? ch : '+');
+                }
+                out += ch;
+            }
+        }
+        return fmt::format("[{}]", out);
+    }
+
+    // An SVG of every stream's cells: a square per cell, coloured by sequence (grey stripes: shared).
+    void plot(const char* name) const {
+        fs::create_directories(o_.plot);
+        const uint32_t cols = 64, px = 10;
+        std::string svg;
+        uint32_t y = 30;
+        std::string body;
+        for (uint32_t st = 0; st < cache_->get_n_stream(); ++st) {
+            const kv_cells& c = cache_->cells(st);
+            body += fmt::format(
+                "<text x='4' y='{}' font-size='11' font-family='sans-serif'>stream {}</text>\n", y + 10, st);
+            y += 16;
+            for (uint32_t i = 0; i < c.size(); ++i) {
+                const uint32_t x0 = 4 + (i % cols) * px, y0 = y + (i / cols) * px;
+                const char* fill = "#eeeeee";
+                if (!c.is_empty(i)) fill = c.seq_count(i) > 1 ? "#555555" : colour(c.seq_get(i));
+                body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='{}' stroke='white'/>\n",
+                                    x0, y0, px, px, fill);
+            }
+            y += (c.size() + cols - 1) / cols * px + 10;
+        }
+        svg = fmt::format(
+            "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}'>\n<text x='4' y='18' "
+            "font-size='13' "
+            "font-family='sans-serif'>phase {}: {} (dark: cells shared by several "
+            "sequences)</text>\n{}</svg>\n",
+            8 + cols * px, y + 4, n_phase_, name, body);
+        std::string file = fmt::format("{}/phase-{}.svg", o_.plot, n_phase_);
+        std::ofstream(file) << svg;
+    }
+
+    demo_options o_;
+    const model& m_;
+    std::unique_ptr<kv_cache> cache_;
+    std::unique_ptr<runtime> rt_;
+    reference_memory ref_;
+    uint64_t rng_state_;
+    double limit_ = 0, worst_ = 0, phase_worst_ = 0, seconds_ = 0;
+    size_t n_decoded_ = 0;
+    int n_phase_ = 0;
+};
+
+int run_demo(const demo_options& o) {
+    if (o.seqs < 2 || o.seqs > 64)
+        throw error(errc::invalid_argument, fmt::format("--seqs {} not in [2, 64]", o.seqs));
+    if (o.ctx < 256 || o.ctx > (1u << 20))
+        throw error(errc::invalid_argument, fmt::format("--ctx {} not in [256, 1048576]", o.ctx));
+    fs::path tmp;
+    std::string path = o.model;
+    if (path.empty()) {  // the built-in tiny model: head size 32, so every K/V type works
+        tmp = fs::temp_directory_path() / fmt::format("kvcache-demo-{}.gguf", ::getpid());
+        tiny_model_options t;
+        t.n_embd = 128;
+        t.n_ff = 256;
+        t.n_layer = 4;
+        write_tiny_model(tmp.string(), t);
+        path = tmp.string();
+    }
+    struct remove_tmp {
+        fs::path p;
+        ~remove_tmp() {
+            std::error_code ec;
+            if (!p.empty()) fs::remove(p, ec);
+        }
+    } cleanup{tmp};
+    const model m = model::load(path);
+    demo d(o, m);
+    return d.run();
+}
+
+}  // namespace
+
+void add_demo_command(CLI::App& app, int& exit_code) {
+    auto opt = std::make_shared<demo_options>();
+    CLI::App* cmd = app.add_subcommand(
+        "demo", "Serve several sequences through the cache and check every phase against a recomputation");
+    cmd->add_option("--model", opt->model, "a llama GGUF model (default: the built-in tiny model)");
+    cmd->add_option("--type-k", opt->type_k, "K element type: f32, f16, bf16, q8_0, q4_0")
+        ->capture_default_str();
+    cmd->add_option("--type-v", opt->type_v, "V element type")->capture_default_str();
+    cmd->add_option("--seqs", opt->seqs, "parallel sequences (2..64)")->capture_default_str();
+    cmd->add_option("--ctx", opt->ctx, "cells per stream")->capture_default_str();
+    cmd->add_option("--threads", opt->threads, "threads (0: all cores)")->capture_default_str();
+    cmd->add_option("--v-trans", opt->v_trans, "store V transposed (1) or as rows (0)")
+        ->capture_default_str();
+    cmd->add_option("--unified", opt->unified, "one stream for all sequences (1) or one per sequence (0)")
+        ->capture_default_str();
+    cmd->add_option("--plot", opt->plot, "write an SVG picture of the cells after each phase to DIR");
+    cmd->callback([opt, &exit_code] { exit_code = run_demo(*opt); });
+}
+
+}  // namespace kvc::cli
