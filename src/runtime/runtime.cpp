@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -12,18 +13,9 @@ namespace kvc {
 
 namespace {
 
-struct group_scratch {
-    std::vector<float> scores;   // [group][n_kv]
-    std::vector<float> row;      // one head's key or value, or a chunk of a transposed channel
-    std::vector<float> acc;      // [group][hd]
-    std::vector<uint32_t> live;  // unmasked cells
-    group_scratch(size_t group, size_t hd, size_t n_kv)
-        : scores(group * n_kv), row(std::max<size_t>(hd, 256)), acc(group * hd) {
-        live.reserve(n_kv);
-    }
-};
-
-float dot(const float* a, const float* b, size_t n) {
+// Eight partial sums: vectorised, they map to the same lanes whatever the instruction set, so every
+// clone of the callers below gives the same result.
+[[gnu::always_inline]] inline float dot(const float* a, const float* b, size_t n) {
     float s[8] = {};
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -33,75 +25,143 @@ float dot(const float* a, const float* b, size_t n) {
     return r;
 }
 
-// Attention of the `group` query heads sharing KV head g (q: group x hd values) over the n_kv cells of
-// view stream s, with mask row `mask`; writes group x hd values to out.
-void attend_group(const tensor_view& kv, const tensor_view& vv, bool v_trans, size_t s, size_t g, size_t n_kv,
-                  const float* mask, const float* q, float* out, group_scratch& sc) {
-    const auto hd = static_cast<size_t>(kv.ne[0]);
-    const size_t group = sc.acc.size() / hd;
+// The hot loops, cloned per instruction set (the library builds for baseline x86-64).
+// Scores of every query head (q: n_head x hd) against one cell's key row (row: n_head_kv x hd).
+__attribute__((target_clones("avx2", "default"), unused)) void head_scores(const float* q, const float* row,
+                                                                           size_t n_head, size_t group,
+                                                                           size_t hd, float scale, float m,
+                                                                           float* out, size_t out_stride) {
+    for (size_t h = 0; h < n_head; ++h)
+        out[h * out_stride] = dot(q + h * hd, row + (h / group) * hd, hd) * scale + m;
+}
+
+// y += w * x over n values.
+__attribute__((target_clones("avx2", "default"), unused)) void axpy(float w, const float* x, float* y,
+                                                                    size_t n) {
+    for (size_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+__attribute__((target_clones("avx2", "default"), unused)) float dot_cloned(const float* a, const float* b,
+                                                                           size_t n) {
+    return dot(a, b, n);
+}
+
+// Attention of n query tokens over the cache's views, reading K and V in the cache's type in the order
+// they lie in memory (cell after cell, or channel after channel for transposed V), each row decoded once
+// for all the tokens of a block and all query heads: the cost is streaming the n_kv cells, not chasing
+// one head's bytes across them. q and out: [n][n_head * hd]; mask: [n][n_kv]; stream_of: view stream of
+// each token.
+void attend_cache(thread_pool& pool, const model_hparams& hp, const tensor_view& kv, const tensor_view& vv,
+                  bool v_trans, size_t n, size_t n_kv, const std::vector<uint32_t>& stream_of,
+                  const float* mask, const float* q, float* out) {
+    const size_t hd = hp.n_embd_head, n_head = hp.n_head, e_kv = size_t{hp.n_head_kv} * hd, n_q = n_head * hd;
+    const size_t group = n_head / hp.n_head_kv;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    sc.live.clear();
-    for (uint32_t j = 0; j < n_kv; ++j)
-        if (!std::isinf(mask[j])) sc.live.push_back(j);
-    std::fill(out, out + group * hd, 0.0f);
-    if (sc.live.empty()) return;
-    const std::byte* kbase = kv.data + s * kv.nb[3] + g * kv.nb[1];
-    const size_t n_live = sc.live.size();
-    std::vector<float> max(group, -std::numeric_limits<float>::infinity());
-    for (size_t l = 0; l < n_live; ++l) {
-        const uint32_t j = sc.live[l];
-        to_f32(kv.type, kbase + j * kv.nb[2], sc.row.data(), static_cast<int64_t>(hd));
-        for (size_t h = 0; h < group; ++h) {
-            const float x = dot(q + h * hd, sc.row.data(), hd) * scale + mask[j];
-            sc.scores[h * n_live + l] = x;
-            max[h] = std::max(max[h], x);
-        }
-    }
-    std::vector<float> inv(group);
-    for (size_t h = 0; h < group; ++h) {
-        double sum = 0;
-        float* p = &sc.scores[h * n_live];
-        for (size_t l = 0; l < n_live; ++l) {
-            p[l] = std::exp(p[l] - max[h]);
-            sum += p[l];
-        }
-        inv[h] = static_cast<float>(1.0 / sum);
-    }
-    if (!v_trans) {
-        const std::byte* vbase = vv.data + s * vv.nb[3] + g * vv.nb[1];
-        for (size_t l = 0; l < n_live; ++l) {
-            to_f32(vv.type, vbase + sc.live[l] * vv.nb[2], sc.row.data(), static_cast<int64_t>(hd));
-            for (size_t h = 0; h < group; ++h) {
-                const float p = sc.scores[h * n_live + l];
-                float* o = out + h * hd;
-                for (size_t e = 0; e < hd; ++e) o[e] += p * sc.row[e];
-            }
-        }
-    } else {  // channel e of head g: n_kv contiguous cells; read in chunks, gathering the live ones
-        const bool dense = n_live == n_kv;
-        std::vector<float> chunk(dense ? 0 : n_kv);
-        for (size_t e = 0; e < hd; ++e) {
-            const std::byte* ch = vv.data + s * vv.nb[3] + g * vv.nb[1] + e * vv.nb[2];
-            if (dense) {
-                for (size_t j0 = 0; j0 < n_kv; j0 += 256) {
-                    const size_t m = std::min<size_t>(256, n_kv - j0);
-                    to_f32(vv.type, ch + j0 * static_cast<size_t>(vv.nb[0]), sc.row.data(),
-                           static_cast<int64_t>(m));
-                    for (size_t h = 0; h < group; ++h)
-                        out[h * hd + e] += dot(&sc.scores[h * n_live + j0], sc.row.data(), m);
+    constexpr size_t block = 16;   // tokens sharing one pass over the cells
+    constexpr size_t chunk = 512;  // cells whose weighted values are summed together
+    // scores, then weights, of a block's (token, head) rows; every entry is written before it is read
+    const std::unique_ptr<float[]> p(new float[std::min(block, n) * n_head * n_kv]);
+    std::vector<float> partial;
+    for (size_t t0 = 0; t0 < n; t0 += block) {
+        const size_t tb = std::min(block, n - t0);
+        const auto score = [&](size_t t, size_t h) { return &p[(t * n_head + h) * n_kv]; };
+        // 1. scores, cell by cell
+        pool.parallel_for(
+            n_kv,
+            [&](size_t j0, size_t j1) {
+                std::vector<float> row(e_kv);
+                for (size_t j = j0; j < j1; ++j) {
+                    int64_t have = -1;  // stream whose row is in `row`
+                    for (size_t t = 0; t < tb; ++t) {
+                        const float m = mask[(t0 + t) * n_kv + j];
+                        if (std::isinf(m)) {
+                            for (size_t h = 0; h < n_head; ++h) score(t, h)[j] = -INFINITY;
+                            continue;
+                        }
+                        const auto s = static_cast<int64_t>(stream_of[t0 + t]);
+                        if (s != have) {
+                            to_f32(kv.type, kv.data + s * kv.nb[3] + j * kv.nb[2], row.data(),
+                                   static_cast<int64_t>(e_kv));
+                            have = s;
+                        }
+                        for (size_t h = 0; h < n_head; ++h)
+                            score(t, h)[j] =
+                                dot(q + (t0 + t) * n_q + h * hd, &row[(h / group) * hd], hd) * scale + m;
+                    }
                 }
-                continue;
+            },
+            256);
+        // 2. softmax of every (token, head) row
+        pool.parallel_for(tb * n_head, [&](size_t r0, size_t r1) {
+            for (size_t r = r0; r < r1; ++r) {
+                float* x = &p[r * n_kv];
+                float mx = -INFINITY;
+                for (size_t j = 0; j < n_kv; ++j) mx = std::max(mx, x[j]);
+                if (std::isinf(mx)) {  // nothing visible
+                    std::fill(x, x + n_kv, 0.0f);
+                    continue;
+                }
+                double sum = 0;
+                for (size_t j = 0; j < n_kv; ++j) {
+                    x[j] = std::isinf(x[j]) ? 0.0f : std::exp(x[j] - mx);
+                    sum += x[j];
+                }
+                const auto inv = static_cast<float>(1.0 / sum);
+                for (size_t j = 0; j < n_kv; ++j) x[j] *= inv;
             }
-            to_f32(vv.type, ch, chunk.data(), static_cast<int64_t>(n_kv));
-            for (size_t h = 0; h < group; ++h) {
-                float a = 0;
-                for (size_t l = 0; l < n_live; ++l) a += sc.scores[h * n_live + l] * chunk[sc.live[l]];
-                out[h * hd + e] = a;
-            }
+        });
+        float* o = out + t0 * n_q;
+        std::fill(o, o + tb * n_q, 0.0f);
+        if (!v_trans) {  // 3. values, cell by cell: chunks of cells sum into their own buffers, which are
+                         //    then added in chunk order (the result does not depend on the thread count)
+            const size_t n_chunks = (n_kv + chunk - 1) / chunk;
+            partial.assign(n_chunks * tb * n_q, 0.0f);
+            pool.parallel_for(n_chunks, [&](size_t k0, size_t k1) {
+                std::vector<float> row(e_kv);
+                for (size_t k = k0; k < k1; ++k) {
+                    float* acc = &partial[k * tb * n_q];
+                    for (size_t j = k * chunk; j < std::min(n_kv, (k + 1) * chunk); ++j) {
+                        int64_t have = -1;
+                        for (size_t t = 0; t < tb; ++t) {
+                            const auto s = static_cast<int64_t>(stream_of[t0 + t]);
+                            for (size_t h = 0; h < n_head; ++h) {
+                                const float w = score(t, h)[j];
+                                if (w == 0.0f) continue;
+                                if (s != have) {
+                                    to_f32(vv.type, vv.data + s * vv.nb[3] + j * vv.nb[2], row.data(),
+                                           static_cast<int64_t>(e_kv));
+                                    have = s;
+                                }
+                                axpy(w, &row[(h / group) * hd], &acc[t * n_q + h * hd], hd);
+                            }
+                        }
+                    }
+                }
+            });
+            pool.parallel_for(tb * n_q, [&](size_t i0, size_t i1) {
+                for (size_t i = i0; i < i1; ++i)
+                    for (size_t k = 0; k < n_chunks; ++k) o[i] += partial[k * tb * n_q + i];
+            });
+        } else {  // 3. transposed values: channel by channel, n_kv contiguous cells each
+            pool.parallel_for(e_kv, [&](size_t c0, size_t c1) {
+                std::vector<float> ch(n_kv);
+                for (size_t c = c0; c < c1; ++c) {
+                    const size_t g = c / hd, e = c % hd;
+                    int64_t have = -1;
+                    for (size_t t = 0; t < tb; ++t) {
+                        const auto s = static_cast<int64_t>(stream_of[t0 + t]);
+                        if (s != have) {
+                            to_f32(vv.type, vv.data + s * vv.nb[3] + c * vv.nb[2], ch.data(),
+                                   static_cast<int64_t>(n_kv));
+                            have = s;
+                        }
+                        for (size_t h = g * group; h < (g + 1) * group; ++h)
+                            o[t * n_q + h * hd + e] = dot_cloned(score(t, h), ch.data(), n_kv);
+                    }
+                }
+            });
         }
     }
-    for (size_t h = 0; h < group; ++h)
-        for (size_t e = 0; e < hd; ++e) out[h * hd + e] *= inv[h];
 }
 
 }  // namespace
@@ -142,8 +202,7 @@ decode_result runtime::decode(const batch& b) {
         return res;
     }
     auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
-    const size_t hd = hp.n_embd_head, e_kv = size_t{hp.n_head_kv} * hd, n_q = size_t{hp.n_head} * hd;
-    const uint32_t group = hp.n_head / hp.n_head_kv;
+    const size_t e_kv = size_t{hp.n_head_kv} * hp.n_embd_head;
     const bool v_trans = cache_->params().v_trans;
 
     std::vector<std::pair<int32_t, size_t>> rows;  // (batch index, row in `logits`)
@@ -166,17 +225,8 @@ decode_result runtime::decode(const batch& b) {
                                                        e_kv, n));
             kc.cpy_v(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(v),
                                                        e_kv, n));
-            // Per (token, KV head): the query heads of its group attend together, reading each cell's K and
-            // V in the cache's type once (no f32 copy of the cache), skipping masked cells.
-            const tensor_view kv = kc.get_k(il), vv = kc.get_v(il);
-            pool_.parallel_for(size_t{n} * hp.n_head_kv, [&](size_t w0, size_t w1) {
-                group_scratch sc(group, hd, n_kv);
-                for (size_t w = w0; w < w1; ++w) {
-                    const size_t t = w / hp.n_head_kv, g = w % hp.n_head_kv;
-                    attend_group(kv, vv, v_trans, stream_of[t], g, n_kv, &mask[t * n_kv],
-                                 q + t * n_q + g * group * hd, out + t * n_q + g * group * hd, sc);
-                }
-            });
+            attend_cache(pool_, hp, kc.get_k(il), kc.get_v(il), v_trans, n, n_kv, stream_of, mask.data(), q,
+                         out);
         };
         const size_t before = logits.size() / hp.n_vocab;
         m.forward(pool_, ub.token, std::span(ub.pos).first(n), ub.output, attend, logits);

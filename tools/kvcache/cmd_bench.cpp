@@ -141,15 +141,17 @@ public:
 
 private:
     void add(figure f) {
-        if (!o_.json)
-            fmt::print(
-                "  {:<44} {:>10.3g} {:<6} {:>10.3g} {:<14} {:>7.2f}x{}\n", f.name, f.value, f.unit,
-                f.yardstick, f.yardstick_name, f.ratio,
-                f.target > 0
-                    ? fmt::format(
-                          "  (target {} {:g}x: {})", f.higher_is_better ? ">=" : "<=", f.target,
-                          (f.higher_is_better ? f.ratio >= f.target : f.ratio <= f.target) ? "met" : "MISSED")
-                    : "");
+        if (!o_.json) {
+            std::string line = fmt::format("  {:<44} {:>10.3g} {:<6}", f.name, f.value, f.unit);
+            if (f.yardstick > 0)
+                line += fmt::format(" {:>10.3g} {:<14} {:>7.2f}x", f.yardstick, f.yardstick_name, f.ratio);
+            if (f.target > 0) {
+                const bool met = f.higher_is_better ? f.ratio >= f.target : f.ratio <= f.target;
+                line += fmt::format("  (target {} {:g}x: {})", f.higher_is_better ? ">=" : "<=", f.target,
+                                    met ? "met" : "MISSED");
+            }
+            fmt::print("{}\n", line);
+        }
         out_.push_back(std::move(f));
     }
     void section(const char* title) {
