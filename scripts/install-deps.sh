@@ -11,8 +11,8 @@ packages=(
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks
 )
-if [ "${1:-}" = --ci ]; then  # scripts/lint.sh, scripts/fuzz.sh
-  packages+=(clang-format clang-tidy git clang-14 libclang-rt-14-dev)
+if [ "${1:-}" = --ci ]; then  # scripts/lint.sh, scripts/fuzz.sh, scripts/docs.sh
+  packages+=(clang-format clang-tidy git clang-14 libclang-rt-14-dev doxygen)
 fi
 
 missing=()

@@ -406,7 +406,7 @@ ubatch batch_allocr::split_simple(uint32_t n_ubatch) {
     return make_ubatch(idxs, static_cast<uint32_t>(idxs.size()), false);
 }
 
-ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential) {
+ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential, uint32_t n_keep_tail) {
     check_n_ubatch(n_ubatch, "split_equal");
     if (sequential && has_cpl_) {
         log(log_level::warn,
@@ -416,48 +416,99 @@ ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential) {
     }
     // 1. choose pairwise disjoint sequence sets (at most n_ubatch), in batch order. A token passed over
     //    holds back its sequences: no later set containing one of them may go before it.
-    std::vector<uint32_t> chosen;  // indices into sets_
-    seq_set held;                  // sequences of passed-over tokens
+    std::vector<uint32_t> chosen;                     // indices into sets_
+    std::vector<uint32_t> first_tok;                  // [chosen] the token that chose it
+    std::vector<int32_t> slot_of(sets_.size(), -1);  // [set] its index in chosen, or -1
+    seq_set held;                                     // sequences of passed-over tokens
+    seq_set taken;                                    // sequences of the chosen sets
     seq_id_t last_primary = -1;
     for (uint32_t i = 0; i < n_tokens_ && chosen.size() < n_ubatch; ++i) {
         if (used_[i]) continue;
         const uint32_t c = set_of_[i];
-        if (std::find(chosen.begin(), chosen.end(), c) != chosen.end()) continue;
-        bool ok = !sets_[c].intersects(held);
-        for (uint32_t o : chosen) ok &= !sets_[c].intersects(sets_[o]);
+        if (slot_of[c] >= 0) continue;
+        bool ok = !sets_[c].intersects(held) && !sets_[c].intersects(taken);
         if (sequential && !chosen.empty() && seq_ids_[i][0] != last_primary + 1) ok = false;
         if (!ok) {
             held |= sets_[c];
             continue;
         }
+        slot_of[c] = static_cast<int32_t>(chosen.size());
         chosen.push_back(c);
+        first_tok.push_back(i);
+        taken |= sets_[c];
         last_primary = seq_ids_[i][0];
     }
     if (chosen.empty()) return {};
+    const size_t m = chosen.size();
 
     // 2. each set's unused tokens in batch order, up to the first unused token of an overlapping other
-    //    set: taking tokens beyond it would reorder a sequence
-    std::vector<std::vector<uint32_t>> avail(chosen.size());
-    std::vector<bool> blocked(chosen.size(), false);
+    //    set: taking tokens beyond it would reorder a sequence. The chosen sets are disjoint, so each
+    //    sequence belongs to at most one of them (owner). One pass collects (set, token) picks, a
+    //    counting sort groups them by set: avail(k) = the picks of set k, in batch order.
+    std::vector<int32_t> owner(static_cast<size_t>(seq_id_unq_.back()) + 1, -1);
+    for (size_t k = 0; k < m; ++k)
+        for (int32_t q = 0; q < n_seq_id_[first_tok[k]]; ++q)
+            owner[static_cast<size_t>(seq_ids_[first_tok[k]][q])] = static_cast<int32_t>(k);
+    std::vector<std::pair<uint32_t, uint32_t>> picks;  // (set, token)
+    std::vector<bool> blocked(m, false);
+    std::vector<size_t> remaining(m, 0);  // unused tokens of each set in the whole batch
+    std::vector<size_t> begin(m + 1, 0);  // avail(k) = flat[begin[k], begin[k + 1])
     for (uint32_t i = 0; i < n_tokens_; ++i) {
         if (used_[i]) continue;
-        for (size_t k = 0; k < chosen.size(); ++k) {
-            if (blocked[k]) continue;
-            if (set_of_[i] == chosen[k])
-                avail[k].push_back(i);
-            else if (sets_[set_of_[i]].intersects(sets_[chosen[k]]))
-                blocked[k] = true;
+        if (const int32_t k = slot_of[set_of_[i]]; k >= 0) {
+            const auto kk = static_cast<size_t>(k);
+            ++remaining[kk];
+            if (!blocked[kk]) {
+                picks.emplace_back(kk, i);
+                ++begin[kk + 1];
+            }
+            continue;
         }
+        for (int32_t q = 0; q < n_seq_id_[i]; ++q)
+            if (const int32_t o = owner[static_cast<size_t>(seq_ids_[i][q])]; o >= 0)
+                blocked[static_cast<size_t>(o)] = true;
     }
+    for (size_t k = 0; k < m; ++k) begin[k + 1] += begin[k];
+    std::vector<uint32_t> flat(picks.size());
+    {
+        std::vector<size_t> at(begin.begin(), begin.end() - 1);
+        for (const auto& [k, i] : picks) flat[at[k]++] = i;
+    }
+    const auto n_avail = [&](size_t k) { return begin[k + 1] - begin[k]; };
 
-    // 3. lock step: the same number of tokens from every set, at least one round
-    size_t rounds = std::max<size_t>(1, n_ubatch / chosen.size());
-    for (const auto& a : avail) rounds = std::min(rounds, a.size());
+    // 3. lock step: the same number of tokens from every set, at least one round. With n_keep_tail, a
+    //    set whose tail is within reach (all its remaining tokens available) must either finish or keep
+    //    at least n_keep_tail tokens back; the first m sets that allow a round count do so.
+    const auto rounds_for = [&](size_t n_sets, bool keep_tail) -> size_t {
+        const size_t cap = std::max<size_t>(1, n_ubatch / n_sets);
+        size_t min_avail = cap;
+        for (size_t k = 0; k < n_sets; ++k) min_avail = std::min(min_avail, n_avail(k));
+        if (!keep_tail) return min_avail;
+        const auto tail_ok = [&](size_t k, size_t r) {
+            const size_t left = n_avail(k) - r;
+            return n_avail(k) != remaining[k] || left == 0 || left >= n_keep_tail;
+        };
+        bool ok = true;
+        for (size_t k = 0; k < n_sets && ok; ++k) ok = tail_ok(k, min_avail);
+        if (ok) return min_avail;
+        size_t r = min_avail;  // else: every constrained set keeps n_keep_tail back
+        for (size_t k = 0; k < n_sets; ++k)
+            if (n_avail(k) == remaining[k]) {
+                if (n_avail(k) <= n_keep_tail) return 0;
+                r = std::min(r, n_avail(k) - n_keep_tail);
+            }
+        return r;
+    };
+    size_t n_sets = m;
+    size_t rounds = rounds_for(n_sets, n_keep_tail > 0);
+    while (rounds == 0 && n_sets > 1) rounds = rounds_for(--n_sets, true);
+    if (rounds == 0) rounds = rounds_for(1, false);  // n_keep_tail > n_ubatch: n_ubatch wins
     std::vector<uint32_t> idxs;
-    idxs.reserve(rounds * chosen.size());
-    for (const auto& a : avail)
-        idxs.insert(idxs.end(), a.begin(), a.begin() + static_cast<ptrdiff_t>(rounds));
-    return make_ubatch(idxs, static_cast<uint32_t>(chosen.size()), true);
+    idxs.reserve(rounds * n_sets);
+    for (size_t k = 0; k < n_sets; ++k)
+        idxs.insert(idxs.end(), flat.begin() + static_cast<ptrdiff_t>(begin[k]),
+                    flat.begin() + static_cast<ptrdiff_t>(begin[k] + rounds));
+    return make_ubatch(idxs, static_cast<uint32_t>(n_sets), true);
 }
 
 ubatch batch_allocr::split_seq(uint32_t n_ubatch) {

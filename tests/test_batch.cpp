@@ -400,6 +400,47 @@ TEST(split, equal_keeps_sequence_order_when_sets_interleave) {
     EXPECT_EQ(idx_of(a.split_equal(8, false)), (std::vector<int32_t>{2}));
 }
 
+// n_keep_tail (spec §3.5 step 6): the last tokens of each sequence stay together in one ubatch
+std::vector<uint32_t> equal_sizes(batch_allocr& a, uint32_t n_ubatch, bool sequential, uint32_t keep) {
+    std::vector<uint32_t> sizes;
+    for (ubatch u = a.split_equal(n_ubatch, sequential, keep); !u.empty();
+         u = a.split_equal(n_ubatch, sequential, keep))
+        sizes.push_back(u.n_tokens);
+    return sizes;
+}
+
+TEST(split, equal_keep_tail_takes_fewer_rounds_before_the_tail) {
+    test_batch t{.tokens = std::vector<token_t>(10, 1)};
+    batch_allocr a;
+    a.init(t.view(), nullptr, {});
+    EXPECT_EQ(equal_sizes(a, 4, true, 0), (std::vector<uint32_t>{4, 4, 2}));  // today's split
+    a.split_reset();
+    EXPECT_EQ(equal_sizes(a, 4, true, 3), (std::vector<uint32_t>{4, 3, 3}));
+    a.split_reset();
+    EXPECT_EQ(equal_sizes(a, 4, true, 4), (std::vector<uint32_t>{4, 2, 4}));
+}
+
+TEST(split, equal_keep_tail_leaves_out_sets_that_would_split_a_tail) {
+    // seq 0 has 3 tokens, seq 1 has 5: in lock step seq 1 would keep 2 < 3 back, and taking fewer
+    // rounds would split seq 0's tail, so seq 0 goes alone
+    test_batch t{.tokens = std::vector<token_t>(8, 1), .seqs = {{0}, {1}, {0}, {1}, {0}, {1}, {1}, {1}}};
+    batch_allocr a;
+    a.init(t.view(), nullptr, {.n_seq_max = 2});
+    const ubatch u1 = a.split_equal(16, true, 3);
+    EXPECT_EQ(idx_of(u1), (std::vector<int32_t>{0, 2, 4}));
+    EXPECT_EQ(idx_of(a.split_equal(16, true, 3)), (std::vector<int32_t>{1, 3, 5, 6, 7}));
+    EXPECT_TRUE(a.split_equal(16, true, 3).empty());
+    a.split_reset();
+    EXPECT_EQ(equal_sizes(a, 16, true, 0), (std::vector<uint32_t>{6, 2}));  // without: both sets, 3 rounds
+}
+
+TEST(split, equal_keep_tail_yields_to_n_ubatch) {
+    test_batch t{.tokens = std::vector<token_t>(5, 1)};
+    batch_allocr a;
+    a.init(t.view(), nullptr, {});
+    EXPECT_EQ(equal_sizes(a, 2, true, 5), (std::vector<uint32_t>{2, 2, 1}));  // decision 14 wins
+}
+
 TEST(split, seq_takes_one_sequence_set_at_a_time) {
     test_batch t{.tokens = {1, 2, 3, 4, 5}, .pos = {0, 1, 1, 2, 3}, .seqs = {{0}, {1}, {0}, {0, 1}, {1}}};
     batch_allocr a;
@@ -539,6 +580,34 @@ TEST(split_property, every_split_reassembles_the_batch_in_sequence_order) {
                     ASSERT_LT(ids[perm[j - 1]], ids[perm[j]]);
                 }
             }
+        }
+    }
+}
+
+TEST(split_property, equal_keep_tail_keeps_each_sequences_last_tokens_together) {
+    std::mt19937 rng(3);
+    for (int iter = 0; iter < 3000; ++iter) {
+        random_case rc = random_batch(rng, false);
+        batch_allocr a;
+        a.init(rc.t.view(), nullptr, {.n_seq_max = rc.n_seq_max});
+        const uint32_t n_ubatch = 1 + rng() % 12, keep = rng() % 6;
+        const bool sequential = rng() % 2;
+        std::vector<int> ubatch_of(a.get_n_tokens(), -1);
+        int n = 0;
+        for (ubatch u = a.split_equal(n_ubatch, sequential, keep); !u.empty();
+             u = a.split_equal(n_ubatch, sequential, keep), ++n) {
+            ASSERT_LE(u.n_tokens, n_ubatch);
+            ASSERT_EQ(u.n_tokens, u.n_seq_tokens * u.n_seqs);
+            for (int32_t i : u.batch_idx) ubatch_of[static_cast<size_t>(i)] = n;
+        }
+        ASSERT_EQ(a.get_n_used(), a.get_n_tokens());
+        if (keep > n_ubatch) continue;
+        std::map<seq_id_t, std::vector<int>> per_seq;  // ubatch of each token of a sequence, in order
+        for (uint32_t i = 0; i < a.get_n_tokens(); ++i) per_seq[a.seq_ids(i)[0]].push_back(ubatch_of[i]);
+        for (const auto& [s, ubs] : per_seq) {
+            const size_t tail = std::min<size_t>(keep, ubs.size());
+            for (size_t j = ubs.size() - tail; j < ubs.size(); ++j)
+                ASSERT_EQ(ubs[j], ubs.back()) << "iter " << iter << " seq " << s << " keep " << keep;
         }
     }
 }

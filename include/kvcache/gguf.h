@@ -1,10 +1,11 @@
-// GGUF files (versions 2 and 3): a validating, memory-mapped reader and a writer.
-//
-// The reader checks everything before anything is used: magic, version, counts against the file size,
-// string and array lengths, value types, tensor dimensions (positive, no overflow), types, offsets
-// (aligned, inside the data section, not overlapping) and that the data section fits the file. Every
-// problem is a kvc::error(corrupt_data) naming the byte offset and the field (errc::unsupported for
-// versions other than 2 and 3 and for arrays of arrays); a malformed file never crashes the reader.
+/// @file
+/// GGUF files (versions 2 and 3): a validating, memory-mapped reader and a writer.
+///
+/// The reader checks everything before anything is used: magic, version, counts against the file size,
+/// string and array lengths, value types, tensor dimensions (positive, no overflow), types, offsets
+/// (aligned, inside the data section, not overlapping) and that the data section fits the file. Every
+/// problem is a kvc::error(corrupt_data) naming the byte offset and the field (errc::unsupported for
+/// versions other than 2 and 3 and for arrays of arrays); a malformed file never crashes the reader.
 #pragma once
 
 #include <cstddef>
@@ -23,7 +24,7 @@
 
 namespace kvc {
 
-// GGUF metadata value types (their ids in the file).
+/// GGUF metadata value types (their ids in the file).
 enum class gguf_type : uint32_t {
     u8 = 0,
     i8 = 1,
@@ -39,71 +40,74 @@ enum class gguf_type : uint32_t {
     i64 = 11,
     f64 = 12,
 };
-const char* to_string(gguf_type t);
+const char* to_string(gguf_type t);  ///< "u8", "i8", ..., "string", "array", ...
 
-// One metadata value. Integers of every width are held widened (signed in i64, unsigned in u64);
-// `type` says what the file stored.
+/// One metadata value. Integers of every width are held widened (signed in i64, unsigned in u64);
+/// `type` says what the file stored.
 struct gguf_value {
-    gguf_type type = gguf_type::u32;
-    gguf_type elem_type = gguf_type::u32;  // arrays: the type of the elements
+    gguf_type type = gguf_type::u32;       ///< what the file stored
+    gguf_type elem_type = gguf_type::u32;  ///< arrays: the type of the elements
     std::variant<uint64_t, int64_t, double, bool, std::string, std::vector<uint64_t>, std::vector<int64_t>,
                  std::vector<double>, std::vector<bool>, std::vector<std::string>>
-        value;
+        value;  ///< the value (arrays as vectors of the widened element type)
 };
 
+/// One metadata entry.
 struct gguf_kv {
-    std::string key;
-    gguf_value value;
+    std::string key;   ///< e.g. "general.architecture"
+    gguf_value value;  ///< its value
 };
 
-// A tensor as the file describes it; data points into the mapped file.
+/// A tensor as the file describes it; data points into the mapped file.
 struct gguf_tensor_info {
-    std::string name;
-    std::vector<int64_t> ne;  // dimensions, ne[0] first (the contiguous one), 1..4 of them
-    uint32_t ggml_type = 0;   // ggml type id (0 f32, 1 f16, 2 q4_0, 8 q8_0, 30 bf16, ... any known id)
-    uint64_t offset = 0;      // from the start of the data section
-    uint64_t n_bytes = 0;     // of its data
-    const std::byte* data = nullptr;
-    int64_t n_elements() const;
+    std::string name;         ///< e.g. "blk.0.attn_q.weight"
+    std::vector<int64_t> ne;  ///< dimensions, ne[0] first (the contiguous one), 1..4 of them
+    uint32_t ggml_type = 0;   ///< ggml type id (0 f32, 1 f16, 2 q4_0, 8 q8_0, 30 bf16, ... any known id)
+    uint64_t offset = 0;      ///< from the start of the data section
+    uint64_t n_bytes = 0;     ///< of its data
+    const std::byte* data = nullptr;  ///< its data in the mapped file
+    int64_t n_elements() const;       ///< product of ne
 };
 
-// Bytes of one block and values per block of a ggml type id; nullopt for ids the reader does not know.
+/// Bytes of one block and values per block of a ggml type id; nullopt for ids the reader does not know.
 struct ggml_type_traits {
-    const char* name;
-    int64_t block_size;
-    size_t type_size;
+    const char* name;    ///< ggml's name, e.g. "q8_0"
+    int64_t block_size;  ///< values per block
+    size_t type_size;    ///< bytes per block
 };
-std::optional<ggml_type_traits> ggml_type_info(uint32_t ggml_type);
+std::optional<ggml_type_traits> ggml_type_info(uint32_t ggml_type);  ///< see ggml_type_traits
 
+/// A GGUF file, validated: its metadata and tensor infos, with tensor data in the mapped file.
 class gguf_file {
 public:
-    // Maps and validates a file (kvc::error(io) when it cannot be opened or mapped).
+    /// Maps and validates a file (kvc::error(io) when it cannot be opened or mapped).
     static gguf_file open(const std::string& path);
-    // Validates bytes in memory (copied; for tests and fuzzing).
+    /// Validates bytes in memory (copied; for tests and fuzzing).
     static gguf_file parse(std::span<const uint8_t> bytes);
 
-    gguf_file(gguf_file&&) noexcept;
-    gguf_file& operator=(gguf_file&&) noexcept;
-    ~gguf_file();
+    gguf_file(gguf_file&&) noexcept;             ///< takes the other's mapping
+    gguf_file& operator=(gguf_file&&) noexcept;  ///< takes the other's mapping
+    ~gguf_file();                                ///< unmaps the file
 
-    uint32_t version() const;
-    uint64_t alignment() const;    // general.alignment, 32 by default
-    uint64_t data_offset() const;  // of the data section in the file
-    uint64_t file_size() const;
+    uint32_t version() const;      ///< 2 or 3
+    uint64_t alignment() const;    ///< general.alignment, 32 by default
+    uint64_t data_offset() const;  ///< of the data section in the file
+    uint64_t file_size() const;    ///< in bytes
 
-    std::span<const gguf_kv> metadata() const;
-    const gguf_value* find(std::string_view key) const;  // null when absent
-    // Typed getters: nullopt when absent; kvc::error(corrupt_data) naming the key when present with
-    // a type that does not convert (integers convert between widths when the value fits).
+    std::span<const gguf_kv> metadata() const;           ///< every entry, in file order
+    const gguf_value* find(std::string_view key) const;  ///< null when absent
+    /// Typed getters: nullopt when absent; kvc::error(corrupt_data) naming the key when present with
+    /// a type that does not convert (integers convert between widths when the value fits).
     std::optional<uint64_t> get_uint(std::string_view key) const;
-    std::optional<int64_t> get_int(std::string_view key) const;
-    std::optional<double> get_float(std::string_view key) const;  // f32, f64 (and integers)
-    std::optional<bool> get_bool(std::string_view key) const;
-    std::optional<std::string> get_string(std::string_view key) const;
+    std::optional<int64_t> get_int(std::string_view key) const;         ///< signed integers
+    std::optional<double> get_float(std::string_view key) const;        ///< f32, f64 (and integers)
+    std::optional<bool> get_bool(std::string_view key) const;           ///< booleans
+    std::optional<std::string> get_string(std::string_view key) const;  ///< strings
+    /// Arrays of strings.
     std::optional<std::vector<std::string>> get_string_array(std::string_view key) const;
 
-    std::span<const gguf_tensor_info> tensors() const;
-    const gguf_tensor_info* find_tensor(std::string_view name) const;  // null when absent
+    std::span<const gguf_tensor_info> tensors() const;                 ///< every tensor, in file order
+    const gguf_tensor_info* find_tensor(std::string_view name) const;  ///< null when absent
 
 private:
     struct impl;
@@ -111,27 +115,27 @@ private:
     std::unique_ptr<impl> p_;
 };
 
-// Builds a GGUF (version 3) file: metadata in the order added, then tensor infos and aligned data.
-// Duplicate keys or tensor names, bad dimensions or data sizes and an alignment that general.alignment
-// does not state throw kvc::error(invalid_argument).
+/// Builds a GGUF (version 3) file: metadata in the order added, then tensor infos and aligned data.
+/// Duplicate keys or tensor names, bad dimensions or data sizes and an alignment that general.alignment
+/// does not state throw kvc::error(invalid_argument).
 class gguf_writer {
 public:
-    explicit gguf_writer(uint64_t alignment = 32);
+    explicit gguf_writer(uint64_t alignment = 32);  ///< tensor data aligned to `alignment` bytes
 
-    void set_u32(std::string_view key, uint32_t v);
-    void set_i32(std::string_view key, int32_t v);
-    void set_u64(std::string_view key, uint64_t v);
-    void set_f32(std::string_view key, float v);
-    void set_bool(std::string_view key, bool v);
-    void set_string(std::string_view key, std::string_view v);
-    void set_string_array(std::string_view key, const std::vector<std::string>& v);
-    void set_f32_array(std::string_view key, const std::vector<float>& v);
-    void set_i32_array(std::string_view key, const std::vector<int32_t>& v);
-    // data must be exactly the tensor's bytes for its type and dimensions (ne[0] first).
+    void set_u32(std::string_view key, uint32_t v);                                  ///< adds a u32 entry
+    void set_i32(std::string_view key, int32_t v);                                   ///< adds an i32 entry
+    void set_u64(std::string_view key, uint64_t v);                                  ///< adds a u64 entry
+    void set_f32(std::string_view key, float v);                                     ///< adds an f32 entry
+    void set_bool(std::string_view key, bool v);                                     ///< adds a bool entry
+    void set_string(std::string_view key, std::string_view v);                       ///< adds a string entry
+    void set_string_array(std::string_view key, const std::vector<std::string>& v);  ///< adds a string array
+    void set_f32_array(std::string_view key, const std::vector<float>& v);           ///< adds an f32 array
+    void set_i32_array(std::string_view key, const std::vector<int32_t>& v);         ///< adds an i32 array
+    /// data must be exactly the tensor's bytes for its type and dimensions (ne[0] first).
     void add_tensor(std::string name, std::vector<int64_t> ne, uint32_t ggml_type, std::vector<uint8_t> data);
 
-    std::vector<uint8_t> bytes() const;
-    // Writes the file atomically (temporary name, sync, rename); returns its size.
+    std::vector<uint8_t> bytes() const;  ///< the whole file
+    /// Writes the file atomically (temporary name, sync, rename); returns its size.
     uint64_t write(const std::string& path) const;
 
 private:

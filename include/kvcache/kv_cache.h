@@ -1,15 +1,18 @@
-// kv_cache: the attention KV cache (llama.cpp's llama_kv_cache), unified (one stream shared by every
-// sequence) or split (one stream per sequence). Implements memory_i.
-//
-// Per own layer it holds a K buffer and a V buffer of kv_size rows ("cells") per stream; kv_cells keeps
-// the bookkeeping of each stream. Placing a ubatch = find_slot (free cells, or SWA-dead cells of a single
-// sequence, ring-wise from the stream's head hint) + apply_ubatch; init_batch dry-runs every ubatch of a
-// batch (prepare) and rolls back, so a batch that does not fit changes nothing.
-//
-// Layout of one layer (E_k = n_head_kv * n_embd_head_k, rows of row_size(type_k, E_k) bytes):
-//   K      [E_k, kv_size, n_stream]    row of cell c in stream s at (s * kv_size + c)
-//   V      like K with E_v, or transposed (v_trans): per stream a matrix [E_vmax channels][kv_size cells],
-//          element (channel e, cell c) at s * kv_size * E_vmax + e * kv_size + c (float types only)
+/// @file
+/// kv_cache: the attention KV cache (llama.cpp's llama_kv_cache), unified (one stream shared by every
+/// sequence) or split (one stream per sequence). Implements memory_i.
+///
+/// Per own layer it holds a K buffer and a V buffer of kv_size rows ("cells") per stream; kv_cells keeps
+/// the bookkeeping of each stream. Placing a ubatch = find_slot (free cells, or SWA-dead cells of a single
+/// sequence, ring-wise from the stream's head hint) + apply_ubatch; init_batch dry-runs every ubatch of a
+/// batch (prepare) and rolls back, so a batch that does not fit changes nothing.
+///
+/// Layout of one layer (E_k = n_head_kv * n_embd_head_k, rows of row_size(type_k, E_k) bytes):
+/// @verbatim
+///   K      [E_k, kv_size, n_stream]    row of cell c in stream s at (s * kv_size + c)
+///   V      like K with E_v, or transposed (v_trans): per stream a matrix [E_vmax channels][kv_size cells],
+///          element (channel e, cell c) at s * kv_size * E_vmax + e * kv_size + c (float types only)
+/// @endverbatim
 #pragma once
 
 #include <cstdint>
@@ -28,66 +31,71 @@
 
 namespace kvc {
 
+/// Sliding-window attention rule: which past keys a query may see.
 enum class swa_type : uint8_t {
-    none = 0,       // every past key of the sequence is visible
-    standard = 1,   // a query at p sees keys in (p - n_swa, p]
-    chunked = 2,    // a query sees keys from the start of its chunk of n_swa positions (Llama 4)
-    symmetric = 3,  // keys within n_swa / 2 on either side (bidirectional encoders)
+    none = 0,       ///< every past key of the sequence is visible
+    standard = 1,   ///< a query at p sees keys in (p - n_swa, p]
+    chunked = 2,    ///< a query sees keys from the start of its chunk of n_swa positions (Llama 4)
+    symmetric = 3,  ///< keys within n_swa / 2 on either side (bidirectional encoders)
 };
 
-const char* to_string(swa_type t);
+const char* to_string(swa_type t);  ///< "none", "standard", "chunked", "symmetric"
 
-// Whether the key at p0 is outside the window of a query at p1 (causality is a separate rule).
+/// Whether the key at p0 is outside the window of a query at p1 (causality is a separate rule).
 bool is_masked_swa(uint32_t n_swa, swa_type type, pos_t p0, pos_t p1);
 
-// One model layer as the cache sees it.
+/// One model layer as the cache sees it.
 struct layer_desc {
-    uint32_t n_head_kv = 1;
-    uint32_t n_embd_head_k = 0;  // values per key head (a multiple of the block size of type_k)
-    uint32_t n_embd_head_v = 0;  // values per value head
-    bool is_swa = false;         // a sliding-window layer (used by kv_cache_iswa to split layers)
-    bool has_kv = true;          // false: the layer keeps no K/V (e.g. it reuses another layer's)
-    rope_params rope{};          // how its keys were rotated (for K-shifts)
+    uint32_t n_head_kv = 1;      ///< KV heads
+    uint32_t n_embd_head_k = 0;  ///< values per key head (a multiple of the block size of type_k)
+    uint32_t n_embd_head_v = 0;  ///< values per value head
+    bool is_swa = false;         ///< a sliding-window layer (used by kv_cache_iswa to split layers)
+    bool has_kv = true;          ///< false: the layer keeps no K/V (e.g. it reuses another layer's)
+    rope_params rope{};          ///< how its keys were rotated (for K-shifts)
 };
 
+/// Everything a kv_cache is made from.
 struct kv_cache_params {
-    std::vector<layer_desc> layers;        // every model layer, by model index
-    std::function<bool(uint32_t)> filter;  // keep model layer il? (null: every layer with K/V)
-    dtype type_k = dtype::f16;
-    dtype type_v = dtype::f16;
-    bool v_trans = true;      // transposed V (attention without flash attention); float type_v only
-    uint32_t kv_size = 4096;  // cells per stream
-    uint32_t n_seq_max = 1;   // sequence ids [0, n_seq_max)
-    bool unified = true;      // one stream for all sequences, else one stream per sequence
-    uint32_t n_pad = 1;       // kv_size must be a multiple of it
-    uint32_t n_kv_pad = 256;  // attention reads a multiple of max(n_pad, n_kv_pad) cells
-    uint32_t n_swa = 0;       // window of this cache's SWA rule
-    swa_type swa = swa_type::none;
-    uint32_t n_pos = 1;  // positions per token (4 for M-RoPE: cells then keep (x, y))
-    // Compaction (decision 12): init_update(false) also compacts once the empty cells below the last
-    // used one exceed this fraction of it (0: only when asked with init_update(true)).
+    std::vector<layer_desc> layers;        ///< every model layer, by model index
+    std::function<bool(uint32_t)> filter;  ///< keep model layer il? (null: every layer with K/V)
+    dtype type_k = dtype::f16;             ///< element type of stored keys
+    dtype type_v = dtype::f16;             ///< element type of stored values
+    bool v_trans = true;            ///< transposed V (attention without flash attention); float type_v only
+    uint32_t kv_size = 4096;        ///< cells per stream
+    uint32_t n_seq_max = 1;         ///< sequence ids [0, n_seq_max)
+    bool unified = true;            ///< one stream for all sequences, else one stream per sequence
+    uint32_t n_pad = 1;             ///< kv_size must be a multiple of it
+    uint32_t n_kv_pad = 256;        ///< attention reads a multiple of max(n_pad, n_kv_pad) cells
+    uint32_t n_swa = 0;             ///< window of this cache's SWA rule
+    swa_type swa = swa_type::none;  ///< this cache's SWA rule
+    uint32_t n_pos = 1;             ///< positions per token (4 for M-RoPE: cells then keep (x, y))
+    /// Compaction (decision 12): init_update(false) also compacts once the empty cells below the last
+    /// used one exceed this fraction of it (0: only when asked with init_update(true)).
     float compact_threshold = 0.0f;
-    buffer_allocator* allocator = nullptr;  // null: host memory
+    buffer_allocator* allocator = nullptr;  ///< null: host memory
 };
 
-// Where one ubatch goes (spec kv-core §3.5): group k of size() tokens goes to stream strm[k], cells idxs[k].
-// Token t of the ubatch is group t / size(), cell idxs[group][t % size()].
+/// Where one ubatch goes (spec kv-core §3.5): group k of size() tokens goes to stream strm[k], cells idxs[k].
+/// Token t of the ubatch is group t / size(), cell idxs[group][t % size()].
 struct slot_info {
-    uint32_t s0 = 0, s1 = 0;                  // first and last stream touched
-    std::vector<uint32_t> strm;               // [n_stream()] stream of each group
-    std::vector<std::vector<uint32_t>> idxs;  // [n_stream()][size()] cells of each group
+    /// first stream touched
+    uint32_t s0 = 0, s1 = 0;                  ///< last stream touched
+    std::vector<uint32_t> strm;               ///< [n_stream()] stream of each group
+    std::vector<std::vector<uint32_t>> idxs;  ///< [n_stream()][size()] cells of each group
 
-    size_t n_stream() const { return strm.size(); }
-    size_t size() const { return idxs.empty() ? 0 : idxs[0].size(); }
-    bool empty() const { return idxs.empty(); }
-    uint32_t head() const;       // first cell of the only group; throws kvc::error on an empty slot
-    bool is_contiguous() const;  // one group of consecutive ascending cells
+    size_t n_stream() const { return strm.size(); }                    ///< number of groups
+    size_t size() const { return idxs.empty() ? 0 : idxs[0].size(); }  ///< tokens per group
+    bool empty() const { return idxs.empty(); }                        ///< no room was found
+    uint32_t head() const;       ///< first cell of the only group; throws kvc::error on an empty slot
+    bool is_contiguous() const;  ///< one group of consecutive ascending cells
 };
 
+/// The attention KV cache (llama_kv_cache): K/V rows of every own layer, placed in cells of one or
+/// several streams. Implements memory_i.
 class kv_cache final : public memory_i {
 public:
-    explicit kv_cache(kv_cache_params params);  // throws kvc::error on an invalid configuration
-    ~kv_cache() override;
+    explicit kv_cache(kv_cache_params params);  ///< throws kvc::error on an invalid configuration
+    ~kv_cache() override;                       ///< frees the storage
 
     // -- memory_i --
     memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) override;
@@ -107,72 +115,77 @@ public:
     void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
     void state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) override;
     void state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    // "kv streams=1 v_trans=1 n_pos=1 rotation=none layers=0-31:k=f16x1024,v=f16x1024"
+    /// "kv streams=1 v_trans=1 n_pos=1 rotation=none layers=0-31:k=f16x1024,v=f16x1024"
     std::string state_layout() const override;
 
     // -- shape --
-    const kv_cache_params& params() const { return params_; }
-    uint32_t get_size() const { return params_.kv_size; }
+    const kv_cache_params& params() const { return params_; }  ///< the configuration
+    uint32_t get_size() const { return params_.kv_size; }      ///< cells per stream
+    /// Number of streams (1 when unified, else n_seq_max).
     uint32_t get_n_stream() const { return static_cast<uint32_t>(streams_.size()); }
-    uint32_t seq_to_stream(seq_id_t s) const;                           // throws on an invalid id
-    std::span<const uint32_t> layer_ids() const { return layer_ids_; }  // model index of each own layer
-    bool has_layer(uint32_t il) const;
-    const kv_cells& cells(uint32_t stream) const;
-    uint32_t head(uint32_t stream) const;
-    bool get_has_shift() const;
+    uint32_t seq_to_stream(seq_id_t s) const;                           ///< throws on an invalid id
+    std::span<const uint32_t> layer_ids() const { return layer_ids_; }  ///< model index of each own layer
+    bool has_layer(uint32_t il) const;             ///< the cache keeps K/V for model layer il
+    const kv_cells& cells(uint32_t stream) const;  ///< the bookkeeping of a stream; throws on a bad stream
+    uint32_t head(uint32_t stream) const;          ///< where the stream's next free-cell search starts
+    bool get_has_shift() const;                    ///< some cell of some stream has a pending shift
 
     // -- sizes --
-    size_t size_k_bytes() const;
-    size_t size_v_bytes() const;
-    size_t size_bytes() const { return size_k_bytes() + size_v_bytes(); }
-    size_t layer_k_bytes(uint32_t il) const;
-    size_t layer_v_bytes(uint32_t il) const;
+    size_t size_k_bytes() const;                                           ///< K storage of every layer
+    size_t size_v_bytes() const;                                           ///< V storage of every layer
+    size_t size_bytes() const { return size_k_bytes() + size_v_bytes(); }  ///< K and V storage
+    size_t layer_k_bytes(uint32_t il) const;  ///< K storage of model layer il (throws if not own)
+    size_t layer_v_bytes(uint32_t il) const;  ///< V storage of model layer il (throws if not own)
 
     // -- placement (what init_batch does; public for tests and custom drivers) --
-    slot_info find_slot(const ubatch& ub, bool cont = false) const;  // empty: no room
-    void apply_ubatch(const slot_info& sinfo, const ubatch& ub);
-    // Slots for every ubatch, found on a trial run that is rolled back; empty if one does not fit.
+    slot_info find_slot(const ubatch& ub, bool cont = false) const;  ///< empty: no room
+    void apply_ubatch(const slot_info& sinfo, const ubatch& ub);  ///< places ub's tokens in the slot's cells
+    /// Slots for every ubatch, found on a trial run that is rolled back; empty if one does not fit.
     std::vector<slot_info> prepare(std::span<const ubatch> ubatches);
+    /// Cells attention reads for the slot: the used extent of its streams, padded, at most kv_size.
     uint32_t get_n_kv(const slot_info& sinfo) const;
 
     // -- K/V data --
-    // Views of the first n_kv cells of streams s0..s1 of layer il (model index):
-    //   K, V:        [n_embd_head, n_head_kv, n_kv, ns]
-    //   V transposed: [n_kv, n_head_kv, n_embd_head_v, ns] (cells fastest)
+    /// Views of the first n_kv cells of streams s0..s1 of layer il (model index):
+    /// @verbatim
+    ///   K, V:        [n_embd_head, n_head_kv, n_kv, ns]
+    ///   V transposed: [n_kv, n_head_kv, n_embd_head_v, ns] (cells fastest)
+    /// @endverbatim
     tensor_view get_k(uint32_t il, uint32_t n_kv, const slot_info& sinfo);
-    tensor_view get_v(uint32_t il, uint32_t n_kv, const slot_info& sinfo);
-    // Writes the ubatch's K (or V) rows: src is [E, n_tokens] (or [head_dim, n_head, n_tokens]) of f32 or
-    // f16, contiguous rows; converted to type_k / type_v.
+    tensor_view get_v(uint32_t il, uint32_t n_kv, const slot_info& sinfo);  ///< the V view (see get_k)
+    /// Writes the ubatch's K (or V) rows: src is [E, n_tokens] (or [head_dim, n_head, n_tokens]) of f32 or
+    /// f16, contiguous rows; converted to type_k / type_v.
     void cpy_k(uint32_t il, const_tensor_view src, const slot_info& sinfo);
-    void cpy_v(uint32_t il, const_tensor_view src, const slot_info& sinfo);
-    // Row indices for engines that scatter rows themselves (spec kv-core §3.15).
+    void cpy_v(uint32_t il, const_tensor_view src, const slot_info& sinfo);  ///< the V rows (see cpy_k)
+    /// Row indices for engines that scatter rows themselves (spec kv-core §3.15).
     std::vector<int64_t> k_idxs(const slot_info& sinfo) const;
-    std::vector<int64_t> v_idxs(uint32_t il, const slot_info& sinfo) const;
-    // A stored row decoded to f32 (E values; transposed V gathered), for tests and inspection.
+    std::vector<int64_t> v_idxs(uint32_t il, const slot_info& sinfo) const;  ///< the V indices (see k_idxs)
+    /// A stored row decoded to f32 (E values; transposed V gathered), for tests and inspection.
     void read_k_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
+    /// The same for V.
     void read_v_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
 
     // -- attention inputs (host side, after apply) --
-    // KQ mask [n_kv, n_tps, 1, n_stream_mask] (spec kv-core §4.2-4.3) into dst (f32 or f16, contiguous,
-    // exactly that many elements). causal: keys after the query are masked; alibi: -|p0 - p1| instead of 0.
+    /// KQ mask [n_kv, n_tps, 1, n_stream_mask] (spec kv-core §4.2-4.3) into dst (f32 or f16, contiguous,
+    /// exactly that many elements). causal: keys after the query are masked; alibi: -|p0 - p1| instead of 0.
     void set_input_kq_mask(tensor_view dst, const ubatch& ub, const slot_info& sinfo, uint32_t n_kv,
                            bool causal, bool alibi = false) const;
-    size_t kq_mask_elements(const ubatch& ub, uint32_t n_kv) const;
-    // Pending shift of every cell, [kv_size * n_stream] (0 for empty cells).
+    size_t kq_mask_elements(const ubatch& ub, uint32_t n_kv) const;  ///< elements set_input_kq_mask writes
+    /// Pending shift of every cell, [kv_size * n_stream] (0 for empty cells).
     void set_input_k_shift(std::span<int32_t> dst) const;
-    // T5 relative position buckets [n_kv, n_tokens] (one stream only).
+    /// T5 relative position buckets [n_kv, n_tokens] (one stream only).
     void set_input_pos_bucket(std::span<int32_t> dst, const ubatch& ub, uint32_t n_kv,
                               uint32_t n_buckets) const;
 
     // -- maintenance --
-    // Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
-    // Returns false when there was nothing to do.
+    /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
+    /// Returns false when there was nothing to do.
     bool update();
-    // Moves used cells down, with their K/V rows, into the empty cells below them, so that every stream
-    // holds its cells in [0, used) and n_kv shrinks. No sequence sees any difference. Returns the
-    // number of cells moved.
+    /// Moves used cells down, with their K/V rows, into the empty cells below them, so that every stream
+    /// holds its cells in [0, used) and n_kv shrinks. No sequence sees any difference. Returns the
+    /// number of cells moved.
     uint32_t compact();
-    // Empty cells below the last used one, as a fraction of it (0 when nothing can be compacted).
+    /// Empty cells below the last used one, as a fraction of it (0 when nothing can be compacted).
     float fragmentation() const;
 
 private:
@@ -207,14 +220,17 @@ private:
     std::vector<uint32_t> heads_;    // [n_stream] where the next search starts
 };
 
-// The context kv_cache returns from init_batch, init_full and init_update. Engines reach the per-ubatch
-// inputs through it (dynamic_cast the memory_context_i); everything refers to the current ubatch and
-// is valid after apply() until next().
+/// The context kv_cache returns from init_batch, init_full and init_update. Engines reach the per-ubatch
+/// inputs through it (dynamic_cast the memory_context_i); everything refers to the current ubatch and
+/// is valid after apply() until next().
 class kv_cache_context final : public memory_context_i {
 public:
+    /// What the context is for: a batch, a worst-case reservation, pending maintenance, or maintenance
+    /// with compaction.
     enum class kind : uint8_t { batch, full, update, compact_update };
 
-    kv_cache_context(kv_cache& cache, memory_status status, kind k);  // failure, full or update
+    kv_cache_context(kv_cache& cache, memory_status status, kind k);  ///< failure, full or update
+    /// A batch context: the ubatches, the slots prepare() found for them and the batch's output ids.
     kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches, std::vector<slot_info> sinfos,
                      std::vector<int32_t> out_ids);
 
@@ -226,18 +242,27 @@ public:
     std::span<const int32_t> out_ids() const override { return out_ids_; }
 
     // -- per ubatch --
-    kv_cache& cache() const { return *cache_; }
-    uint32_t get_n_kv() const { return n_kv_; }
-    const slot_info& get_sinfo() const;
-    size_t n_ubatches() const { return ubatches_.size(); }
+    kv_cache& cache() const { return *cache_; }             ///< the cache this context belongs to
+    uint32_t get_n_kv() const { return n_kv_; }             ///< cells attention reads (kv_cache::get_n_kv)
+    const slot_info& get_sinfo() const;                     ///< the current ubatch's slot
+    size_t n_ubatches() const { return ubatches_.size(); }  ///< ubatches of the batch
+    /// kv_cache::get_k for the current ubatch.
     tensor_view get_k(uint32_t il) const { return cache_->get_k(il, n_kv_, get_sinfo()); }
+    /// kv_cache::get_v for the current ubatch.
     tensor_view get_v(uint32_t il) const { return cache_->get_v(il, n_kv_, get_sinfo()); }
+    /// kv_cache::cpy_k for the current ubatch.
     void cpy_k(uint32_t il, const_tensor_view src) const { cache_->cpy_k(il, src, get_sinfo()); }
+    /// kv_cache::cpy_v for the current ubatch.
     void cpy_v(uint32_t il, const_tensor_view src) const { cache_->cpy_v(il, src, get_sinfo()); }
+    /// kv_cache::k_idxs for the current ubatch.
     std::vector<int64_t> k_idxs() const { return cache_->k_idxs(get_sinfo()); }
+    /// kv_cache::v_idxs for the current ubatch.
     std::vector<int64_t> v_idxs(uint32_t il) const { return cache_->v_idxs(il, get_sinfo()); }
+    /// kv_cache::set_input_kq_mask for the current ubatch.
     void set_input_kq_mask(tensor_view dst, bool causal, bool alibi = false) const;
+    /// kv_cache::set_input_k_shift.
     void set_input_k_shift(std::span<int32_t> dst) const { cache_->set_input_k_shift(dst); }
+    /// kv_cache::set_input_pos_bucket for the current ubatch.
     void set_input_pos_bucket(std::span<int32_t> dst, uint32_t n_buckets) const;
 
 private:

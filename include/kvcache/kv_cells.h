@@ -1,21 +1,22 @@
-// kv_cells: the bookkeeping of one stream of a KV cache (llama.cpp's llama_kv_cells).
-//
-// A cell is one row of every layer's K and V buffers. Per cell it records the token position (-1 =
-// empty), the sequences that hold it, the position delta accumulated since the last K-shift, and the
-// (x, y) extension of M-RoPE positions. It knows nothing about K/V data.
-//
-// Contract:
-//  - A cell is "used" iff its position is >= 0. A used cell normally has at least one sequence; it may
-//    have none transiently or after restoring a state written with no sequence ids.
-//  - Every precondition is checked: a call that breaks one throws kvc::error and changes nothing.
-//  - Costs: seq_pos_min/max O(1); a sequence's cells in a position range O(log + cells returned) via the
-//    per-sequence index; range operations on one sequence O(cells touched) plus a memmove of its index;
-//    free-cell searches go by 64-cell words with a summary level above them, so a search never walks
-//    cell by cell through a full or empty region.
-//
-// Differences from llama.cpp (see docs/concepts.md): pos_div records shift = new - old (decision 1);
-// any number of sequences; pos_add that drops a cell below 0 clears its M-RoPE extension too; snapshots
-// carry the pending shift instead of requiring it to be zero.
+/// @file
+/// kv_cells: the bookkeeping of one stream of a KV cache (llama.cpp's llama_kv_cells).
+///
+/// A cell is one row of every layer's K and V buffers. Per cell it records the token position (-1 =
+/// empty), the sequences that hold it, the position delta accumulated since the last K-shift, and the
+/// (x, y) extension of M-RoPE positions. It knows nothing about K/V data.
+///
+/// Contract:
+///  - A cell is "used" iff its position is >= 0. A used cell normally has at least one sequence; it may
+///    have none transiently or after restoring a state written with no sequence ids.
+///  - Every precondition is checked: a call that breaks one throws kvc::error and changes nothing.
+///  - Costs: seq_pos_min/max O(1); a sequence's cells in a position range O(log + cells returned) via the
+///    per-sequence index; range operations on one sequence O(cells touched) plus a memmove of its index;
+///    free-cell searches go by 64-cell words with a summary level above them, so a search never walks
+///    cell by cell through a full or empty region.
+///
+/// Differences from llama.cpp (see docs/concepts.md): pos_div records shift = new - old (decision 1);
+/// any number of sequences; pos_add that drops a cell below 0 clears its M-RoPE extension too; snapshots
+/// carry the pending shift instead of requiring it to be zero.
 #pragma once
 
 #include <cstdint>
@@ -30,119 +31,126 @@
 
 namespace kvc {
 
-// 2-D position of an M-RoPE (image) token.
+/// 2-D position of an M-RoPE (image) token.
 struct cell_ext {
-    pos_t x = 0;
-    pos_t y = 0;
+    pos_t x = 0;  ///< column
+    pos_t y = 0;  ///< row
 
-    // Row-major order: (y, x) strictly after (oy, ox).
+    /// Row-major order: (y, x) strictly after (oy, ox).
     bool is_2d_gt(pos_t ox, pos_t oy) const { return y > oy || (y == oy && x > ox); }
-    bool operator==(const cell_ext&) const = default;
+    bool operator==(const cell_ext&) const = default;  ///< the same (x, y)
 };
 
-// Metadata of some cells, copied by kv_cells::cp and written back by kv_cells::set (rollback of a trial
-// placement). Entry j belongs to the j-th copied cell.
+/// Metadata of some cells, copied by kv_cells::cp and written back by kv_cells::set (rollback of a trial
+/// placement). Entry j belongs to the j-th copied cell.
 struct cells_snapshot {
-    std::vector<pos_t> pos;
-    std::vector<cell_ext> ext;
-    std::vector<pos_t> shift;
-    std::vector<seq_set> seq;
+    std::vector<pos_t> pos;     ///< position of each cell (-1: empty)
+    std::vector<cell_ext> ext;  ///< M-RoPE (x, y) of each cell
+    std::vector<pos_t> shift;   ///< pending shift of each cell
+    std::vector<seq_set> seq;   ///< sequences of each cell
 
-    size_t size() const { return pos.size(); }
+    size_t size() const { return pos.size(); }  ///< number of cells copied
 };
 
+/// The bookkeeping of one stream of a KV cache (llama_kv_cells): per cell its position, sequences,
+/// pending shift and M-RoPE extension, with per-sequence position indexes.
 class kv_cells {
 public:
-    kv_cells() = default;
-    // n_seq_max: sequence ids accepted are [0, n_seq_max). Throws on n_seq_max < 1.
+    kv_cells() = default;  ///< no cells
+    /// n_seq_max: sequence ids accepted are [0, n_seq_max). Throws on n_seq_max < 1.
     explicit kv_cells(uint32_t n_cells, uint32_t n_seq_max = 1);
 
     // -- size --
-    uint32_t size() const { return static_cast<uint32_t>(pos_.size()); }
-    uint32_t n_seq_max() const { return n_seq_max_; }
-    void resize(uint32_t n);  // then reset()
-    void reset();             // every cell empty, no shifts
-    void reset_shift();       // forget pending shifts (after the K data was re-rotated)
+    uint32_t size() const { return static_cast<uint32_t>(pos_.size()); }  ///< number of cells
+    uint32_t n_seq_max() const { return n_seq_max_; }                     ///< sequence ids are [0, n_seq_max)
+    void resize(uint32_t n);                                              ///< then reset()
+    void reset();                                                         ///< every cell empty, no shifts
+    void reset_shift();  ///< forget pending shifts (after the K data was re-rotated)
 
     // -- queries --
-    bool is_empty(uint32_t i) const { return pos_[check(i)] == pos_none; }
-    uint32_t get_used() const { return n_used_; }
-    uint32_t used_min() const;     // smallest used index, 0 if none
-    uint32_t used_max_p1() const;  // largest used index + 1, 0 if none
-    bool get_has_shift() const { return has_shift_; }
+    bool is_empty(uint32_t i) const { return pos_[check(i)] == pos_none; }  ///< cell i holds no token
+    uint32_t get_used() const { return n_used_; }                           ///< number of used cells
+    uint32_t used_min() const;                         ///< smallest used index, 0 if none
+    uint32_t used_max_p1() const;                      ///< largest used index + 1, 0 if none
+    bool get_has_shift() const { return has_shift_; }  ///< some cell has a pending shift
 
-    pos_t pos_get(uint32_t i) const { return pos_[check(i)]; }
-    cell_ext ext_get(uint32_t i) const { return ext_[check(i)]; }
-    pos_t get_shift(uint32_t i) const { return shift_[check(i)]; }
-    const seq_set& seqs(uint32_t i) const { return seq_[check(i)]; }
+    pos_t pos_get(uint32_t i) const { return pos_[check(i)]; }        ///< position of cell i (-1: empty)
+    cell_ext ext_get(uint32_t i) const { return ext_[check(i)]; }     ///< M-RoPE (x, y) of cell i
+    pos_t get_shift(uint32_t i) const { return shift_[check(i)]; }    ///< pending shift of cell i
+    const seq_set& seqs(uint32_t i) const { return seq_[check(i)]; }  ///< sequences of cell i
+    /// Number of sequences of cell i.
     uint32_t seq_count(uint32_t i) const { return static_cast<uint32_t>(seq_[check(i)].size()); }
-    bool seq_has(uint32_t i, seq_id_t s) const { return seq_[check(i)].contains(s); }
-    seq_id_t seq_get(uint32_t i) const;  // the cell's only sequence; throws otherwise
-    bool pos_in(uint32_t i, pos_t p0,
-                pos_t p1) const {  // p0 <= pos < p1 (never true for an empty cell if p0 >= 0)
+    bool seq_has(uint32_t i, seq_id_t s) const { return seq_[check(i)].contains(s); }  ///< s holds cell i
+    seq_id_t seq_get(uint32_t i) const;  ///< the cell's only sequence; throws otherwise
+    /// p0 <= pos < p1 (never true for an empty cell if p0 >= 0)
+    bool pos_in(uint32_t i, pos_t p0, pos_t p1) const {
         const pos_t p = pos_[check(i)];
         return p >= p0 && p < p1;
     }
 
-    // -1 when the sequence holds no cell.
+    /// Smallest position of s; -1 when the sequence holds no cell.
     pos_t seq_pos_min(seq_id_t s) const;
-    pos_t seq_pos_max(seq_id_t s) const;
-    // Number of cells of s whose position is exactly p (a position may repeat within a sequence).
+    pos_t seq_pos_max(seq_id_t s) const;  ///< largest position of s; -1 when the sequence holds no cell
+    /// Number of cells of s whose position is exactly p (a position may repeat within a sequence).
     uint32_t seq_pos_count(seq_id_t s, pos_t p) const;
-    uint32_t seq_n_cells(seq_id_t s) const;  // cells holding s
-    // Cells of s with p0 <= pos < p1, by ascending (position, index); appended to out. Negative p0 means
-    // 0, negative p1 means no upper bound.
+    uint32_t seq_n_cells(seq_id_t s) const;  ///< cells holding s
+    /// Cells of s with p0 <= pos < p1, by ascending (position, index); appended to out. Negative p0 means
+    /// 0, negative p1 means no upper bound.
     void seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& out) const;
-    // The same as (position, cell) pairs, without copying; valid until the next mutation.
+    /// The same as (position, cell) pairs, without copying; valid until the next mutation.
     std::span<const std::pair<pos_t, uint32_t>> seq_entries(seq_id_t s, pos_t p0, pos_t p1) const;
 
-    // Used cells, ascending, appended to out (O(used + size / 4096)).
+    /// Used cells, ascending, appended to out (O(used + size / 4096)).
     void used_cells(std::vector<uint32_t>& out) const;
 
     // -- free-cell search (empty cells only) --
-    // The first n empty cells in ring order from hint ([hint, size) then [0, hint)), appended to out.
-    // Returns false, leaving out unchanged, when fewer than n cells are empty.
+    /// The first n empty cells in ring order from hint ([hint, size) then [0, hint)), appended to out.
+    /// Returns false, leaving out unchanged, when fewer than n cells are empty.
     bool find_free(uint32_t n, uint32_t hint, std::vector<uint32_t>& out) const;
-    // Start of the first run of n consecutive empty cells at or after hint, else the first from 0; a
-    // run does not wrap around the end. nullopt when there is none.
+    /// Start of the first run of n consecutive empty cells at or after hint, else the first from 0; a
+    /// run does not wrap around the end. nullopt when there is none.
     std::optional<uint32_t> find_contiguous(uint32_t n, uint32_t hint = 0) const;
 
     // -- mutations --
-    void pos_set(uint32_t i, pos_t p);  // empty cell with no sequences -> used at p (p >= 0)
-    void ext_set(uint32_t i, cell_ext e);
-    void seq_add(uint32_t i, seq_id_t s);   // used cell, s not yet in it
-    bool seq_rm(uint32_t i, seq_id_t s);    // used cell holding s; true if the cell became empty
-    bool seq_keep(uint32_t i, seq_id_t s);  // drop every other sequence; true if the cell became empty
-    void rm(uint32_t i);                    // used cell -> empty
-    bool pos_add(uint32_t i,
-                 pos_t d);            // used cell: pos += d, shift += d; true if it fell below 0 (now empty)
-    void pos_div(uint32_t i, int d);  // used cell, d >= 1: pos /= d, shift += new - old
-    void mv(uint32_t src, uint32_t dst);  // used src -> empty dst, with all it holds (compaction)
+    void pos_set(uint32_t i, pos_t p);      ///< empty cell with no sequences -> used at p (p >= 0)
+    void ext_set(uint32_t i, cell_ext e);   ///< sets the M-RoPE (x, y) of cell i
+    void seq_add(uint32_t i, seq_id_t s);   ///< used cell, s not yet in it
+    bool seq_rm(uint32_t i, seq_id_t s);    ///< used cell holding s; true if the cell became empty
+    bool seq_keep(uint32_t i, seq_id_t s);  ///< drop every other sequence; true if the cell became empty
+    void rm(uint32_t i);                    ///< used cell -> empty
+    /// used cell: pos += d, shift += d; true if it fell below 0 (now empty)
+    bool pos_add(uint32_t i, pos_t d);
+    void pos_div(uint32_t i, int d);      ///< used cell, d >= 1: pos /= d, shift += new - old
+    void mv(uint32_t src, uint32_t dst);  ///< used src -> empty dst, with all it holds (compaction)
 
     // -- sequence operations on this stream (what kv_cache does per stream; spec kv-core §5) --
-    // Position ranges are [p0, p1) with p0 < 0 meaning 0 and p1 < 0 meaning no bound. Cost: the cells of
-    // the sequence in the range (seq_keep_all and seq_rm_range(-1, ...): the used cells). Each returns
-    // the lowest cell index that became empty, or size() when none did.
-    uint32_t seq_rm_range(seq_id_t s, pos_t p0, pos_t p1);  // s = -1: empty every cell in the range
-    void seq_cp_range(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);  // dst joins src's cells (idempotent)
-    uint32_t seq_keep_all(seq_id_t s);                                  // every cell keeps only s, or empties
-    // Moves whole cells (every sequence sharing them). Throws, changing nothing, if a position or pending
-    // shift would overflow int32.
+    /// @name Sequence operations
+    /// Position ranges are [p0, p1) with p0 < 0 meaning 0 and p1 < 0 meaning no bound. Cost: the cells of
+    /// the sequence in the range (seq_keep_all and seq_rm_range(-1, ...): the used cells). Each returns
+    /// the lowest cell index that became empty, or size() when none did.
+    /// @{
+    uint32_t seq_rm_range(seq_id_t s, pos_t p0, pos_t p1);  ///< s = -1: empty every cell in the range
+    /// dst joins src's cells (idempotent)
+    void seq_cp_range(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);
+    uint32_t seq_keep_all(seq_id_t s);  ///< every cell keeps only s, or empties
+    /// Moves whole cells (every sequence sharing them). Throws, changing nothing, if a position or pending
+    /// shift would overflow int32.
     uint32_t seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d);
-    void seq_div_range(seq_id_t s, pos_t p0, pos_t p1, int d);  // d >= 1
+    void seq_div_range(seq_id_t s, pos_t p0, pos_t p1, int d);  ///< d >= 1
+    /// @}
 
     // -- snapshots (rollback) --
-    cells_snapshot cp(uint32_t i, uint32_t n) const;  // cells [i, i + n)
-    cells_snapshot cp(std::span<const uint32_t> idxs) const;
-    void set(uint32_t i, const cells_snapshot& snap);  // cell i + j <- entry j
-    void set(std::span<const uint32_t> idxs, const cells_snapshot& snap);
+    cells_snapshot cp(uint32_t i, uint32_t n) const;                       ///< cells [i, i + n)
+    cells_snapshot cp(std::span<const uint32_t> idxs) const;               ///< the cells idxs[j]
+    void set(uint32_t i, const cells_snapshot& snap);                      ///< cell i + j <- entry j
+    void set(std::span<const uint32_t> idxs, const cells_snapshot& snap);  ///< cell idxs[j] <- entry j
 
-    // One character per cell: '.' empty, the digit/letter of its only sequence (0-9, a-z, then '*'),
-    // 'M' shared by several sequences, '?' used with no sequence. For tests and debugging.
+    /// One character per cell: '.' empty, the digit/letter of its only sequence (0-9, a-z, then '*'),
+    /// 'M' shared by several sequences, '?' used with no sequence. For tests and debugging.
     std::string picture() const;
 
-    // Checks every internal invariant (indexes agree with the cells); throws kvc::error on a mismatch.
-    // O(size): for tests.
+    /// Checks every internal invariant (indexes agree with the cells); throws kvc::error on a mismatch.
+    /// O(size): for tests.
     void validate() const;
 
 private:

@@ -1,19 +1,22 @@
-// The memory interfaces (llama.cpp's llama_memory_i and llama_memory_context_i).
-//
-// A memory is where an engine keeps what its layers remember about each sequence: attention K/V rows
-// (kv_cache), recurrent state rows (memory_recurrent), or both (kv_cache_iswa, memory_hybrid).
-//
-// A memory_context_i is the plan for one batch (init_batch), for a worst-case reservation (init_full)
-// or for pending maintenance such as K-shifts (init_update). Creating it changes nothing. apply() is the
-// only method that mutates the memory: it commits the current ubatch (or runs the update); next() moves
-// to the following ubatch. If get_status() is a failure, the memory is exactly as it was before the
-// context was created, and apply() must not be called.
-//
-// Driver loop of one decode step (spec kv-core §1.5):
-//   if (auto up = mem.init_update(false); up->get_status() == memory_status::success) up->apply();
-//   auto ctx = mem.init_batch(balloc, n_ubatch, false);
-//   if (is_fail(ctx->get_status())) -> the batch does not fit; nothing changed
-//   do { ctx->apply(); /* compute the ubatch with ctx's inputs and views */ } while (ctx->next());
+/// @file
+/// The memory interfaces (llama.cpp's llama_memory_i and llama_memory_context_i).
+///
+/// A memory is where an engine keeps what its layers remember about each sequence: attention K/V rows
+/// (kv_cache), recurrent state rows (memory_recurrent), or both (kv_cache_iswa, memory_hybrid).
+///
+/// A memory_context_i is the plan for one batch (init_batch), for a worst-case reservation (init_full)
+/// or for pending maintenance such as K-shifts (init_update). Creating it changes nothing. apply() is the
+/// only method that mutates the memory: it commits the current ubatch (or runs the update); next() moves
+/// to the following ubatch. If get_status() is a failure, the memory is exactly as it was before the
+/// context was created, and apply() must not be called.
+///
+/// Driver loop of one decode step (spec kv-core §1.5):
+/// @verbatim
+///   if (auto up = mem.init_update(false); up->get_status() == memory_status::success) up->apply();
+///   auto ctx = mem.init_batch(balloc, n_ubatch, false);
+///   if (is_fail(ctx->get_status())) -> the batch does not fit; nothing changed
+///   do { ctx->apply(); /* compute the ubatch with ctx's inputs and views */ } while (ctx->next());
+/// @endverbatim
 #pragma once
 
 #include <cstdint>
@@ -31,77 +34,90 @@ class batch_allocr;  // batch.h
 class io_write_i;    // state.h
 class io_read_i;     // state.h
 
-// What every memory needs to know beyond its layer layout.
+/// What every memory needs to know beyond its layer layout.
 struct memory_params {
-    dtype type_k = dtype::f16;  // element type of stored keys
-    dtype type_v = dtype::f16;  // element type of stored values
-    bool swa_full = true;       // iSWA: size the SWA cache like the full one (allows shifting and any seq_rm)
+    dtype type_k = dtype::f16;  ///< element type of stored keys
+    dtype type_v = dtype::f16;  ///< element type of stored values
+    bool swa_full = true;  ///< iSWA: size the SWA cache like the full one (allows shifting and any seq_rm)
 };
 
-// Flags of state_write / state_read.
+/// Flags of state_write / state_read.
 using state_seq_flags = uint32_t;
-// Composite memories (iSWA, hybrid) save and restore only their partial part (SWA cache, recurrent
-// state); plain memories ignore the flag.
+/// Composite memories (iSWA, hybrid) save and restore only their partial part (SWA cache, recurrent
+/// state); plain memories ignore the flag.
 inline constexpr state_seq_flags state_seq_flag_partial_only = 1;
 
+/// The plan for one batch, a worst-case reservation or pending maintenance (llama_memory_context_i);
+/// created by memory_i::init_batch, init_full and init_update.
 class memory_context_i {
 public:
     virtual ~memory_context_i() = default;
 
     // -- iteration --
-    virtual bool next() = 0;   // false when every ubatch has been consumed
-    virtual bool apply() = 0;  // commits the current ubatch (or the update); false if that failed
+    virtual bool next() = 0;   ///< false when every ubatch has been consumed
+    virtual bool apply() = 0;  ///< commits the current ubatch (or the update); false if that failed
 
     // -- inspection --
-    virtual memory_status get_status() const = 0;
-    virtual const ubatch& get_ubatch() const = 0;  // the current ubatch (batch contexts only)
-    // Batch indices of the output tokens, in the order the ubatches produce their output rows; an engine
-    // uses it to put rows back into batch order.
+    virtual memory_status get_status() const = 0;  ///< a failure means: nothing changed, do not apply()
+    virtual const ubatch& get_ubatch() const = 0;  ///< the current ubatch (batch contexts only)
+    /// Batch indices of the output tokens, in the order the ubatches produce their output rows; an engine
+    /// uses it to put rows back into batch order.
     virtual std::span<const int32_t> out_ids() const = 0;
 };
 
-using memory_context_ptr = std::unique_ptr<memory_context_i>;
+using memory_context_ptr = std::unique_ptr<memory_context_i>;  ///< contexts are owned by the caller
 
+/// A memory: what an engine's layers remember about each sequence (llama_memory_i).
 class memory_i {
 public:
     virtual ~memory_i() = default;
 
     // -- batches --
-    // Splits the batch the allocator holds into ubatches of at most n_ubatch tokens and finds room for
-    // all of them. embd_all: every token produces an output (embeddings), which constrains the split.
+    /// Splits the batch the allocator holds into ubatches of at most n_ubatch tokens and finds room for
+    /// all of them. embd_all: every token produces an output (embeddings), which constrains the split.
     virtual memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) = 0;
-    // A context shaped like the largest possible ubatch, to reserve compute buffers.
+    /// A context shaped like the largest possible ubatch, to reserve compute buffers.
     virtual memory_context_ptr init_full() = 0;
-    // Pending maintenance (K-shift, stream copies; compaction when optimize). no_update when none.
+    /// Pending maintenance (K-shift, stream copies; compaction when optimize). no_update when none.
     virtual memory_context_ptr init_update(bool optimize) = 0;
-    virtual bool get_can_shift() const = 0;
+    virtual bool get_can_shift() const = 0;  ///< whether seq_add / seq_div are allowed
 
     // -- sequences --
-    // Positions are [p0, p1): p0 < 0 means 0, p1 < 0 means no upper bound; seq_id -1 means every
-    // sequence where noted. Invalid ids throw kvc::error and change nothing.
-    virtual void clear(bool data) = 0;  // data: also zero the stored rows
-    // Removes [p0, p1) of seq_id (-1: of every sequence). false only where the memory cannot remove part
-    // of a sequence (recurrent state without rollback); nothing changed then.
+    /// @name Sequences
+    /// Positions are [p0, p1): p0 < 0 means 0, p1 < 0 means no upper bound; seq_id -1 means every
+    /// sequence where noted. Invalid ids throw kvc::error and change nothing.
+    /// @{
+    virtual void clear(bool data) = 0;  ///< data: also zero the stored rows
+    /// Removes [p0, p1) of seq_id (-1: of every sequence). false only where the memory cannot remove part
+    /// of a sequence (recurrent state without rollback); nothing changed then.
     virtual bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) = 0;
-    virtual void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) = 0;  // dst also holds src's [p0, p1)
-    virtual void seq_keep(seq_id_t seq_id) = 0;                               // drop every other sequence
-    virtual void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) = 0;  // positions += shift
-    virtual void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) = 0;        // positions /= d
-    virtual pos_t seq_pos_min(seq_id_t seq_id) const = 0;  // -1 when the sequence is empty
-    virtual pos_t seq_pos_max(seq_id_t seq_id) const = 0;
+    /// dst also holds src's [p0, p1)
+    virtual void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) = 0;
+    virtual void seq_keep(seq_id_t seq_id) = 0;  ///< drop every other sequence
+    virtual void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) = 0;  ///< positions += shift
+    virtual void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) = 0;        ///< positions /= d
+    virtual pos_t seq_pos_min(seq_id_t seq_id) const = 0;  ///< -1 when the sequence is empty
+    virtual pos_t seq_pos_max(seq_id_t seq_id) const = 0;  ///< -1 when the sequence is empty
+    /// @}
 
     // -- state --
-    // The whole memory (seq_id -1) or one sequence, in llama.cpp's layout. A failed read leaves the
-    // memory exactly as it was.
+    /// @name State
+    /// The whole memory (seq_id -1) or one sequence, in llama.cpp's layout. A failed read leaves the
+    /// memory exactly as it was.
+    /// @{
+
+    /// Writes the state to io.
     virtual void state_write(io_write_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const = 0;
+    /// Reads a state from io into the memory (seq_id: the destination).
     virtual void state_read(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) = 0;
-    // Parses and checks a state exactly as state_read would, changing nothing; throws on any problem.
+    /// Parses and checks a state exactly as state_read would, changing nothing; throws on any problem.
     virtual void state_check(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const = 0;
-    // What a state must match to load here, as one canonical line (kind, streams, V layout, positions
-    // per token, rotation, layers with K/V types and widths; not capacity). Session files store it.
+    /// What a state must match to load here, as one canonical line (kind, streams, V layout, positions
+    /// per token, rotation, layers with K/V types and widths; not capacity). Session files store it.
     virtual std::string state_layout() const = 0;
+    /// @}
 };
 
-using memory_ptr = std::unique_ptr<memory_i>;
+using memory_ptr = std::unique_ptr<memory_i>;  ///< an owned memory
 
 }  // namespace kvc

@@ -1,12 +1,13 @@
-// The reference runtime: a llama-architecture forward pass that decodes through a kv_cache, the proof
-// that the cache is right (docs/runtime.md). Decoding through the cache must give the logits of a
-// reference that keeps every sequence's keys and values in plain f32 arrays and recomputes attention
-// from them (reference_memory), within the tolerance of the cache's element types.
-//
-// Models are GGUF files of the llama architecture (general.architecture = llama) with weights in f32,
-// f16, bf16, q8_0 or q4_0: token embedding, per layer RMSNorm, Q/K/V projections, RoPE, grouped-query
-// attention, output projection, RMSNorm, SwiGLU feed-forward; final RMSNorm and output head (or the
-// tied embedding). Plain f32 arithmetic, multi-threaded with a thread_pool.
+/// @file
+/// The reference runtime: a llama-architecture forward pass that decodes through a kv_cache, the proof
+/// that the cache is right (docs/runtime.md). Decoding through the cache must give the logits of a
+/// reference that keeps every sequence's keys and values in plain f32 arrays and recomputes attention
+/// from them (reference_memory), within the tolerance of the cache's element types.
+///
+/// Models are GGUF files of the llama architecture (general.architecture = llama) with weights in f32,
+/// f16, bf16, q8_0 or q4_0: token embedding, per layer RMSNorm, Q/K/V projections, RoPE, grouped-query
+/// attention, output projection, RMSNorm, SwiGLU feed-forward; final RMSNorm and output head (or the
+/// tied embedding). Plain f32 arithmetic, multi-threaded with a thread_pool.
 #pragma once
 
 #include <cstdint>
@@ -26,76 +27,81 @@ namespace kvc {
 
 class gguf_file;
 
+/// The hyper-parameters of a llama model, as its GGUF file states them.
 struct model_hparams {
-    std::string name;  // general.name, if any
-    uint32_t n_vocab = 0;
-    uint32_t n_ctx_train = 0;
-    uint32_t n_embd = 0;
-    uint32_t n_layer = 0;
-    uint32_t n_ff = 0;
-    uint32_t n_head = 0;
-    uint32_t n_head_kv = 0;
-    uint32_t n_embd_head = 0;  // n_embd / n_head
-    float rms_eps = 1e-5f;
-    rope_params rope{};              // llama: normal rotation of n_rot dims
-    dtype weight_type = dtype::f32;  // of the attention projections (what the file mostly holds)
+    std::string name;                ///< general.name, if any
+    uint32_t n_vocab = 0;            ///< vocabulary size
+    uint32_t n_ctx_train = 0;        ///< training context
+    uint32_t n_embd = 0;             ///< embedding width
+    uint32_t n_layer = 0;            ///< layers
+    uint32_t n_ff = 0;               ///< feed-forward width
+    uint32_t n_head = 0;             ///< attention heads
+    uint32_t n_head_kv = 0;          ///< KV heads
+    uint32_t n_embd_head = 0;        ///< n_embd / n_head
+    float rms_eps = 1e-5f;           ///< RMSNorm epsilon
+    rope_params rope{};              ///< llama: normal rotation of n_rot dims
+    dtype weight_type = dtype::f32;  ///< of the attention projections (what the file mostly holds)
 };
 
-// A llama model, memory-mapped from a GGUF file.
+/// A llama model, memory-mapped from a GGUF file.
 class model {
 public:
-    // Loads and checks a model: architecture, every hyper-parameter, every tensor's presence, type and
-    // shape. Throws kvc::error naming the key or tensor that is missing or wrong.
+    /// Loads and checks a model: architecture, every hyper-parameter, every tensor's presence, type and
+    /// shape. Throws kvc::error naming the key or tensor that is missing or wrong.
     static model load(const std::string& path);
-    model(model&&) noexcept;
-    model& operator=(model&&) noexcept;
-    ~model();
+    model(model&&) noexcept;             ///< takes the other's mapping
+    model& operator=(model&&) noexcept;  ///< takes the other's mapping
+    ~model();                            ///< unmaps the file
 
-    const model_hparams& hparams() const;
-    // The layers as the cache sees them (kv_cache_params::layers).
+    const model_hparams& hparams() const;  ///< the hyper-parameters
+    /// The layers as the cache sees them (kv_cache_params::layers).
     std::vector<layer_desc> layers() const;
-    // Cache parameters for this model; the caller adjusts types, streams, sizes.
+    /// Cache parameters for this model; the caller adjusts types, streams, sizes.
     kv_cache_params cache_params(uint32_t kv_size, uint32_t n_seq_max) const;
 
     struct impl;
-    const impl& get() const { return *p_; }
+    const impl& get() const { return *p_; }  ///< the weights, for the runtime's own code
 
 private:
     explicit model(std::unique_ptr<impl> p);
     std::unique_ptr<impl> p_;
 };
 
+/// What a decode produced.
 struct decode_result {
-    memory_status status = memory_status::success;  // failed_prepare: no room, nothing changed
-    uint32_t n_ubatches = 0;
-    std::vector<int32_t> output_ids;  // batch index of each output row, in batch order
-    std::vector<float> logits;        // [output rows][n_vocab]
+    memory_status status = memory_status::success;  ///< failed_prepare: no room, nothing changed
+    uint32_t n_ubatches = 0;                        ///< ubatches the batch was split into
+    std::vector<int32_t> output_ids;                ///< batch index of each output row, in batch order
+    std::vector<float> logits;                      ///< [output rows][n_vocab]
 
+    /// The logits of output row i.
     std::span<const float> row(size_t i, uint32_t n_vocab) const {
         return std::span(logits).subspan(i * n_vocab, n_vocab);
     }
 };
 
+/// How a runtime decodes.
 struct runtime_params {
-    uint32_t n_threads = 0;   // 0: the hardware's
-    uint32_t n_ubatch = 512;  // tokens per ubatch
+    uint32_t n_threads = 0;   ///< 0: the hardware's
+    uint32_t n_ubatch = 512;  ///< tokens per ubatch
 };
 
-// Decodes batches through a kv_cache, as an engine's llama_decode does: applies the cache's pending
-// work (K-shift, compaction), validates and splits the batch, places each ubatch, writes its K/V rows
-// and attends over the cache's views with its KQ mask.
+/// Decodes batches through a kv_cache, as an engine's llama_decode does: applies the cache's pending
+/// work (K-shift, compaction), validates and splits the batch, places each ubatch, writes its K/V rows
+/// and attends over the cache's views with its KQ mask.
 class runtime {
 public:
+    /// Decodes with model m through cache (both borrowed: they outlive the runtime).
     runtime(const model& m, kv_cache& cache, runtime_params params = {});
-    ~runtime();
+    ~runtime();  ///< stops the thread pool
 
-    // Throws kvc::error on an invalid batch (memory unchanged); returns failed_prepare when the batch
-    // does not fit (memory unchanged).
+    /// Throws kvc::error on an invalid batch (memory unchanged); returns failed_prepare when the batch
+    /// does not fit (memory unchanged).
     decode_result decode(const batch& b);
 
-    const model& get_model() const { return *model_; }
-    kv_cache& cache() { return *cache_; }
-    thread_pool& pool() { return pool_; }
+    const model& get_model() const { return *model_; }  ///< the model
+    kv_cache& cache() { return *cache_; }               ///< the cache
+    thread_pool& pool() { return pool_; }               ///< the worker threads
 
 private:
     const model* model_;  // borrowed
@@ -104,30 +110,31 @@ private:
     thread_pool pool_;
 };
 
-// The oracle: every sequence's tokens with positions, pre-RoPE keys and values, in plain f32 arrays;
-// a decode attends over them (keys rotated to their current positions) one token at a time. Sequence
-// operations have the semantics of a cache whose cells are never shared (seq_cp copies).
+/// The oracle: every sequence's tokens with positions, pre-RoPE keys and values, in plain f32 arrays;
+/// a decode attends over them (keys rotated to their current positions) one token at a time. Sequence
+/// operations have the semantics of a cache whose cells are never shared (seq_cp copies).
 class reference_memory {
 public:
+    /// An empty memory for up to n_seq_max sequences of model m (borrowed).
     reference_memory(const model& m, uint32_t n_seq_max, uint32_t n_threads = 0);
-    ~reference_memory();
+    ~reference_memory();  ///< frees the arrays
 
-    // A sliding window as a cache's (kv_cache_params n_swa, swa): keys outside it are not attended.
+    /// A sliding window as a cache's (kv_cache_params n_swa, swa): keys outside it are not attended.
     void set_swa(uint32_t n_swa, swa_type type);
 
-    // The same batch rules as a cache (positions filled from the sequences when absent); logits of the
-    // output tokens in batch order.
+    /// The same batch rules as a cache (positions filled from the sequences when absent); logits of the
+    /// output tokens in batch order.
     decode_result decode(const batch& b);
 
-    void clear();
-    bool seq_rm(seq_id_t s, pos_t p0, pos_t p1);
-    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);
-    void seq_keep(seq_id_t s);
-    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t shift);
-    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d);
-    pos_t seq_pos_min(seq_id_t s) const;
-    pos_t seq_pos_max(seq_id_t s) const;
-    size_t seq_size(seq_id_t s) const;  // entries (tokens) it holds
+    void clear();                                                 ///< as memory_i::clear
+    bool seq_rm(seq_id_t s, pos_t p0, pos_t p1);                  ///< as memory_i::seq_rm
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);  ///< as memory_i::seq_cp (copies)
+    void seq_keep(seq_id_t s);                                    ///< as memory_i::seq_keep
+    void seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t shift);    ///< as memory_i::seq_add
+    void seq_div(seq_id_t s, pos_t p0, pos_t p1, int d);          ///< as memory_i::seq_div
+    pos_t seq_pos_min(seq_id_t s) const;                          ///< as memory_i::seq_pos_min
+    pos_t seq_pos_max(seq_id_t s) const;                          ///< as memory_i::seq_pos_max
+    size_t seq_size(seq_id_t s) const;                            ///< entries (tokens) it holds
 
     struct impl;
 
@@ -135,12 +142,12 @@ private:
     std::unique_ptr<impl> p_;
 };
 
-// Largest |a - b| over two logit arrays of equal size (for reports and tests).
+/// Largest |a - b| over two logit arrays of equal size (for reports and tests).
 float max_abs_diff(std::span<const float> a, std::span<const float> b);
 
-// The documented bound on max |cache - reference| / max |reference| over the logits when K or V are
-// stored as `type` (docs/runtime.md: about 3x the worst seen on the tiny models): f32 1e-5, f16 2e-3,
-// bf16 1.5e-2, q8_0 3e-2, q4_0 3e-1.
+/// The documented bound on max |cache - reference| / max |reference| over the logits when K or V are
+/// stored as `type` (docs/runtime.md: about 3x the worst seen on the tiny models): f32 1e-5, f16 2e-3,
+/// bf16 1.5e-2, q8_0 3e-2, q4_0 3e-1.
 double logits_tolerance(dtype type);
 
 }  // namespace kvc

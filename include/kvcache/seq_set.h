@@ -1,11 +1,12 @@
-// seq_set: the sequences one cell belongs to.
-//
-// llama.cpp uses a fixed 256-bit bitset; kvcache has no compile-time cap on sequences. Ids below 64
-// live in one inline machine word (the common case costs what a std::bitset<64> costs); higher ids go
-// to a heap-allocated word array that grows on demand and is never shrunk by erase(), so that a cell
-// reused by the same high sequence does not allocate again.
-//
-// 16 bytes per set. Iteration is in ascending id order.
+/// @file
+/// seq_set: the sequences one cell belongs to.
+///
+/// llama.cpp uses a fixed 256-bit bitset; kvcache has no compile-time cap on sequences. Ids below 64
+/// live in one inline machine word (the common case costs what a std::bitset<64> costs); higher ids go
+/// to a heap-allocated word array that grows on demand and is never shrunk by erase(), so that a cell
+/// reused by the same high sequence does not allocate again.
+///
+/// 16 bytes per set. Iteration is in ascending id order.
 #pragma once
 
 #include <bit>
@@ -19,33 +20,38 @@
 
 namespace kvc {
 
+/// The sequences one cell belongs to: a set of sequence ids, without a cap on the ids.
 class seq_set {
 public:
-    seq_set() = default;
-    seq_set(std::initializer_list<seq_id_t> ids);
-    seq_set(const seq_set& other);
+    seq_set() = default;                           ///< the empty set
+    seq_set(std::initializer_list<seq_id_t> ids);  ///< the set of `ids`
+    seq_set(const seq_set& other);                 ///< a copy
+    /// Takes other's ids; other is left empty.
     seq_set(seq_set&& other) noexcept : lo_(other.lo_), hi_(other.hi_) {
         other.lo_ = 0;
         other.hi_ = nullptr;
     }
-    seq_set& operator=(const seq_set& other);
-    seq_set& operator=(seq_set&& other) noexcept;
-    ~seq_set() { delete[] hi_; }
+    seq_set& operator=(const seq_set& other);      ///< copies other's ids
+    seq_set& operator=(seq_set&& other) noexcept;  ///< takes other's ids; other is left empty
+    ~seq_set() { delete[] hi_; }                   ///< frees the heap words, if any
 
     // -- queries --
+    /// Whether id is in the set (false for a negative id).
     bool contains(seq_id_t id) const {
         if (static_cast<uint32_t>(id) < 64) return (lo_ >> id) & 1u;
         return id >= 0 && contains_high(id);
     }
+    /// No sequence.
     bool empty() const { return lo_ == 0 && (hi_ == nullptr || high_empty()); }
-    size_t size() const;              // number of sequences
-    seq_id_t first() const;           // smallest id; -1 when empty
-    bool is_only(seq_id_t id) const;  // the set is exactly {id}
-    bool intersects(const seq_set& other) const;
-    bool is_subset_of(const seq_set& other) const;
-    bool operator==(const seq_set& other) const;
+    size_t size() const;                            ///< number of sequences
+    seq_id_t first() const;                         ///< smallest id; -1 when empty
+    bool is_only(seq_id_t id) const;                ///< the set is exactly {id}
+    bool intersects(const seq_set& other) const;    ///< some id is in both sets
+    bool is_subset_of(const seq_set& other) const;  ///< every id of this set is in other
+    bool operator==(const seq_set& other) const;    ///< the same ids
 
     // -- mutations (throw kvc::error on a negative id) --
+    /// Adds id (no effect if present).
     void insert(seq_id_t id) {
         if (static_cast<uint32_t>(id) < 64) {
             lo_ |= uint64_t{1} << id;
@@ -53,6 +59,7 @@ public:
         }
         insert_high(id);
     }
+    /// Removes id (no effect if absent); never frees memory.
     void erase(seq_id_t id) {
         if (static_cast<uint32_t>(id) < 64) {
             lo_ &= ~(uint64_t{1} << id);
@@ -60,32 +67,35 @@ public:
         }
         if (id > 0 && static_cast<size_t>(id / 64) < capacity_words()) hi_[id / 64] &= ~bit(id);
     }
-    void clear();
-    seq_set& operator|=(const seq_set& other);
-    seq_set& operator&=(const seq_set& other);
-    seq_set& operator-=(const seq_set& other);  // remove other's ids
+    void clear();                               ///< removes every id
+    seq_set& operator|=(const seq_set& other);  ///< add other's ids
+    seq_set& operator&=(const seq_set& other);  ///< keep only the ids also in other
+    seq_set& operator-=(const seq_set& other);  ///< remove other's ids
 
     // -- iteration (ascending ids) --
+    /// Forward iterator over the ids of a set, ascending; valid while the set is not modified.
     class iterator {
     public:
-        using iterator_category = std::forward_iterator_tag;
-        using value_type = seq_id_t;
-        using difference_type = std::ptrdiff_t;
-        using pointer = const seq_id_t*;
-        using reference = seq_id_t;
+        using iterator_category = std::forward_iterator_tag;  ///< a forward iterator
+        using value_type = seq_id_t;                          ///< a sequence id
+        using difference_type = std::ptrdiff_t;               ///< distance between iterators
+        using pointer = const seq_id_t*;                      ///< standard iterator trait
+        using reference = seq_id_t;                           ///< ids are returned by value
 
-        iterator() = default;
-        seq_id_t operator*() const { return id_; }
+        iterator() = default;                       ///< a singular iterator
+        seq_id_t operator*() const { return id_; }  ///< the current id
+        /// To the next larger id (or end()).
         iterator& operator++() {
             id_ = set_->next_from(id_ + 1);
             return *this;
         }
+        /// Post-increment.
         iterator operator++(int) {
             iterator it = *this;
             ++*this;
             return it;
         }
-        bool operator==(const iterator& other) const { return id_ == other.id_; }
+        bool operator==(const iterator& other) const { return id_ == other.id_; }  ///< the same position
 
     private:
         friend class seq_set;
@@ -93,13 +103,13 @@ public:
         const seq_set* set_ = nullptr;
         seq_id_t id_ = -1;  // -1 = end
     };
-    iterator begin() const { return iterator(this, next_from(0)); }
-    iterator end() const { return iterator(this, -1); }
+    iterator begin() const { return iterator(this, next_from(0)); }  ///< the smallest id
+    iterator end() const { return iterator(this, -1); }              ///< past the largest id
 
-    // Smallest id >= from, or -1 when none.
+    /// Smallest id >= from, or -1 when none.
     seq_id_t next_from(seq_id_t from) const;
 
-    // "{0, 3, 70}" for messages and pictures.
+    /// "{0, 3, 70}" for messages and pictures.
     std::string to_string() const;
 
 private:

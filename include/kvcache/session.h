@@ -1,17 +1,20 @@
-// Session files: a memory's state (one sequence or all of it) on disk, safely (decision 11).
-//
-// A kvcache session file is an envelope around the llama.cpp-compatible payload of state.h:
-//   header (72 bytes): "KVCS", format version, flags (zstd), source seq id, state flags, token count,
-//                      layout length, payload and stored sizes, layout fingerprint, body checksum,
-//                      header checksum (XXH3-64)
-//   body:              the memory's state_layout() text, the tokens, the payload (zstd-compressed or not)
-// Files are written to a temporary name beside the target, synced and renamed over it, so a crash
-// never leaves a torn file. Loading checks everything before the memory changes and says precisely what
-// is wrong: not a session file, unsupported version, truncated, checksum mismatch, layout mismatch
-// (both layouts printed), or the payload's own error. docs/state-format.md has the byte layout.
-//
-// llama.cpp's per-sequence files ('ggsq', version 2) are read and written too, for engines that share
-// files with llama.cpp.
+/// @file
+/// Session files: a memory's state (one sequence or all of it) on disk, safely (decision 11).
+///
+/// A kvcache session file is an envelope around the llama.cpp-compatible payload of state.h:
+/// @verbatim
+///   header (72 bytes): "KVCS", format version, flags (zstd), source seq id, state flags, token count,
+///                      layout length, payload and stored sizes, layout fingerprint, body checksum,
+///                      header checksum (XXH3-64)
+///   body:              the memory's state_layout() text, the tokens, the payload (zstd-compressed or not)
+/// @endverbatim
+/// Files are written to a temporary name beside the target, synced and renamed over it, so a crash
+/// never leaves a torn file. Loading checks everything before the memory changes and says precisely what
+/// is wrong: not a session file, unsupported version, truncated, checksum mismatch, layout mismatch
+/// (both layouts printed), or the payload's own error. docs/state-format.md has the byte layout.
+///
+/// llama.cpp's per-sequence files ('ggsq', version 2) are read and written too, for engines that share
+/// files with llama.cpp.
 #pragma once
 
 #include <cstdint>
@@ -24,55 +27,56 @@
 
 namespace kvc {
 
-inline constexpr uint32_t session_magic = 0x5343564bu;  // "KVCS" in file order
-inline constexpr uint32_t session_version = 1;
-inline constexpr size_t session_header_size = 72;
-inline constexpr uint32_t session_flag_zstd = 1;  // the payload is one zstd frame
+inline constexpr uint32_t session_magic = 0x5343564bu;  ///< "KVCS" in file order
+inline constexpr uint32_t session_version = 1;          ///< the format version this build writes and reads
+inline constexpr size_t session_header_size = 72;       ///< bytes of the header
+inline constexpr uint32_t session_flag_zstd = 1;        ///< the payload is one zstd frame
 
+/// How save_file writes a session file.
 struct session_save_options {
-    state_seq_flags flags = 0;          // passed to state_write (and used again on load)
-    bool compress = false;              // zstd the payload (K/V of a cleared or quantised cache shrink well)
-    int zstd_level = 3;                 // 1 (fast) .. 19 (small)
-    std::span<const token_t> tokens{};  // stored beside the state: the tokens it was computed from
+    state_seq_flags flags = 0;  ///< passed to state_write (and used again on load)
+    bool compress = false;      ///< zstd the payload (K/V of a cleared or quantised cache shrink well)
+    int zstd_level = 3;         ///< 1 (fast) .. 19 (small)
+    std::span<const token_t> tokens{};  ///< stored beside the state: the tokens it was computed from
 };
 
-// Saves seq_id (-1: the whole memory) to path. Returns the file's size. Throws kvc::error (the target
-// is untouched then; the temporary file is removed).
+/// Saves seq_id (-1: the whole memory) to path. Returns the file's size. Throws kvc::error (the target
+/// is untouched then; the temporary file is removed).
 uint64_t save_file(const memory_i& mem, const std::string& path, seq_id_t seq_id,
                    const session_save_options& options = {});
 
-// What a session file says about itself.
+/// What a session file says about itself.
 struct session_info {
-    uint32_t version = 0;
-    uint32_t file_flags = 0;    // session_flag_*
-    seq_id_t seq_id = seq_all;  // the source: -1 for a whole memory
-    state_seq_flags state_flags = 0;
-    std::string layout;  // state_layout() of the memory that wrote it
-    uint64_t layout_fingerprint = 0;
-    uint64_t payload_bytes = 0;  // uncompressed
-    uint64_t stored_bytes = 0;   // as stored
-    uint64_t checksum = 0;       // of the body
-    std::vector<token_t> tokens;
+    uint32_t version = 0;             ///< format version
+    uint32_t file_flags = 0;          ///< session_flag_*
+    seq_id_t seq_id = seq_all;        ///< the source: -1 for a whole memory
+    state_seq_flags state_flags = 0;  ///< the flags the state was written with
+    std::string layout;               ///< state_layout() of the memory that wrote it
+    uint64_t layout_fingerprint = 0;  ///< XXH3-64 of layout
+    uint64_t payload_bytes = 0;       ///< uncompressed
+    uint64_t stored_bytes = 0;        ///< as stored
+    uint64_t checksum = 0;            ///< of the body
+    std::vector<token_t> tokens;      ///< the tokens stored beside the state
 };
 
-// Loads a session file into dest (-1: the whole memory; a sequence loads into any destination).
-// Returns what the file held (its tokens included). Throws kvc::error, memory unchanged, on any problem.
+/// Loads a session file into dest (-1: the whole memory; a sequence loads into any destination).
+/// Returns what the file held (its tokens included). Throws kvc::error, memory unchanged, on any problem.
 session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest);
 
-// Parses and verifies a session file held in memory (envelope, checksums, decompression), without a
-// memory; payload (if not null) receives the uncompressed payload. Throws kvc::error on any problem.
+/// Parses and verifies a session file held in memory (envelope, checksums, decompression), without a
+/// memory; payload (if not null) receives the uncompressed payload. Throws kvc::error on any problem.
 session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload = nullptr);
 
 // -- llama.cpp's per-sequence files (llama_state_seq_save_file / load_file) --
 
-inline constexpr uint32_t llama_seq_file_magic = 0x67677371u;  // 'ggsq'
-inline constexpr uint32_t llama_seq_file_version = 2;
-inline constexpr uint32_t llama_session_file_magic = 0x6767736eu;  // 'ggsn' (whole contexts; not read)
+inline constexpr uint32_t llama_seq_file_magic = 0x67677371u;      ///< 'ggsq'
+inline constexpr uint32_t llama_seq_file_version = 2;              ///< the version read and written
+inline constexpr uint32_t llama_session_file_magic = 0x6767736eu;  ///< 'ggsn' (whole contexts; not read)
 
-// u32 magic, u32 version, u32 n_tokens, tokens, then state_write(seq_id) with no prefix. Returns bytes.
+/// u32 magic, u32 version, u32 n_tokens, tokens, then state_write(seq_id) with no prefix. Returns bytes.
 uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_id_t seq_id,
                              std::span<const token_t> tokens);
-// Restores such a file into dest; returns its tokens. Unlike llama.cpp, trailing bytes are an error.
+/// Restores such a file into dest; returns its tokens. Unlike llama.cpp, trailing bytes are an error.
 std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest);
 
 }  // namespace kvc

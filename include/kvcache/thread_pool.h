@@ -1,5 +1,6 @@
-// A small fixed pool of worker threads for the reference runtime's loops (and the K-shift): the caller
-// splits a range, the pool runs the pieces, the caller waits. No task queue, no futures.
+/// @file
+/// A small fixed pool of worker threads for the reference runtime's loops (and the K-shift): the caller
+/// splits a range, the pool runs the pieces, the caller waits. No task queue, no futures.
 #pragma once
 
 #include <condition_variable>
@@ -13,18 +14,19 @@
 
 namespace kvc {
 
+/// A fixed pool of worker threads that runs the pieces of a range in parallel.
 class thread_pool {
 public:
-    // n_threads workers in all, the calling thread included (0: the hardware's count).
+    /// n_threads workers in all, the calling thread included (0: the hardware's count).
     explicit thread_pool(unsigned n_threads = 0);
     ~thread_pool();
     thread_pool(const thread_pool&) = delete;
     thread_pool& operator=(const thread_pool&) = delete;
 
-    unsigned size() const { return n_threads_; }
-    // Calls fn(begin, end) on disjoint pieces covering [0, n), in parallel, and returns when all are
-    // done. Pieces are at least `grain` long. An exception thrown by fn is rethrown here (the first one).
-    // One caller at a time: a pool is not shared by concurrent parallel_for calls.
+    unsigned size() const { return n_threads_; }  ///< threads in all, the calling thread included
+    /// Calls fn(begin, end) on disjoint pieces covering [0, n), in parallel, and returns when all are
+    /// done. Pieces are at least `grain` long. An exception thrown by fn is rethrown here (the first one).
+    /// One caller at a time: a pool is not shared by concurrent parallel_for calls.
     void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);
 
 private:

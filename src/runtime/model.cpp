@@ -66,17 +66,6 @@ std::vector<float> vector_f32(const gguf_file& f, const std::string& name, int64
     return out;
 }
 
-float dot(const float* a, const float* b, size_t n) {
-    // eight partial sums: vectorisable without reassociating behind the compiler's back
-    float s[8] = {};
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
-    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-    for (; i < n; ++i) r += a[i] * b[i];
-    return r;
-}
-
 void rms_norm(const float* x, const std::vector<float>& w, float eps, size_t n, float* out) {
     double ss = 0;
     for (size_t i = 0; i < n; ++i) ss += double{x[i]} * x[i];
@@ -139,7 +128,7 @@ void model::impl::matmul(thread_pool& pool, const rt::weight& w, const float* x,
                     to_f32(w.type, w.data + o * w.row_bytes, row.data(), w.n_in);
                     r = row.data();
                 }
-                for (size_t t = 0; t < n_tok; ++t) y[t * n_out + o] = dot(r, x + t * n_in, n_in);
+                rt::row_times_tokens(r, x, n_tok, n_in, y + o, n_out);
             }
         },
         16);

@@ -12,6 +12,29 @@
 
 namespace kvc::rt {
 
+// Eight partial sums: vectorised, they map to the same lanes whatever the instruction set, so callers
+// cloned per instruction set (target_clones) give the same result in every clone.
+[[gnu::always_inline]] inline float dot(const float* a, const float* b, size_t n) {
+    float s[8] = {};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
+    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i < n; ++i) r += a[i] * b[i];
+    return r;
+}
+
+// The hot loops of the forward pass (kernels.cpp), cloned per instruction set: the library builds for
+// baseline x86-64, and these run the AVX2 clone where the CPU has it, with the same results.
+// Scores of every query head (q: n_head x hd) against one cell's key row (row: n_head_kv x hd):
+// out[h * out_stride] = q_h . row_{h / group} * scale + m.
+void head_scores(const float* q, const float* row, size_t n_head, size_t group, size_t hd, float scale,
+                 float m, float* out, size_t out_stride);
+void axpy(float w, const float* x, float* y, size_t n);  // y += w * x
+float dot_cloned(const float* a, const float* b, size_t n);
+// y[t * stride] = row . x[t] for n_tok tokens of n_in values.
+void row_times_tokens(const float* row, const float* x, size_t n_tok, size_t n_in, float* y, size_t stride);
+
 // A 2-D weight: n_out rows of n_in values of `type`, row-major in the mapped file.
 struct weight {
     dtype type = dtype::f32;

@@ -3,7 +3,6 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <numeric>
 
 #include <fmt/format.h>
 
@@ -13,38 +12,9 @@ namespace kvc {
 
 namespace {
 
-// Eight partial sums: vectorised, they map to the same lanes whatever the instruction set, so every
-// clone of the callers below gives the same result.
-[[gnu::always_inline]] inline float dot(const float* a, const float* b, size_t n) {
-    float s[8] = {};
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
-    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-    for (; i < n; ++i) r += a[i] * b[i];
-    return r;
-}
-
-// The hot loops, cloned per instruction set (the library builds for baseline x86-64).
-// Scores of every query head (q: n_head x hd) against one cell's key row (row: n_head_kv x hd).
-__attribute__((target_clones("avx2", "default"), unused)) void head_scores(const float* q, const float* row,
-                                                                           size_t n_head, size_t group,
-                                                                           size_t hd, float scale, float m,
-                                                                           float* out, size_t out_stride) {
-    for (size_t h = 0; h < n_head; ++h)
-        out[h * out_stride] = dot(q + h * hd, row + (h / group) * hd, hd) * scale + m;
-}
-
-// y += w * x over n values.
-__attribute__((target_clones("avx2", "default"), unused)) void axpy(float w, const float* x, float* y,
-                                                                    size_t n) {
-    for (size_t i = 0; i < n; ++i) y[i] += w * x[i];
-}
-
-__attribute__((target_clones("avx2", "default"), unused)) float dot_cloned(const float* a, const float* b,
-                                                                           size_t n) {
-    return dot(a, b, n);
-}
+using rt::axpy;
+using rt::dot_cloned;
+using rt::head_scores;
 
 // Attention of n query tokens over the cache's views, reading K and V in the cache's type in the order
 // they lie in memory (cell after cell, or channel after channel for transposed V), each row decoded once
@@ -84,9 +54,8 @@ void attend_cache(thread_pool& pool, const model_hparams& hp, const tensor_view&
                                    static_cast<int64_t>(e_kv));
                             have = s;
                         }
-                        for (size_t h = 0; h < n_head; ++h)
-                            score(t, h)[j] =
-                                dot(q + (t0 + t) * n_q + h * hd, &row[(h / group) * hd], hd) * scale + m;
+                        head_scores(q + (t0 + t) * n_q, row.data(), n_head, group, hd, scale, m,
+                                    score(t, 0) + j, n_kv);
                     }
                 }
             },

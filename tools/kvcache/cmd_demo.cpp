@@ -84,6 +84,7 @@ public:
         // 2. each sequence gets its own question, then answers token by token, all in one batch per step
         phase("parallel decoding", [&] {
             std::vector<std::pair<seq_id_t, std::vector<token_t>>> prompts;
+            prompts.reserve(n);
             for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s)
                 prompts.emplace_back(s, tokens(5 + 3 * s));
             step(prompts);
@@ -91,9 +92,8 @@ public:
             return fmt::format("{} prompts in one batch, then 24 steps of {} tokens", n, n);
         });
         // 3. sequence 0 runs out of room: keep the system prompt, drop the oldest 12 positions after it,
-        // shift
-        //    the rest down (the cells of the shared prompt are not moved: a shift moves a cell for every
-        //    sequence that holds it)
+        //    shift the rest down (the cells of the shared prompt are not moved: a shift moves a cell for
+        //    every sequence that holds it)
         phase("context shift", [&] {
             const pos_t keep = 48, drop = 12;
             cache_->seq_rm(0, keep, keep + drop);

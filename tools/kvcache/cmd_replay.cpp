@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/memory_recurrent.h>
 #include <kvcache/runtime.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
@@ -108,6 +110,49 @@ float synth_value(uint32_t layer, uint64_t seq_key, pos_t pos, uint32_t dim, boo
     return static_cast<float>(h >> 40) / static_cast<float>(1 << 23) - 1.0f;
 }
 
+// The engine side of a recurrent memory without a model (the contract in memory_recurrent.h): each token
+// folds a deterministic value of (layer, sequence set, position, dim) into the state, new = old / 2 + v,
+// so that state bytes depend on the whole history and are reproducible.
+void recurrent_ubatch(memory_recurrent& mem, const memory_recurrent_context& ctx,
+                      const std::vector<uint64_t>& seq_key) {
+    const ubatch& ub = ctx.get_ubatch();
+    const uint32_t head = ctx.get_head(), n = ctx.get_n_rs(), B = ub.n_seqs, T = ub.n_seq_tokens;
+    const uint32_t k = mem.get_n_rs_seq(), size = mem.get_size();
+    for (uint32_t il : mem.layer_ids())
+        for (const bool is_s : {false, true}) {
+            if (!(is_s ? mem.has_s(il) : mem.has_r(il))) continue;
+            const tensor_view v = is_s ? mem.get_s(il) : mem.get_r(il);
+            const auto width = static_cast<size_t>(v.ne[0]);
+            const auto row = [&](int64_t i) { return reinterpret_cast<float*>(v.data + static_cast<size_t>(i) * v.nb[1]); };
+            if (ctx.get_rs_z() >= 0) std::fill_n(row(ctx.get_rs_z()), width, 0.0f);
+            std::vector<std::vector<float>> src(n), hist(ctx.hist_copies().size());
+            for (uint32_t i = 0; i < n; ++i) src[i].assign(row(ctx.s_copy(i)), row(ctx.s_copy(i)) + width);
+            for (size_t j = 0; j < hist.size(); ++j)
+                hist[j].assign(row(ctx.hist_copies()[j].src), row(ctx.hist_copies()[j].src) + width);
+            for (uint32_t i = B; i < n; ++i) std::copy(src[i].begin(), src[i].end(), row(head + i));
+            for (uint32_t b = 0; b < B; ++b) {
+                std::vector<float>& x = src[b];
+                for (uint32_t t = 0; t < T; ++t) {
+                    const uint32_t tok = b * T + t;
+                    const uint64_t key = seq_key[static_cast<size_t>(ub.batch_idx[tok])];
+                    for (size_t d = 0; d < width; ++d)
+                        x[d] = 0.5f * x[d] + synth_value(il, key, ub.pos[tok], static_cast<uint32_t>(d), is_s);
+                    const uint32_t back = T - 1 - t;  // plane of this token's state
+                    if (back <= k) std::copy(x.begin(), x.end(), row(int64_t{back} * size + head + b));
+                }
+            }
+            for (size_t j = 0; j < hist.size(); ++j)
+                std::copy(hist[j].begin(), hist[j].end(), row(ctx.hist_copies()[j].dst));
+        }
+}
+
+// FNV-1a of bytes: a short fingerprint for `digest`.
+uint64_t fnv1a(std::span<const uint8_t> bytes) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (uint8_t b : bytes) h = (h ^ b) * 0x100000001b3ull;
+    return h;
+}
+
 class replayer {
 public:
     void line(std::string_view text) {
@@ -120,7 +165,7 @@ public:
         if (words.empty()) return;
         const std::string_view op = words[0];
         if (op == "memory") return memory(words);
-        if (!cache_) fail(fmt::format("'{}' before 'memory'", op));
+        if (!mem_) fail(fmt::format("'{}' before 'memory'", op));
         if (op == "decode") return decode(words);
         if (op == "rm") return rm(words);
         if (op == "cp") return cp(words);
@@ -134,6 +179,7 @@ public:
         if (op == "size") return size(words);
         if (op == "save") return save(words);
         if (op == "load") return load(words);
+        if (op == "digest") return digest(words);
         fail(fmt::format("unknown operation '{}'", op));
     }
 
@@ -149,13 +195,15 @@ private:
     }
 
     void memory(const std::vector<std::string_view>& w) {
-        if (cache_) fail("'memory' given twice");
+        if (mem_) fail("'memory' given twice");
+        for (size_t i = 1; i < w.size(); ++i)
+            if (w[i] == "type=recurrent") return memory_recurrent_line(w);
         const keys k(w, 1,
                      {"type", "n_ctx", "n_seq_max", "unified", "n_ubatch", "type_k", "type_v", "v_trans",
                       "swa_type", "n_swa", "n_layer", "n_embd_k", "n_embd_v", "n_head_kv", "model"},
                      "memory");
         const std::string type = k.get("type").value_or("kv");
-        if (type == "recurrent" || type == "iswa" || type == "hybrid")
+        if (type == "iswa" || type == "hybrid")
             fail(fmt::format("memory: type={} is not supported by this version of kvcache", type));
         if (type != "kv") fail(fmt::format("memory: unknown type '{}'", type));
         const auto positive = [&](const char* name, int64_t def) {
@@ -216,9 +264,37 @@ private:
             fail(fmt::format("memory: {}", e.what()));
         }
         n_seq_max_ = n_seq_max;
+        mem_ = cache_.get();
         // size: every cell of every stream, as llama_n_ctx() reports it
         fmt::print("memory ok size={} streams={}\n", cache_->get_size() * cache_->get_n_stream(),
                    cache_->get_n_stream());
+    }
+
+    // memory type=recurrent: n_layer layers, each with an r row of n_embd_r and an s row of n_embd_s f32
+    // values; one cell per sequence; n_rs_seq rollback planes.
+    void memory_recurrent_line(const std::vector<std::string_view>& w) {
+        const keys k(w, 1, {"type", "n_seq_max", "n_ubatch", "n_layer", "n_embd_r", "n_embd_s", "n_rs_seq"},
+                     "memory");
+        const auto count = [&](const char* name, int64_t def, int64_t lo) {
+            const int64_t v = k.get_int(name, def);
+            if (v < lo || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
+            return static_cast<uint32_t>(v);
+        };
+        recurrent_params p;
+        p.n_seq_max = count("n_seq_max", 1, 1);
+        p.n_rs_seq = count("n_rs_seq", 0, 0);
+        const uint32_t n_layer = count("n_layer", 2, 1);
+        const recurrent_layer_desc d{.n_embd_r = count("n_embd_r", 8, 0), .n_embd_s = count("n_embd_s", 16, 0)};
+        p.layers.assign(n_layer, d);
+        n_ubatch_ = count("n_ubatch", 512, 1);
+        try {
+            rec_ = std::make_unique<memory_recurrent>(p);
+        } catch (const error& e) {
+            fail(fmt::format("memory: {}", e.what()));
+        }
+        n_seq_max_ = p.n_seq_max;
+        mem_ = rec_.get();
+        fmt::print("memory ok size={} streams=1\n", rec_->get_size());
     }
 
     void decode(const std::vector<std::string_view>& w) {
@@ -248,7 +324,7 @@ private:
         if (groups.empty()) fail("decode: no group");
 
         // the memory's pending work first, as an engine's decode does
-        if (auto up = cache_->init_update(false); up->get_status() == memory_status::success) up->apply();
+        if (auto up = mem_->init_update(false); up->get_status() == memory_status::success) up->apply();
 
         size_t n = 0, max_seqs = n_seq_max_;
         for (const group& g : groups) {
@@ -261,7 +337,7 @@ private:
             for (const group& g : groups) {
                 pos_t p = g.pos ? *g.pos
                                 : (g.seqs[0] >= 0 && static_cast<uint32_t>(g.seqs[0]) < n_seq_max_
-                                       ? cache_->seq_pos_max(g.seqs[0]) + 1
+                                       ? mem_->seq_pos_max(g.seqs[0]) + 1
                                        : 0);
                 uint64_t key = 0;
                 for (seq_id_t s : g.seqs)
@@ -282,14 +358,25 @@ private:
         }
         batch_allocr a;
         try {
-            a.init(b.view(), cache_.get(), {.n_seq_max = n_seq_max_});
+            a.init(b.view(), mem_, {.n_seq_max = n_seq_max_});
         } catch (const error& e) {
             fmt::print("decode failed invalid-batch: {}\n", e.what());
             return;
         }
-        auto ctx = cache_->init_batch(a, n_ubatch_, false);
+        auto ctx = mem_->init_batch(a, n_ubatch_, false);
         if (is_fail(ctx->get_status())) {
             fmt::print("decode failed no-slot\n");
+            return;
+        }
+        if (rec_) {
+            auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+            size_t n_ub = 0;
+            do {
+                rc.apply();
+                ++n_ub;
+                recurrent_ubatch(*rec_, rc, seq_key);
+            } while (rc.next());
+            fmt::print("decode ok ubatches={}\n", n_ub);
             return;
         }
         auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
@@ -360,14 +447,14 @@ private:
         arity(w, 4, "rm SEQ P0 P1");
         const seq_id_t s = parse_i32(w[1], "rm seq");
         const pos_t p0 = parse_i32(w[2], "rm p0"), p1 = parse_i32(w[3], "rm p1");
-        guarded("rm", [&] { fmt::print("rm -> {}\n", cache_->seq_rm(s, p0, p1) ? "true" : "false"); });
+        guarded("rm", [&] { fmt::print("rm -> {}\n", mem_->seq_rm(s, p0, p1) ? "true" : "false"); });
     }
     void cp(const std::vector<std::string_view>& w) {
         arity(w, 5, "cp SRC DST P0 P1");
         const seq_id_t a = parse_i32(w[1], "cp src"), b = parse_i32(w[2], "cp dst");
         const pos_t p0 = parse_i32(w[3], "cp p0"), p1 = parse_i32(w[4], "cp p1");
         guarded("cp", [&] {
-            cache_->seq_cp(a, b, p0, p1);
+            mem_->seq_cp(a, b, p0, p1);
             fmt::print("cp ok\n");
         });
     }
@@ -375,7 +462,7 @@ private:
         arity(w, 2, "keep SEQ");
         const seq_id_t s = parse_i32(w[1], "keep seq");
         guarded("keep", [&] {
-            cache_->seq_keep(s);
+            mem_->seq_keep(s);
             fmt::print("keep ok\n");
         });
     }
@@ -385,7 +472,7 @@ private:
         const pos_t p0 = parse_i32(w[2], "add p0"), p1 = parse_i32(w[3], "add p1"),
                     d = parse_i32(w[4], "add delta");
         guarded("add", [&] {
-            cache_->seq_add(s, p0, p1, d);
+            mem_->seq_add(s, p0, p1, d);
             fmt::print("add ok\n");
         });
     }
@@ -395,18 +482,18 @@ private:
         const pos_t p0 = parse_i32(w[2], "div p0"), p1 = parse_i32(w[3], "div p1");
         const int d = parse_i32(w[4], "div d");
         guarded("div", [&] {
-            cache_->seq_div(s, p0, p1, d);
+            mem_->seq_div(s, p0, p1, d);
             fmt::print("div ok\n");
         });
     }
     void clear(const std::vector<std::string_view>& w) {
         const keys k(w, 1, {"data"}, "clear");
-        cache_->clear(k.get_bool("data", false));
+        mem_->clear(k.get_bool("data", false));
         fmt::print("clear ok\n");
     }
     void update(const std::vector<std::string_view>& w) {
         arity(w, 1, "update");
-        auto up = cache_->init_update(false);
+        auto up = mem_->init_update(false);
         if (up->get_status() != memory_status::success) {
             fmt::print("update none\n");
             return;
@@ -420,13 +507,14 @@ private:
         arity(w, 1, "show");
         std::string line = "pos";
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_max_); ++s)
-            line += fmt::format(" {}:[{},{}]", s, cache_->seq_pos_min(s), cache_->seq_pos_max(s));
-        uint32_t used = 0;
-        for (uint32_t s = 0; s < cache_->get_n_stream(); ++s) used += cache_->cells(s).get_used();
+            line += fmt::format(" {}:[{},{}]", s, mem_->seq_pos_min(s), mem_->seq_pos_max(s));
+        uint32_t used = rec_ ? rec_->get_used() : 0;
+        for (uint32_t s = 0; cache_ && s < cache_->get_n_stream(); ++s) used += cache_->cells(s).get_used();
         fmt::print("{} used={}\n", line, used);
     }
     void cells(const std::vector<std::string_view>& w) {
         if (w.size() > 2) fail("usage: cells [STREAM]");
+        if (rec_) return recurrent_cells(w);
         const int64_t stream = w.size() == 2 ? parse_int(w[1], "cells stream") : 0;
         if (stream < 0 || stream >= cache_->get_n_stream())
             fail(fmt::format("cells: stream {} not in [0, {})", stream, cache_->get_n_stream()));
@@ -444,13 +532,26 @@ private:
         }
     }
 
+    // cells of a recurrent memory: `<idx> pos=<p> seqs=<a+b> hist=<states kept> rollback=<pending plane>`
+    void recurrent_cells(const std::vector<std::string_view>& w) {
+        if (w.size() != 1) fail("cells: a recurrent memory has one stream");
+        fmt::print("cells n={}\n", rec_->get_used());
+        for (uint32_t i = 0; i < rec_->get_size(); ++i) {
+            const auto c = rec_->cell(i);
+            if (c.seqs.empty()) continue;
+            std::string seqs;
+            for (seq_id_t s : c.seqs) seqs += (seqs.empty() ? "" : "+") + std::to_string(s);
+            fmt::print("{} pos={} seqs={} hist={} rollback={}\n", i, c.pos, seqs, c.depth, c.rs_idx);
+        }
+    }
+
     seq_id_t state_seq(std::string_view w, const char* op) const {
         return parse_i32(w, fmt::format("{} seq", op));
     }
     void size(const std::vector<std::string_view>& w) {
         arity(w, 2, "size SEQ");
         const seq_id_t s = state_seq(w[1], "size");
-        guarded("size", [&] { fmt::print("size {}\n", state_seq_get_size(*cache_, s)); });
+        guarded("size", [&] { fmt::print("size {}\n", state_seq_get_size(*mem_, s)); });
     }
     // save SEQ FILE [format=buffer|session|zstd|ggsq]: llama.cpp's per-sequence buffer by default, else a
     // session file (zstd: compressed) or llama.cpp's 'ggsq' file (no tokens).
@@ -464,17 +565,17 @@ private:
             fail(fmt::format("save: format '{}' is not buffer, session, zstd or ggsq", format));
         guarded("save", [&] {
             if (format == "buffer") {
-                const std::vector<uint8_t> bytes = state_seq_get_data(*cache_, s);
+                const std::vector<uint8_t> bytes = state_seq_get_data(*mem_, s);
                 io_file_writer out(path);
                 out.write(bytes.data(), bytes.size());
                 out.close();
                 fmt::print("save {}\n", bytes.size());
             } else if (format == "ggsq") {
-                fmt::print("save {}\n", save_llama_seq_file(*cache_, path, s, {}));
+                fmt::print("save {}\n", save_llama_seq_file(*mem_, path, s, {}));
             } else {
                 session_save_options o;
                 o.compress = format == "zstd";
-                fmt::print("save {}\n", save_file(*cache_, path, s, o));
+                fmt::print("save {}\n", save_file(*mem_, path, s, o));
             }
         });
     }
@@ -488,19 +589,32 @@ private:
             uint32_t magic = 0;
             if (bytes.size() >= 4) std::memcpy(&magic, bytes.data(), 4);
             if (magic == session_magic)
-                load_file(*cache_, path, s);
+                load_file(*mem_, path, s);
             else if (magic == llama_seq_file_magic)
-                load_llama_seq_file(*cache_, path, s);
+                load_llama_seq_file(*mem_, path, s);
             else
-                state_seq_set_data(*cache_, bytes, s);
+                state_seq_set_data(*mem_, bytes, s);
             fmt::print("load {}\n", bytes.size());
         } catch (const error& e) {
             fmt::print("load failed: {}\n", e.what());
         }
     }
 
+    // digest SEQ: a fingerprint of the state `save SEQ` would write (its payload, without the header with
+    // the source id, so the same state held by two sequences has one digest)
+    void digest(const std::vector<std::string_view>& w) {
+        arity(w, 2, "digest SEQ");
+        const seq_id_t s = state_seq(w[1], "digest");
+        guarded("digest", [&] {
+            const std::vector<uint8_t> bytes = state_seq_get_data(*mem_, s);
+            fmt::print("digest {:016x}\n", fnv1a(std::span(bytes).subspan(8)));
+        });
+    }
+
     std::unique_ptr<model> model_;
-    std::unique_ptr<kv_cache> cache_;
+    std::unique_ptr<kv_cache> cache_;           // type=kv
+    std::unique_ptr<memory_recurrent> rec_;     // type=recurrent
+    memory_i* mem_ = nullptr;                   // the one of them in use
     std::unique_ptr<runtime> rt_;  // with a model
     uint32_t n_seq_max_ = 1;
     uint32_t n_ubatch_ = 512;

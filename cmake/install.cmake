@@ -1,0 +1,67 @@
+# Install rules of libkvcache (included by the top-level CMakeLists.txt after every target is defined).
+#
+#   <prefix>/include/kvcache/*.h                  public headers, version.h included
+#   <prefix>/<libdir>/libkvcache.{a,so*}          the library (SONAME libkvcache.so.<major>)
+#   <prefix>/<libdir>/cmake/kvcache/              find_package(kvcache CONFIG) -> kvcache::kvcache
+#   <prefix>/<libdir>/pkgconfig/kvcache.pc        pkg-config kvcache (--static for libkvcache.a)
+#   <prefix>/bin/kvcache                          the CLI (KVC_BUILD_TOOLS)
+include(CMakePackageConfigHelpers)
+
+set(kvc_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvcache)
+
+install(TARGETS kvcache EXPORT kvcacheTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/kvcache/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvcache
+        FILES_MATCHING PATTERN "*.h")
+install(FILES ${PROJECT_BINARY_DIR}/include/kvcache/version.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvcache)
+
+install(EXPORT kvcacheTargets NAMESPACE kvcache:: DESTINATION ${kvc_cmake_dir} FILE kvcacheTargets.cmake)
+if(KVC_BUILD_SHARED)
+  set(KVC_STATIC_PACKAGE OFF)
+else()
+  set(KVC_STATIC_PACKAGE ON)
+endif()
+configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/kvcacheConfig.cmake.in
+                              ${PROJECT_BINARY_DIR}/package/kvcacheConfig.cmake
+                              INSTALL_DESTINATION ${kvc_cmake_dir})
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/package/kvcacheConfigVersion.cmake
+                                 VERSION ${PROJECT_VERSION} COMPATIBILITY SameMajorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/package/kvcacheConfig.cmake
+              ${PROJECT_BINARY_DIR}/package/kvcacheConfigVersion.cmake
+        DESTINATION ${kvc_cmake_dir})
+
+# kvcache.pc, relocatable: paths are relative to the .pc file's own directory (${pcfiledir}), so the
+# file is right wherever `cmake --install --prefix` puts the tree.
+if(IS_ABSOLUTE "${CMAKE_INSTALL_LIBDIR}")
+  set(kvc_pc_prefix "${CMAKE_INSTALL_PREFIX}")
+  set(kvc_pc_libdir "${CMAKE_INSTALL_LIBDIR}")
+else()
+  file(RELATIVE_PATH kvc_pc_up "/kvc-prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/kvc-prefix")  # ../..
+  string(REGEX REPLACE "/$" "" kvc_pc_up "${kvc_pc_up}")
+  set(kvc_pc_prefix "\${pcfiledir}/${kvc_pc_up}")
+  set(kvc_pc_libdir "\${prefix}/${CMAKE_INSTALL_LIBDIR}")
+endif()
+if(IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDEDIR}")
+  set(kvc_pc_includedir "${CMAKE_INSTALL_INCLUDEDIR}")
+else()
+  set(kvc_pc_includedir "\${prefix}/${CMAKE_INSTALL_INCLUDEDIR}")
+endif()
+# What a static link of libkvcache.a needs beyond it (pkg-config --static): the packages it uses, the
+# C++ runtime (for C programs linked with cc) and the thread library.
+set(kvc_pc_libs_private "-lstdc++ -lm")
+if(CMAKE_THREAD_LIBS_INIT)
+  string(APPEND kvc_pc_libs_private " ${CMAKE_THREAD_LIBS_INIT}")
+else()
+  string(APPEND kvc_pc_libs_private " -pthread")
+endif()
+configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache.pc.in ${PROJECT_BINARY_DIR}/package/kvcache.pc @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/package/kvcache.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+
+if(KVC_BUILD_TOOLS)
+  install(TARGETS kvcache_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  if(KVC_BUILD_SHARED)  # the installed CLI finds the installed library
+    set_target_properties(kvcache_cli PROPERTIES INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR}")
+  endif()
+endif()

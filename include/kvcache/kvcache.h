@@ -1,0 +1,761 @@
+/// @file kvcache.h
+/// @brief The C API of kvcache: the sequence memory (KV cache) of an LLM inference engine.
+///
+/// A thin layer over the C++ API (namespace kvc), usable from C11 and C++. Every name starts with
+/// `kvc_` / `KVC_`; handles are opaque (`kvc_memory`, `kvc_memory_context`, `kvc_batch`).
+///
+/// Conventions (docs/c-api.md has the guide):
+/// - Functions that can fail return a ::kvc_status. Results go through out pointers, written only on
+///   success (out handles are set to NULL on failure). A failing call changes nothing: the memory, the
+///   batch and the caller's buffers are exactly as before, except where a function documents otherwise
+///   (a destination buffer too small for state bytes may hold partial data).
+/// - A few queries return their value directly: counts and sizes as `int64_t`, where a negative value is
+///   the ::kvc_status of the failure; handles as pointers, NULL on failure; names as strings, NULL on
+///   failure.
+/// - A NULL handle or a NULL required pointer is an error (#KVC_ERR_INVALID_ARGUMENT, the message names
+///   the parameter), never a crash. Freeing NULL is harmless.
+/// - Every failure sets this thread's message (kvc_last_error()). No C++ exception crosses this API.
+/// - Sequence ids are in [0, n_seq_max); #KVC_SEQ_ALL (-1) means every sequence or the whole memory where
+///   a function says so. Position ranges are [p0, p1): p0 < 0 means 0, p1 < 0 means no upper bound.
+/// - A memory and its contexts are not thread-safe: one thread at a time per memory. Distinct memories
+///   may be used from distinct threads at the same time. Error messages are per thread.
+#ifndef KVCACHE_KVCACHE_H
+#define KVCACHE_KVCACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/// @brief Marks a function of the C API (default visibility, for shared builds).
+#if defined(__GNUC__) || defined(__clang__)
+#define KVC_API __attribute__((visibility("default")))
+#else
+#define KVC_API
+#endif
+
+/// @brief `noexcept` when the header is compiled as C++: no function of the C API throws.
+#ifdef __cplusplus
+#define KVC_NOEXCEPT noexcept
+#else
+#define KVC_NOEXCEPT
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/// @brief Every sequence (or the whole memory) where a function accepts it as a sequence id.
+#define KVC_SEQ_ALL (-1)
+
+/// @brief State flag: composite memories (iSWA, hybrid) save and restore only their partial part (the
+/// SWA cache, the recurrent state); plain memories such as the KV cache ignore it.
+#define KVC_STATE_SEQ_FLAG_PARTIAL_ONLY 1u
+
+// ---------------------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief Result of a fallible call: #KVC_OK or a negative code mirroring kvc::errc.
+typedef enum kvc_status {
+    KVC_OK = 0,                     ///< success
+    KVC_ERR_INVALID_ARGUMENT = -1,  ///< a value is malformed whatever the memory holds (NULL, bad count)
+    KVC_ERR_OUT_OF_RANGE = -2,      ///< a well-formed value outside what the memory accepts (seq id, layer)
+    KVC_ERR_INVALID_STATE = -3,     ///< the request conflicts with the current contents or call order
+    KVC_ERR_CORRUPT_DATA = -4,      ///< state or file bytes do not follow the format
+    KVC_ERR_UNSUPPORTED = -5,       ///< a valid request this build or configuration cannot serve
+    KVC_ERR_IO = -6,                ///< the operating system refused a read or write
+    KVC_ERR_OUT_OF_MEMORY = -7,     ///< an allocation failed
+    KVC_ERR_INTERNAL = -100,        ///< an unexpected failure inside kvcache (a bug: please report it)
+} kvc_status;
+
+/// @brief The name of a status ("ok", "invalid_argument", ...).
+/// @param status Any value; unknown values give "unknown".
+/// @return A static string, never NULL.
+KVC_API const char* kvc_status_string(kvc_status status) KVC_NOEXCEPT;
+
+/// @brief The message of the last failing call on this thread.
+///
+/// The message starts with the name of the failing function and names the offending value, e.g.
+/// "kvc_memory_seq_rm: seq_rm: seq_id 7 not in [0, 4)". Successful calls leave it alone: it stays until
+/// the next failure on this thread replaces it (or kvc_clear_last_error()), so read it right after the
+/// call that failed.
+/// @return A string owned by kvcache, valid until the next failing `kvc_` call on this thread (or
+/// kvc_clear_last_error()); "" when no call has failed on this thread. Never NULL.
+KVC_API const char* kvc_last_error(void) KVC_NOEXCEPT;
+
+/// @brief Forgets this thread's last error message: kvc_last_error() returns "" until the next failure.
+KVC_API void kvc_clear_last_error(void) KVC_NOEXCEPT;
+
+/// @brief Severity of a log message.
+typedef enum kvc_log_level {
+    KVC_LOG_DEBUG = 0,  ///< details for debugging
+    KVC_LOG_INFO = 1,   ///< progress
+    KVC_LOG_WARN = 2,   ///< something suspicious that kvcache handled
+    KVC_LOG_ERROR = 3,  ///< something went wrong
+} kvc_log_level;
+
+/// @brief Receives the messages kvcache logs.
+/// @param level Severity of the message.
+/// @param message The text, without a trailing newline; valid during the call only.
+/// @param user_data The pointer given to kvc_set_log_callback().
+typedef void (*kvc_log_callback)(kvc_log_level level, const char* message, void* user_data);
+
+/// @brief Installs a log callback, process-wide (thread-safe).
+///
+/// The callback may be called from any thread that calls into kvcache, one call at a time; it must not
+/// call kvc_set_log_callback() itself.
+/// @param callback The receiver; NULL restores the default (warnings and errors to stderr).
+/// @param user_data Passed to every call of the callback.
+KVC_API void kvc_set_log_callback(kvc_log_callback callback, void* user_data) KVC_NOEXCEPT;
+
+/// @brief The version of the library binary, e.g. "0.1.0" (compare with KVC_VERSION_STRING of
+/// <kvcache/version.h> to detect a header/binary mismatch).
+/// @return A static string, never NULL.
+KVC_API const char* kvc_version_string(void) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// Element types
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief Element type of stored keys and values; the values are ggml's type ids.
+typedef enum kvc_type {
+    KVC_TYPE_F32 = 0,    ///< IEEE binary32
+    KVC_TYPE_F16 = 1,    ///< IEEE binary16
+    KVC_TYPE_Q4_0 = 2,   ///< ggml block_q4_0: 32 values in 18 bytes
+    KVC_TYPE_Q8_0 = 8,   ///< ggml block_q8_0: 32 values in 34 bytes
+    KVC_TYPE_BF16 = 30,  ///< bfloat16
+} kvc_type;
+
+/// @brief The name of a type ("f32", "f16", "q4_0", "q8_0", "bf16").
+/// @param type The type.
+/// @return A static string, or NULL for a value that is not a ::kvc_type (the message says so).
+KVC_API const char* kvc_type_name(kvc_type type) KVC_NOEXCEPT;
+
+/// @brief Values per block of a type (1 for float types, 32 for q8_0 and q4_0).
+/// @param type The type.
+/// @return The block size, or #KVC_ERR_INVALID_ARGUMENT (negative) for an invalid type.
+KVC_API int64_t kvc_type_block_size(kvc_type type) KVC_NOEXCEPT;
+
+/// @brief Bytes of a row of n values of a type.
+/// @param type The type.
+/// @param n Values in the row: >= 0 and a multiple of kvc_type_block_size().
+/// @return The size in bytes (0 for n == 0), or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for an
+/// invalid type, a negative n or n not a whole number of blocks.
+KVC_API int64_t kvc_row_size(kvc_type type, int64_t n) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// Memory creation
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief A memory (any kind: today the attention KV cache); owns its storage.
+typedef struct kvc_memory kvc_memory;
+
+/// @brief How the keys of a layer were rotated (for K-shifts).
+typedef enum kvc_rope_type {
+    KVC_ROPE_TYPE_NONE = 0,    ///< no rotary embedding (ALiBi, learned positions): nothing to shift
+    KVC_ROPE_TYPE_NORMAL = 1,  ///< rotate pairs (x[2i], x[2i+1]) (llama, ggml mode 0)
+    KVC_ROPE_TYPE_NEOX = 2,    ///< rotate pairs (x[i], x[i + n_rot/2]) (GPT-NeoX, Qwen, ggml mode 2)
+} kvc_rope_type;
+
+/// @brief RoPE parameters of one layer, with ggml's YaRN parameters.
+typedef struct kvc_rope_params {
+    kvc_rope_type type;  ///< rotation kind
+    int32_t n_rot;       ///< rotary dims of a head (even; 0 = the whole head)
+    float freq_base;     ///< theta_i = pos * freq_base^(-2i / n_rot)
+    float freq_scale;    ///< linear / YaRN interpolation: positions scaled by freq_scale
+    float ext_factor;    ///< YaRN extrapolation mix (0 = off)
+    float attn_factor;   ///< magnitude scale applied to rotated values
+    float beta_fast;     ///< YaRN ramp bound
+    float beta_slow;     ///< YaRN ramp bound
+    int32_t n_ctx_orig;  ///< training context (YaRN)
+} kvc_rope_params;
+
+/// @brief One model layer as the cache sees it.
+typedef struct kvc_layer_desc {
+    uint32_t n_head_kv;      ///< KV heads
+    uint32_t n_embd_head_k;  ///< values per key head (a multiple of the block size of type_k)
+    uint32_t n_embd_head_v;  ///< values per value head
+    bool is_swa;             ///< a sliding-window layer
+    bool has_kv;             ///< false: the layer keeps no K/V (e.g. it reuses another layer's)
+    kvc_rope_params rope;    ///< how its keys were rotated
+} kvc_layer_desc;
+
+/// @brief Sliding-window attention rule of a cache.
+typedef enum kvc_swa_type {
+    KVC_SWA_TYPE_NONE = 0,       ///< every past key of the sequence is visible
+    KVC_SWA_TYPE_STANDARD = 1,   ///< a query at p sees keys in (p - n_swa, p]
+    KVC_SWA_TYPE_CHUNKED = 2,    ///< a query sees keys from the start of its chunk of n_swa positions
+    KVC_SWA_TYPE_SYMMETRIC = 3,  ///< keys within n_swa / 2 on either side (bidirectional encoders)
+} kvc_swa_type;
+
+/// @brief Decides whether the cache keeps K/V for a model layer.
+/// @param il Model index of the layer.
+/// @param user_data kvc_kv_cache_params::layer_filter_user_data.
+/// @return true to keep the layer.
+typedef bool (*kvc_layer_filter)(uint32_t il, void* user_data);
+
+/// @brief Everything a KV cache is made from. Start from kvc_kv_cache_default_params() and set the
+/// fields you need; `layers` must be set.
+typedef struct kvc_kv_cache_params {
+    const kvc_layer_desc* layers;  ///< [n_layers] every model layer, by model index (read during creation)
+    size_t n_layers;               ///< entries of layers (>= 1)
+    kvc_layer_filter
+        layer_filter;  ///< keep model layer il? NULL: every layer with K/V; called only during creation
+    void* layer_filter_user_data;  ///< passed to layer_filter
+    kvc_type type_k;               ///< element type of stored keys
+    kvc_type type_v;               ///< element type of stored values
+    bool v_trans;                  ///< transposed V (attention without flash attention); float type_v only
+    uint32_t kv_size;              ///< cells per stream
+    uint32_t n_seq_max;            ///< sequence ids are [0, n_seq_max)
+    bool unified;                  ///< one stream for all sequences, else one stream per sequence
+    uint32_t n_pad;                ///< kv_size must be a multiple of it
+    uint32_t n_kv_pad;             ///< attention reads a multiple of max(n_pad, n_kv_pad) cells
+    uint32_t n_swa;                ///< window of the SWA rule
+    kvc_swa_type swa_type;         ///< the SWA rule
+    uint32_t n_pos;                ///< positions per token (4 for M-RoPE)
+    float compact_threshold;  ///< compact on update once this fraction of cells are holes (0: on request)
+} kvc_kv_cache_params;
+
+/// @brief The defaults of a layer: 1 KV head, has_kv, normal RoPE with base 10000; head sizes 0 (set them).
+/// @return The defaults (the C++ kvc::layer_desc defaults).
+KVC_API kvc_layer_desc kvc_layer_desc_default(void) KVC_NOEXCEPT;
+
+/// @brief The defaults of a KV cache: f16 K and V, transposed V, 4096 cells, one sequence, unified,
+/// n_kv_pad 256, no SWA; no layers (set layers and n_layers).
+/// @return The defaults (the C++ kvc::kv_cache_params defaults).
+KVC_API kvc_kv_cache_params kvc_kv_cache_default_params(void) KVC_NOEXCEPT;
+
+/// @brief Creates an attention KV cache (all of its storage is allocated and zeroed now).
+/// @param params The configuration; read during the call only.
+/// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (the message
+/// names the field), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
+KVC_API kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** out) KVC_NOEXCEPT;
+
+/// @brief Frees a memory and its storage. Free its contexts first.
+/// @param mem The memory; NULL is harmless.
+KVC_API void kvc_memory_free(kvc_memory* mem) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// Batches
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief A batch of tokens (or embedding rows) to place, with positions, sequences and output flags.
+/// Owns its arrays.
+typedef struct kvc_batch kvc_batch;
+
+/// @brief Creates an empty batch with room for n_tokens_alloc tokens (llama_batch_init).
+/// @param n_tokens_alloc Capacity in tokens (>= 1).
+/// @param n_embd 0 for token ids; > 0: each entry is an embedding row of n_embd floats.
+/// @param n_seq_max Most sequence ids one token may carry (>= 1).
+/// @return The batch (free it with kvc_batch_free()), or NULL on invalid arguments or when out of memory
+/// (see kvc_last_error()).
+KVC_API kvc_batch* kvc_batch_init(int32_t n_tokens_alloc, int32_t n_embd, int32_t n_seq_max) KVC_NOEXCEPT;
+
+/// @brief A batch of tokens of sequence 0 with automatic positions (continuing the sequence in the
+/// memory) and an output for the last token only (llama_batch_get_one).
+///
+/// Unlike llama.cpp's, the batch copies the tokens (the caller's array may change or go away) and must be
+/// freed with kvc_batch_free(). It is read-only: kvc_batch_add(), kvc_batch_clear() and
+/// kvc_batch_set_output() refuse it.
+/// @param tokens [n_tokens] token ids.
+/// @param n_tokens Number of tokens (>= 1).
+/// @return The batch, or NULL for NULL tokens, n_tokens == 0, more than INT32_MAX tokens, or when out of
+/// memory (see kvc_last_error()).
+KVC_API kvc_batch* kvc_batch_get_one(const int32_t* tokens, size_t n_tokens) KVC_NOEXCEPT;
+
+/// @brief Frees a batch.
+/// @param batch The batch; NULL is harmless.
+KVC_API void kvc_batch_free(kvc_batch* batch) KVC_NOEXCEPT;
+
+/// @brief Appends a token (common_batch_add).
+/// @param batch A batch from kvc_batch_init() with n_embd == 0.
+/// @param token The token id.
+/// @param pos Its position.
+/// @param seq_ids [n_seq_ids] the sequences it belongs to (the first is its primary sequence).
+/// @param n_seq_ids Entries of seq_ids, in [1, n_seq_max of the batch].
+/// @param output Whether the token produces an output (logits, embeddings).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers, a wrong n_seq_ids, an embeddings batch or a
+/// batch from kvc_batch_get_one(); #KVC_ERR_OUT_OF_RANGE when the batch is full. The batch is unchanged
+/// on failure. Sequence ids are checked later, by kvc_memory_init_batch().
+KVC_API kvc_status kvc_batch_add(kvc_batch* batch, int32_t token, int32_t pos, const int32_t* seq_ids,
+                                 size_t n_seq_ids, bool output) KVC_NOEXCEPT;
+
+/// @brief Appends an embedding row.
+/// @param batch A batch from kvc_batch_init() with n_embd > 0.
+/// @param embd [n_embd] the row (copied).
+/// @param pos Its position.
+/// @param seq_ids [n_seq_ids] the sequences it belongs to.
+/// @param n_seq_ids Entries of seq_ids, in [1, n_seq_max of the batch].
+/// @param output Whether the row produces an output.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers, a wrong n_seq_ids or a token batch;
+/// #KVC_ERR_OUT_OF_RANGE when the batch is full. The batch is unchanged on failure.
+KVC_API kvc_status kvc_batch_add_embd(kvc_batch* batch, const float* embd, int32_t pos,
+                                      const int32_t* seq_ids, size_t n_seq_ids, bool output) KVC_NOEXCEPT;
+
+/// @brief Removes every token (the capacity stays).
+/// @param batch A batch from kvc_batch_init().
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL or a batch from kvc_batch_get_one().
+KVC_API kvc_status kvc_batch_clear(kvc_batch* batch) KVC_NOEXCEPT;
+
+/// @brief Sets or clears the output flag of token i (e.g. the last one, after filling).
+/// @param batch A batch from kvc_batch_init().
+/// @param i Index of the token, in [0, kvc_batch_n_tokens()).
+/// @param output The flag.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL or a batch from kvc_batch_get_one();
+/// #KVC_ERR_OUT_OF_RANGE for a bad index.
+KVC_API kvc_status kvc_batch_set_output(kvc_batch* batch, int32_t i, bool output) KVC_NOEXCEPT;
+
+/// @brief Tokens in a batch.
+/// @param batch The batch.
+/// @return The count, or #KVC_ERR_INVALID_ARGUMENT (negative) for NULL.
+KVC_API int32_t kvc_batch_n_tokens(const kvc_batch* batch) KVC_NOEXCEPT;
+
+/// @brief Capacity of a batch in tokens (the token count for a batch from kvc_batch_get_one()).
+/// @param batch The batch.
+/// @return The capacity, or #KVC_ERR_INVALID_ARGUMENT (negative) for NULL.
+KVC_API int32_t kvc_batch_capacity(const kvc_batch* batch) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// Placement: memory contexts
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief The plan for one batch (or an update): its ubatches and their cells. Creating one changes
+/// nothing; kvc_memory_context_apply() commits the current ubatch. Borrows its memory: free the context
+/// before the memory, and do not change the memory (sequence ops, state loads, other contexts) between
+/// creating a context and applying its last ubatch.
+typedef struct kvc_memory_context kvc_memory_context;
+
+/// @brief What a context has to do (kvc::memory_status).
+typedef enum kvc_memory_status {
+    KVC_MEMORY_STATUS_SUCCESS = 0,         ///< the context has work to apply
+    KVC_MEMORY_STATUS_NO_UPDATE = 1,       ///< nothing to do (update contexts only)
+    KVC_MEMORY_STATUS_FAILED_PREPARE = 2,  ///< the batch could not be placed; the memory is unchanged
+    KVC_MEMORY_STATUS_FAILED_COMPUTE = 3,  ///< reserved for memories whose apply can fail
+} kvc_memory_status;
+
+/// @brief Validates a batch, splits it into ubatches of at most n_ubatch tokens and finds cells for all
+/// of them (llama_memory_i::init_batch, after llama_batch_allocr::init).
+///
+/// The batch is checked against the memory (sequence ids in [0, n_seq_max), positions that continue each
+/// sequence; missing positions are filled from the memory). A valid batch that does not fit is not an
+/// error: the call returns #KVC_OK with a context whose kvc_memory_context_status() is
+/// #KVC_MEMORY_STATUS_FAILED_PREPARE (free it; the memory is unchanged; free cells or use a smaller batch).
+/// The context copies what it needs: the batch may be changed or freed afterwards.
+/// @param mem The memory.
+/// @param batch The batch.
+/// @param n_ubatch Most tokens per ubatch (>= 1).
+/// @param embd_all Every token produces an output (embeddings / pooling), which constrains the split.
+/// @param out Receives the context (free it with kvc_memory_context_free()); NULL on failure.
+/// @return #KVC_OK (check the context's status); #KVC_ERR_INVALID_ARGUMENT / #KVC_ERR_OUT_OF_RANGE for NULL
+/// pointers, n_ubatch == 0 or a batch that breaks a rule (the message names the token and the value).
+KVC_API kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch, uint32_t n_ubatch,
+                                         bool embd_all, kvc_memory_context** out) KVC_NOEXCEPT;
+
+/// @brief A context shaped like the largest possible ubatch (every cell), to size compute buffers:
+/// kvc_memory_context_n_kv() is kv_size and kvc_memory_get_k() / kvc_memory_get_v() give views of every
+/// cell. Applying it does nothing.
+/// @param mem The memory.
+/// @param out Receives the context; NULL on failure.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_init_full(kvc_memory* mem, kvc_memory_context** out) KVC_NOEXCEPT;
+
+/// @brief A context for pending maintenance: K-shifts left by kvc_memory_seq_add() / kvc_memory_seq_div(),
+/// and compaction (when optimize, or past compact_threshold). Its status is #KVC_MEMORY_STATUS_NO_UPDATE
+/// when there is nothing to do, else #KVC_MEMORY_STATUS_SUCCESS: apply it before the next batch
+/// (kvc_memory_context_apply()), after reading kvc_memory_set_input_k_shift() if the engine rotates keys
+/// itself.
+/// @param mem The memory.
+/// @param optimize Also compact the cells (move used cells down into holes) when there are holes.
+/// @param out Receives the context; NULL on failure.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_init_update(kvc_memory* mem, bool optimize,
+                                          kvc_memory_context** out) KVC_NOEXCEPT;
+
+/// @brief Runs pending maintenance now: kvc_memory_init_update() and, when it has work, apply (stored keys
+/// are re-rotated on the host, cells compacted).
+/// @param mem The memory.
+/// @param optimize Also compact the cells.
+/// @param updated Receives whether anything was done; may be NULL.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem; #KVC_ERR_UNSUPPORTED when positions of an
+/// M-RoPE cache would have to be shifted.
+KVC_API kvc_status kvc_memory_update(kvc_memory* mem, bool optimize, bool* updated) KVC_NOEXCEPT;
+
+/// @brief Frees a context (an unapplied plan is dropped; ubatches already applied stay in the memory).
+/// @param ctx The context; NULL is harmless.
+KVC_API void kvc_memory_context_free(kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief The status of a context.
+/// @param ctx The context.
+/// @return Its status; #KVC_MEMORY_STATUS_FAILED_PREPARE for NULL (with the message set).
+KVC_API kvc_memory_status kvc_memory_context_status(const kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief Commits the current ubatch to the memory (or runs the update). Each ubatch is applied once.
+/// @param ctx The context, whose status is #KVC_MEMORY_STATUS_SUCCESS (or NO_UPDATE: nothing happens).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL; #KVC_ERR_INVALID_STATE for a failed context, a
+/// ubatch already applied or none left; #KVC_ERR_UNSUPPORTED for an update an M-RoPE cache cannot do.
+KVC_API kvc_status kvc_memory_context_apply(kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief Moves to the next ubatch.
+/// @param ctx The context.
+/// @return true when there is a next ubatch; false when every ubatch has been consumed, for update and full
+/// contexts, and for NULL (with the message set).
+KVC_API bool kvc_memory_context_next(kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief Cells the attention of the current ubatch reads (padded to n_kv_pad), known after apply.
+/// @param ctx The context.
+/// @return n_kv (0 before the current ubatch is applied; kv_size for a full context), or a negative
+/// ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL, #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API int64_t kvc_memory_context_n_kv(const kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief Tokens of the current ubatch.
+/// @param ctx A batch context.
+/// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL, #KVC_ERR_INVALID_STATE
+/// for a context without a current ubatch (failed, update, full, or past the last ubatch).
+KVC_API int64_t kvc_memory_context_n_tokens(const kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief The current ubatch, as borrowed arrays (what the engine computes).
+///
+/// With equal_seqs, tokens form n_seqs blocks of n_seq_tokens tokens with the same sequence set each.
+typedef struct kvc_ubatch_view {
+    uint32_t n_tokens;             ///< tokens (== n_seq_tokens * n_seqs)
+    uint32_t n_seq_tokens;         ///< tokens per block (1 for simple splits)
+    uint32_t n_seqs;               ///< blocks
+    uint32_t n_seqs_unq;           ///< distinct sequence ids
+    uint32_t n_pos;                ///< position sections per token (4 for M-RoPE)
+    uint32_t n_embd;               ///< embedding width (0 with token input)
+    bool equal_seqs;               ///< blocks of equal length
+    const int32_t* token;          ///< [n_tokens] token ids, or NULL with embeddings input
+    const float* embd;             ///< [n_tokens][n_embd] embedding rows, or NULL with token input
+    const int32_t* pos;            ///< [n_pos][n_tokens] section-major positions: pos[j * n_tokens + i]
+    const int32_t* n_seq_id;       ///< [n_tokens] sequence ids per token
+    const uint32_t* seq_id_begin;  ///< [n_tokens + 1] token i's ids are seq_id_data[begin[i] .. begin[i+1])
+    const int32_t* seq_id_data;    ///< every token's sequence ids, token by token (primary first)
+    const int32_t* seq_id_unq;     ///< [n_seqs_unq] distinct sequence ids, ascending
+    const int8_t* output;          ///< [n_tokens] non-zero: the token produces an output
+    const int32_t* batch_idx;      ///< [n_tokens] index of each token in the batch
+} kvc_ubatch_view;
+
+/// @brief Describes the current ubatch.
+/// @param ctx A batch context.
+/// @param out Receives the view; its pointers are valid until kvc_memory_context_next() or
+/// kvc_memory_context_free().
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_INVALID_STATE for a context
+/// without a current ubatch.
+KVC_API kvc_status kvc_memory_context_get_ubatch(const kvc_memory_context* ctx,
+                                                 kvc_ubatch_view* out) KVC_NOEXCEPT;
+
+/// @brief Batch indices of the output tokens, in the order the ubatches produce their output rows (to put
+/// output rows back into batch order).
+/// @param ctx A context.
+/// @param ids Receives a borrowed array, valid until kvc_memory_context_free() (NULL when empty).
+/// @param n Receives its length (0 for non-batch contexts).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_context_out_ids(const kvc_memory_context* ctx, const int32_t** ids,
+                                              size_t* n) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// K/V data and attention inputs, through a context (after kvc_memory_context_apply())
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief A strided 4-D view of stored data, as ggml describes tensors.
+///
+/// ne[i] counts elements along dimension i (ne[0] is the row length in values); nb[i] is the stride of
+/// dimension i in bytes (nb[0] = one element or one block). Element (i0, i1, i2, i3) of a float type is at
+/// data + i0*nb[0] + i1*nb[1] + i2*nb[2] + i3*nb[3].
+typedef struct kvc_tensor_view {
+    kvc_type type;  ///< element type
+    int64_t ne[4];  ///< elements per dimension
+    size_t nb[4];   ///< stride per dimension, in bytes
+    void* data;     ///< first element; borrowed from the memory
+} kvc_tensor_view;
+
+/// @brief Writes the keys of the current ubatch into its cells (converted to type_k).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param il Model index of the layer.
+/// @param src [n_tokens][n_head_kv * n_embd_head_k] f32 rows, in ubatch order.
+/// @param n_tokens Rows in src: the current ubatch's token count.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n_tokens;
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V in this cache; #KVC_ERR_INVALID_STATE when the ubatch is
+/// not applied (or the context has none); #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API kvc_status kvc_memory_cpy_k(kvc_memory_context* ctx, uint32_t il, const float* src,
+                                    size_t n_tokens) KVC_NOEXCEPT;
+
+/// @brief Writes the values of the current ubatch into its cells (converted to type_v; transposed if
+/// v_trans).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param il Model index of the layer.
+/// @param src [n_tokens][n_head_kv * n_embd_head_v] f32 rows, in ubatch order.
+/// @param n_tokens Rows in src: the current ubatch's token count.
+/// @return As kvc_memory_cpy_k().
+KVC_API kvc_status kvc_memory_cpy_v(kvc_memory_context* ctx, uint32_t il, const float* src,
+                                    size_t n_tokens) KVC_NOEXCEPT;
+
+/// @brief A view of the keys of layer il the current ubatch's attention reads:
+/// [n_embd_head_k, n_head_kv, n_kv, n_stream] (cell c of stream s at i2 = c, i3 = s).
+/// @param ctx A batch context whose current ubatch is applied, or a full context.
+/// @param il Model index of the layer.
+/// @param out Receives the view; valid while the memory lives (its contents change with the memory).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a layer without
+/// K/V; #KVC_ERR_INVALID_STATE before apply or for a context without a slot; #KVC_ERR_UNSUPPORTED for a
+/// memory without K/V.
+KVC_API kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
+
+/// @brief A view of the values of layer il: [n_embd_head_v, n_head_kv, n_kv, n_stream], or with v_trans
+/// [n_kv, n_head_kv, n_embd_head_v, n_stream] (cells fastest).
+/// @param ctx A batch context whose current ubatch is applied, or a full context.
+/// @param il Model index of the layer.
+/// @param out Receives the view.
+/// @return As kvc_memory_get_k().
+KVC_API kvc_status kvc_memory_get_v(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
+
+/// @brief Elements of the KQ mask of the current ubatch: n_kv * n_tokens (also the size of the position
+/// buckets).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
+/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch.
+KVC_API int64_t kvc_memory_kq_mask_elements(const kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief Builds the KQ mask of the current ubatch: [n_tokens][n_kv], row i for token i, 0 where the token
+/// may attend to the cell and -INFINITY elsewhere (the cell is empty, of another sequence, in the future
+/// when causal, or outside the sliding window).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param dst [n_elements] floats, n_elements == kvc_memory_kq_mask_elements().
+/// @param n_elements Elements of dst.
+/// @param causal Keys after the query's position are masked.
+/// @param alibi Visible cells get -|p_key - p_query| instead of 0 (ALiBi biases).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n_elements;
+/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch.
+KVC_API kvc_status kvc_memory_set_input_kq_mask(const kvc_memory_context* ctx, float* dst, size_t n_elements,
+                                                bool causal, bool alibi) KVC_NOEXCEPT;
+
+/// @brief kvc_memory_set_input_kq_mask() into IEEE half floats (0x0000 visible, 0xFC00 = -inf masked).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param dst [n_elements] binary16 values, n_elements == kvc_memory_kq_mask_elements().
+/// @param n_elements Elements of dst.
+/// @param causal Keys after the query's position are masked.
+/// @param alibi Visible cells get -|p_key - p_query| instead of 0.
+/// @return As kvc_memory_set_input_kq_mask().
+KVC_API kvc_status kvc_memory_set_input_kq_mask_f16(const kvc_memory_context* ctx, uint16_t* dst,
+                                                    size_t n_elements, bool causal, bool alibi) KVC_NOEXCEPT;
+
+/// @brief T5 relative position buckets of the current ubatch: [n_tokens][n_kv] (unified caches only).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param dst [n] buckets, n == kvc_memory_kq_mask_elements().
+/// @param n Elements of dst.
+/// @param n_buckets Number of buckets of the model.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_INVALID_STATE
+/// before apply; #KVC_ERR_UNSUPPORTED for a cache with several streams.
+KVC_API kvc_status kvc_memory_set_input_pos_bucket(const kvc_memory_context* ctx, int32_t* dst, size_t n,
+                                                   uint32_t n_buckets) KVC_NOEXCEPT;
+
+/// @brief Elements of the K-shift input: kv_size * n_stream.
+/// @param mem A KV cache.
+/// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
+/// #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API int64_t kvc_memory_k_shift_elements(const kvc_memory* mem) KVC_NOEXCEPT;
+
+/// @brief The pending shift of every cell, for engines that re-rotate keys themselves (read it before
+/// applying the update context): [n_stream][kv_size], 0 for empty cells.
+/// @param mem A KV cache.
+/// @param dst [n] shifts.
+/// @param n Elements of dst: kvc_memory_k_shift_elements().
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_UNSUPPORTED for a
+/// memory without K/V.
+KVC_API kvc_status kvc_memory_set_input_k_shift(const kvc_memory* mem, int32_t* dst, size_t n) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// Sequences (llama_memory_*)
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief Empties the memory (every sequence).
+/// @param mem The memory.
+/// @param data Also zero the stored K/V rows.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL.
+KVC_API kvc_status kvc_memory_clear(kvc_memory* mem, bool data) KVC_NOEXCEPT;
+
+/// @brief Removes positions [p0, p1) of a sequence (llama_memory_seq_rm).
+/// @param mem The memory.
+/// @param seq_id The sequence, or #KVC_SEQ_ALL for every sequence.
+/// @param p0 First position (< 0: 0).
+/// @param p1 End position, excluded (< 0: no bound).
+/// @param removed Receives false when the memory cannot remove part of a sequence (recurrent state; never
+/// for a KV cache), in which case nothing changed; may be NULL.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem; #KVC_ERR_OUT_OF_RANGE for a bad sequence id.
+KVC_API kvc_status kvc_memory_seq_rm(kvc_memory* mem, int32_t seq_id, int32_t p0, int32_t p1,
+                                     bool* removed) KVC_NOEXCEPT;
+
+/// @brief Makes dst also hold src's positions [p0, p1) (llama_memory_seq_cp): shared cells in a unified
+/// cache, copied cells (and rows) across streams.
+/// @param mem The memory.
+/// @param src Source sequence.
+/// @param dst Destination sequence.
+/// @param p0 First position (< 0: 0).
+/// @param p1 End position, excluded (< 0: no bound).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem; #KVC_ERR_OUT_OF_RANGE for a bad sequence id;
+/// #KVC_ERR_INVALID_STATE when dst's stream has too few free cells.
+KVC_API kvc_status kvc_memory_seq_cp(kvc_memory* mem, int32_t src, int32_t dst, int32_t p0,
+                                     int32_t p1) KVC_NOEXCEPT;
+
+/// @brief Drops every sequence but one (llama_memory_seq_keep).
+/// @param mem The memory.
+/// @param seq_id The sequence to keep.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem; #KVC_ERR_OUT_OF_RANGE for a bad sequence id.
+KVC_API kvc_status kvc_memory_seq_keep(kvc_memory* mem, int32_t seq_id) KVC_NOEXCEPT;
+
+/// @brief Adds shift to the positions [p0, p1) of a sequence (llama_memory_seq_add); keys are re-rotated
+/// by the next update (kvc_memory_init_update() / kvc_memory_update()). Cells moved below 0 are removed.
+/// @param mem The memory.
+/// @param seq_id The sequence.
+/// @param p0 First position (< 0: 0).
+/// @param p1 End position, excluded (< 0: no bound).
+/// @param shift Added to each position.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem; #KVC_ERR_OUT_OF_RANGE for a bad sequence id;
+/// #KVC_ERR_UNSUPPORTED for an M-RoPE cache.
+KVC_API kvc_status kvc_memory_seq_add(kvc_memory* mem, int32_t seq_id, int32_t p0, int32_t p1,
+                                      int32_t shift) KVC_NOEXCEPT;
+
+/// @brief Divides the positions [p0, p1) of a sequence by d (llama_memory_seq_div; self-extend).
+/// @param mem The memory.
+/// @param seq_id The sequence.
+/// @param p0 First position (< 0: 0).
+/// @param p1 End position, excluded (< 0: no bound).
+/// @param d Divisor (>= 1).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem or d < 1; #KVC_ERR_OUT_OF_RANGE for a bad
+/// sequence id; #KVC_ERR_UNSUPPORTED for an M-RoPE cache.
+KVC_API kvc_status kvc_memory_seq_div(kvc_memory* mem, int32_t seq_id, int32_t p0, int32_t p1,
+                                      int d) KVC_NOEXCEPT;
+
+/// @brief Smallest position of a sequence (llama_memory_seq_pos_min).
+/// @param mem The memory.
+/// @param seq_id The sequence.
+/// @param out Receives the position, -1 when the sequence is empty.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a bad sequence
+/// id.
+KVC_API kvc_status kvc_memory_seq_pos_min(const kvc_memory* mem, int32_t seq_id, int32_t* out) KVC_NOEXCEPT;
+
+/// @brief Largest position of a sequence (llama_memory_seq_pos_max).
+/// @param mem The memory.
+/// @param seq_id The sequence.
+/// @param out Receives the position, -1 when the sequence is empty.
+/// @return As kvc_memory_seq_pos_min().
+KVC_API kvc_status kvc_memory_seq_pos_max(const kvc_memory* mem, int32_t seq_id, int32_t* out) KVC_NOEXCEPT;
+
+/// @brief Whether positions can be shifted (kvc_memory_seq_add / seq_div); false for M-RoPE caches.
+/// @param mem The memory.
+/// @param out Receives the answer.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_can_shift(const kvc_memory* mem, bool* out) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// State: buffers and files (llama_state_seq_*), byte-compatible with llama.cpp
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief Bytes of the state buffer of a sequence (8-byte header + payload).
+/// @param mem The memory.
+/// @param seq_id The sequence, or #KVC_SEQ_ALL for the whole memory.
+/// @param flags State flags (#KVC_STATE_SEQ_FLAG_PARTIAL_ONLY or 0).
+/// @param out Receives the size.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a bad sequence id.
+KVC_API kvc_status kvc_state_seq_get_size(const kvc_memory* mem, int32_t seq_id, uint32_t flags,
+                                          size_t* out) KVC_NOEXCEPT;
+
+/// @brief Writes the state buffer of a sequence: u32 magic 0xaf143cd8, i32 seq_id, then the payload of
+/// llama.cpp's layout (the payload alone starts at byte 8; see kvc_state_set_payload()).
+/// @param mem The memory.
+/// @param seq_id The sequence, or #KVC_SEQ_ALL for the whole memory.
+/// @param dst Destination buffer.
+/// @param capacity Bytes of dst (at least kvc_state_seq_get_size()).
+/// @param written Receives the bytes written; may be NULL.
+/// @param flags State flags.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a bad sequence id
+/// or a buffer too small (dst then holds unspecified bytes).
+KVC_API kvc_status kvc_state_seq_get_data(const kvc_memory* mem, int32_t seq_id, uint8_t* dst,
+                                          size_t capacity, size_t* written, uint32_t flags) KVC_NOEXCEPT;
+
+/// @brief Restores a state buffer into a sequence (the stored source id is not used, so a sequence
+/// restores into any destination). Everything is parsed and checked before the memory changes, and every
+/// byte must be consumed.
+/// @param mem The memory.
+/// @param src [size] the buffer.
+/// @param size Bytes of src.
+/// @param dest Destination sequence, or #KVC_SEQ_ALL for the whole memory (which is replaced).
+/// @param flags State flags (as when the buffer was written).
+/// @param read Receives the bytes read (== size); may be NULL.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a bad sequence
+/// id; #KVC_ERR_CORRUPT_DATA for bytes that are not a valid state for this memory (truncated, damaged,
+/// or other layer shapes or types; the message names the byte); #KVC_ERR_INVALID_STATE when the
+/// destination has no room for the cells. The memory is unchanged on failure.
+KVC_API kvc_status kvc_state_seq_set_data(kvc_memory* mem, const uint8_t* src, size_t size, int32_t dest,
+                                          uint32_t flags, size_t* read) KVC_NOEXCEPT;
+
+/// @brief Restores a raw payload (a state without its 8-byte header, as llama.cpp's memory writes it).
+/// @param mem The memory.
+/// @param payload [size] the payload; it must end exactly there.
+/// @param size Bytes of payload.
+/// @param dest Destination sequence, or #KVC_SEQ_ALL for the whole memory.
+/// @param flags State flags.
+/// @param read Receives the bytes read (== size); may be NULL.
+/// @return As kvc_state_seq_set_data(). The memory is unchanged on failure.
+KVC_API kvc_status kvc_state_set_payload(kvc_memory* mem, const uint8_t* payload, size_t size, int32_t dest,
+                                         uint32_t flags, size_t* read) KVC_NOEXCEPT;
+
+/// @brief Saves a sequence (or the whole memory) to a kvcache session file: checksummed, optionally zstd
+/// compressed, with the memory's layout and the tokens it was computed from; written to a temporary file
+/// that replaces path atomically.
+/// @param mem The memory.
+/// @param path Destination file.
+/// @param seq_id The sequence, or #KVC_SEQ_ALL for the whole memory.
+/// @param tokens [n_tokens] tokens stored beside the state; may be NULL when n_tokens is 0.
+/// @param n_tokens Entries of tokens.
+/// @param compress Compress the payload (zstd level 3).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a bad sequence
+/// id; #KVC_ERR_IO when the file cannot be written (path is then untouched).
+KVC_API kvc_status kvc_state_seq_save_file(const kvc_memory* mem, const char* path, int32_t seq_id,
+                                           const int32_t* tokens, size_t n_tokens,
+                                           bool compress) KVC_NOEXCEPT;
+
+/// @brief Loads a kvcache session file into a sequence (any destination) or the whole memory.
+/// @param mem The memory.
+/// @param path The file.
+/// @param dest Destination sequence, or #KVC_SEQ_ALL for the whole memory.
+/// @param tokens_out [capacity] receives the file's tokens; may be NULL (tokens not wanted).
+/// @param capacity Entries of tokens_out; the call fails before loading anything when the file holds more
+/// tokens (ignored when tokens_out is NULL).
+/// @param n_tokens_out Receives the number of tokens in the file; may be NULL.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a bad sequence
+/// id or too many tokens; #KVC_ERR_IO when the file cannot be read; #KVC_ERR_CORRUPT_DATA for a damaged
+/// or foreign file; #KVC_ERR_UNSUPPORTED for an unknown format version; #KVC_ERR_INVALID_STATE for a
+/// layout mismatch (both layouts are in the message). The memory is unchanged on failure.
+KVC_API kvc_status kvc_state_seq_load_file(kvc_memory* mem, const char* path, int32_t dest,
+                                           int32_t* tokens_out, size_t capacity,
+                                           size_t* n_tokens_out) KVC_NOEXCEPT;
+
+/// @brief Saves a sequence to a llama.cpp sequence file ('ggsq' version 2, llama_state_seq_save_file).
+/// @param mem The memory.
+/// @param path Destination file (replaced atomically).
+/// @param seq_id The sequence (#KVC_SEQ_ALL: the whole memory, which llama.cpp cannot read back).
+/// @param tokens [n_tokens] tokens stored in the file; may be NULL when n_tokens is 0.
+/// @param n_tokens Entries of tokens.
+/// @return As kvc_state_seq_save_file().
+KVC_API kvc_status kvc_state_seq_save_llama_file(const kvc_memory* mem, const char* path, int32_t seq_id,
+                                                 const int32_t* tokens, size_t n_tokens) KVC_NOEXCEPT;
+
+/// @brief Loads a llama.cpp sequence file ('ggsq' version 2) into a sequence (llama_state_seq_load_file).
+/// Unlike llama.cpp, trailing bytes are an error.
+/// @param mem The memory.
+/// @param path The file.
+/// @param dest Destination sequence.
+/// @param tokens_out [capacity] receives the file's tokens; may be NULL (tokens not wanted).
+/// @param capacity Entries of tokens_out; the call fails before loading anything when the file holds more.
+/// @param n_tokens_out Receives the number of tokens in the file; may be NULL.
+/// @return As kvc_state_seq_load_file(). The memory is unchanged on failure.
+KVC_API kvc_status kvc_state_seq_load_llama_file(kvc_memory* mem, const char* path, int32_t dest,
+                                                 int32_t* tokens_out, size_t capacity,
+                                                 size_t* n_tokens_out) KVC_NOEXCEPT;
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // KVCACHE_KVCACHE_H

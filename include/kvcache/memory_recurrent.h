@@ -1,0 +1,314 @@
+/// @file
+/// memory_recurrent: the state memory of recurrent models (llama.cpp's llama_memory_recurrent: Mamba,
+/// RWKV, LFM2 short-conv, Gated-DeltaNet, ...). Implements memory_i.
+///
+/// Cells. There are `size = n_seq_max` cells; cell c is row c of every layer's `r` (conv / token-shift)
+/// and `s` (SSM / WKV) tensor. A sequence owns at most one cell, its *tail*; a cell may be shared
+/// copy-on-write by several sequences (after seq_cp): the next batch that processes one of them gives it
+/// a cell of its own whose source row is the shared one. A cell's position is that of the last token
+/// folded into its state, so seq_pos_min(s) == seq_pos_max(s) == the tail's position.
+///
+/// Placing a ubatch (find_slot, spec batch-recurrent §4.5) gives every block one cell, gathers them into
+/// the contiguous range [head, head + n) and stages, per cell of the range, the row its state comes from
+/// (s_copy). The engine then follows the contract below. init_batch dry-runs every ubatch (prepare) and
+/// restores the cells, so a batch that cannot be placed changes nothing.
+///
+/// Engine contract for one applied ubatch (B = n_seqs blocks of T = n_seq_tokens tokens; rows are those of
+/// the [n_embd, size, 1 + n_rs_seq] views, row index = plane * size + cell):
+///   1. if rs_z >= 0, zero row rs_z (plane 0) of every r and s tensor, before reading anything;
+///   2. gather, from the storage as it is before this ubatch writes anything, row s_copy(i) for every
+///      i in [0, n) and the src row of every history copy (hist_copies());
+///   3. i in [B, n) ("extra" cells): write gathered row s_copy(i) to plane 0 of cell head + i;
+///   4. i in [0, B) ("main" cells): the gathered row is block i's initial state; run its T tokens and
+///      write the final state to plane 0 of cell head + i; with n_rs_seq = k > 0 also write, for
+///      r = 1 .. min(k, T - 1), the state after token T - 1 - r of the block (position P - r, P = the
+///      block's last position) to plane r of cell head + i;
+///   5. write every gathered history copy to its dst row.
+/// After it, plane 0 of cell c holds the state after position pos(c) and plane r (1 <= r <= depth) the
+/// state after position pos(c) - r: the memory lists in hist_copies() the planes a short ubatch (T <= k)
+/// cannot compute (plane T is the block's initial state, planes above it come from the source's own
+/// history). Batches of k + 1 tokens or more per sequence need no copy (init_batch keeps the last k + 1
+/// tokens of each sequence in one ubatch).
+///
+/// Rollback (n_rs_seq = k > 0): seq_rm(s, p0, -1) with 0 < p0 <= P (P = tail position) removes the last
+/// r = P - p0 + 1 tokens when the tail cell belongs to s alone and holds at least r history planes:
+/// the cell's position becomes p0 - 1 and its logical state the plane r it was (recorded as a pending
+/// plane offset, consumed by the next ubatch that covers the cell: s_copy(i) then points into that
+/// plane). Rollbacks compose: a second seq_rm before the next decode goes further back, as long as the
+/// history lasts (pending + r <= k). The history counts the states a cell really has: after a state
+/// restore it is empty, after a rollback of r it is r shorter, each token adds one (up to k).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <kvcache/batch.h>
+#include <kvcache/dtype.h>
+#include <kvcache/memory.h>
+#include <kvcache/tensor.h>
+#include <kvcache/types.h>
+
+namespace kvc {
+
+/// One model layer as the recurrent memory sees it: the widths of its two state rows.
+struct recurrent_layer_desc {
+    uint32_t n_embd_r = 0;  ///< values per r row (conv / token-shift state); 0: no r tensor
+    uint32_t n_embd_s = 0;  ///< values per s row (SSM / WKV state); 0: no s tensor
+};
+
+/// Everything a recurrent memory is built from. Fields not named keep working defaults.
+struct recurrent_params {
+    std::vector<recurrent_layer_desc> layers;  ///< every model layer, by model index
+    std::function<bool(uint32_t)> filter;      ///< keep model layer il? (null: every layer with a row)
+    dtype type_r = dtype::f32;                 ///< element type of r rows (f32, f16 or bf16)
+    dtype type_s = dtype::f32;                 ///< element type of s rows (f32, f16 or bf16)
+    uint32_t n_seq_max = 1;                    ///< sequence ids [0, n_seq_max); also the number of cells
+    uint32_t n_rs_seq = 0;                     ///< rollback depth k in tokens (0: no rollback)
+    buffer_allocator* allocator = nullptr;     ///< where buffers live (null: host memory)
+};
+
+/// A row move the engine performs for one ubatch (rows of the [n_embd, size * (1 + n_rs_seq)] layout).
+struct rs_copy {
+    int64_t src = 0;  ///< row read before the ubatch writes anything
+    int64_t dst = 0;  ///< row written after
+};
+
+/// Where one ubatch's states come from and go (what find_slot staged; see the engine contract).
+struct rs_slot {
+    uint32_t head = 0;              ///< first cell of the range
+    uint32_t n = 0;                 ///< cells in the range (n_rs); the first n_seqs are the blocks'
+    uint32_t n_seqs = 0;            ///< blocks of the ubatch ("main" cells)
+    int32_t rs_z = -1;              ///< row to zero before reading (fresh states read it), -1: none
+    std::vector<int64_t> s_copy;    ///< [n] source row of range cell i (plane * size + cell)
+    std::vector<rs_copy> hist_copy; ///< history planes to carry over (empty when n_rs_seq == 0)
+};
+
+/// The recurrent state memory. See the file comment for cells, the engine contract and rollback.
+class memory_recurrent final : public memory_i {
+public:
+    /// Throws kvc::error(invalid_argument) on an invalid configuration (no layer kept, n_seq_max 0,
+    /// a quantized type, rows that are not whole blocks).
+    explicit memory_recurrent(recurrent_params params);
+    ~memory_recurrent() override;
+    memory_recurrent(const memory_recurrent&) = delete;
+    memory_recurrent& operator=(const memory_recurrent&) = delete;
+
+    // -- memory_i --
+    /// Splits with split_equal (sequential, n_keep_tail = n_rs_seq ? n_rs_seq + 1 : 0), or split_seq when
+    /// embd_all, then dry-runs find_slot on every ubatch. failed_prepare when tokens are left over (tokens
+    /// shared by several sequences cannot be split sequentially); throws kvc::error for a sequence id
+    /// outside [0, n_seq_max) (like kv_cache; upstream reports failed_prepare). Changes nothing.
+    memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) override;
+    /// Worst-case context: n_rs = size, head = 0, rs_z = 0, s_copy(i) = i.
+    memory_context_ptr init_full() override;
+    /// Always no_update: a recurrent memory has no pending maintenance.
+    memory_context_ptr init_update(bool optimize) override;
+    /// True: shifting positions only edits the tail positions.
+    bool get_can_shift() const override { return true; }
+
+    /// Empties every cell, forgets pending rollbacks and history; data: also zeroes every plane.
+    void clear(bool data) override;
+    /// Spec §4.7 table. seq_id >= 0: true when the tail position P is outside [p0, p1) (nothing to do),
+    /// or when p0 <= 0 (the sequence leaves its cell); for 0 < p0 <= P < p1 a rollback (see the file
+    /// comment) or false, nothing changed. seq_id -1: the full range empties everything (tails too,
+    /// decision 13), an empty range does nothing, anything else is false.
+    bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;
+    /// dst shares src's whole state (the range is ignored); dst's own state is dropped first.
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
+    /// Every other sequence leaves; the cell of seq_id keeps only seq_id.
+    void seq_keep(seq_id_t seq_id) override;
+    /// Adds shift to the tail position when it is in [p0, p1) (for every sequence sharing the cell). A
+    /// position may become negative: the state stays (unlike a KV cache, nothing is freed). Throws
+    /// kvc::error(out_of_range) when the position would overflow int32.
+    void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;
+    /// Divides the tail position by d when it is in [p0, p1). d < 1 throws kvc::error (upstream divides
+    /// by zero); d == 1 does nothing.
+    void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;
+    /// The tail position, -1 when the sequence has no state.
+    pos_t seq_pos_min(seq_id_t seq_id) const override;
+    /// The tail position, -1 when the sequence has no state.
+    pos_t seq_pos_max(seq_id_t seq_id) const override;
+
+    /// Spec §4.9 layout: u32 cell_count, per cell i32 pos, u32 n_seq_id (0 for one sequence) and the
+    /// ids ascending, u32 s_trans = 0, u32 n_layer (all model layers), then per layer with r its type,
+    /// row size and rows, then the same for s. A cell with a pending rollback writes that plane (its
+    /// logical state). Flags are ignored (the memory is already "partial").
+    void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    /// Transactional (decision 6): parses and checks everything, calls io.end_of_state(), then replaces
+    /// the whole memory (cells compacted to 0..n-1) or the destination sequence. A sequence's state holds
+    /// at most one cell; more is an error. Restored cells have no pending rollback and no history.
+    void state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) override;
+    /// Parses and checks a state exactly as state_read would, changing nothing.
+    void state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    /// "recurrent n_layer=4 layers=0-3:r=f32x1536,s=f32x4096": what a state must match (not the number of
+    /// cells, nor the rollback depth, which the format does not hold).
+    std::string state_layout() const override;
+
+    // -- shape --
+    /// The parameters the memory was built with.
+    const recurrent_params& params() const { return params_; }
+    /// Cells (= n_seq_max).
+    uint32_t get_size() const { return size_; }
+    /// Rollback depth k; each tensor holds 1 + k planes.
+    uint32_t get_n_rs_seq() const { return params_.n_rs_seq; }
+    /// Model index of every own layer (a layer with an r or s row that the filter keeps), ascending.
+    std::span<const uint32_t> layer_ids() const { return layer_ids_; }
+    /// Whether model layer il has an r tensor here.
+    bool has_r(uint32_t il) const;
+    /// Whether model layer il has an s tensor here.
+    bool has_s(uint32_t il) const;
+
+    // -- sizes (every plane counted) --
+    /// Bytes of every r tensor.
+    size_t size_r_bytes() const;
+    /// Bytes of every s tensor.
+    size_t size_s_bytes() const;
+    /// size_r_bytes() + size_s_bytes().
+    size_t size_bytes() const { return size_r_bytes() + size_s_bytes(); }
+
+    // -- data --
+    /// Layer il's r tensor, [n_embd_r, size, 1 + n_rs_seq] (row of cell c in plane p at (c, p)); throws
+    /// kvc::error when the layer has none.
+    tensor_view get_r(uint32_t il);
+    /// Read-only r tensor.
+    const_tensor_view get_r(uint32_t il) const;
+    /// Layer il's s tensor, [n_embd_s, size, 1 + n_rs_seq].
+    tensor_view get_s(uint32_t il);
+    /// Read-only s tensor.
+    const_tensor_view get_s(uint32_t il) const;
+
+    // -- placement (what init_batch and apply do; public for tests and custom drivers) --
+    /// Places an equal-seqs ubatch for real (spec §4.5) and returns what the engine needs. It cannot run
+    /// out of cells (a sequence needing a new cell shares one or has none, so a cell is free). Throws
+    /// kvc::error, nothing changed, for a sequence id outside [0, n_seq_max) or a ubatch this memory
+    /// cannot take: not equal_seqs, a block whose tokens differ in sequences, blocks sharing a sequence.
+    rs_slot find_slot(const ubatch& ub);
+    /// Dry run of find_slot on every ubatch in order (later ones see earlier ones); the cells are
+    /// restored afterwards. Throws what find_slot throws, memory unchanged.
+    void prepare(std::span<const ubatch> ubatches);
+
+    // -- inspection --
+    /// What a cell holds.
+    struct cell_info {
+        pos_t pos = -1;                ///< position of the last token folded into the state
+        int32_t src = -1;              ///< row holding its data (its own index between ubatches; -1 fresh)
+        uint32_t rs_idx = 0;           ///< pending rollback plane (0: none)
+        uint32_t depth = 0;            ///< history planes beyond the logical state
+        std::vector<seq_id_t> seqs{};  ///< sequences sharing it, ascending; empty = free cell
+    };
+    /// Cell i (throws kvc::error when i >= size).
+    cell_info cell(uint32_t i) const;
+    /// The cell holding seq_id's state, -1 if none.
+    int32_t seq_tail(seq_id_t seq_id) const;
+    /// Cells in use.
+    uint32_t get_used() const { return used_; }
+    /// Where the next search for a free cell starts (the start of the last range).
+    uint32_t get_head() const { return head_; }
+    /// One character per cell: '.' free, the owner (0-9, a-z, then '*') or 'M' for a shared cell.
+    std::string picture() const;
+    /// Rechecks every invariant (I1-I4 of spec §4.2, history bounds); throws kvc::error naming the first
+    /// broken one. For tests.
+    void validate() const;
+
+private:
+    struct cell_rec;
+    struct layer;
+
+    void check_seq(seq_id_t s, const char* what) const;
+    const layer& own_layer(uint32_t il) const;
+    void check_ubatch(const ubatch& ub) const;
+    rs_slot place(const ubatch& ub, bool dry_run);
+    // membership (sequences of a cell are a list through next_)
+    void link(uint32_t c, seq_id_t s);
+    void unlink(uint32_t c, seq_id_t s);
+    bool free_if_empty(uint32_t c);  // resets a cell without members; true if it did
+    void swap_cells(uint32_t a, uint32_t b);
+    int32_t next_free(uint32_t from) const;  // first free cell from `from`, ring-wise; -1 if none
+    std::vector<seq_id_t> members(uint32_t c) const;
+    struct staged_state;
+    staged_state parse_state(io_read_i& io, seq_id_t seq_id) const;
+
+    recurrent_params params_;
+    uint32_t size_ = 0;
+    std::vector<layer> layers_;       // own layers, ascending model index
+    std::vector<int32_t> layer_map_;  // [model layers] index into layers_, or -1
+    std::vector<uint32_t> layer_ids_;
+    std::vector<cell_rec> cells_;     // [size] as storage cells (index = physical row)
+    std::vector<int32_t> tail_;   // [size] per sequence: its cell, -1 = no state
+    std::vector<seq_id_t> next_;  // [size] per sequence: next member of the same cell, -1 = last
+    uint32_t head_ = 0;
+    uint32_t used_ = 0;
+    std::vector<uint32_t> refs_;  // scratch: sources referencing each row
+    std::vector<cell_rec> saved_cells_;  // scratch of prepare: the cells before the dry run
+    std::vector<int32_t> saved_tail_;
+    std::vector<seq_id_t> saved_next_;
+};
+
+/// The context memory_recurrent returns from init_batch, init_full and init_update. Engines reach the
+/// per-ubatch inputs through it (dynamic_cast the memory_context_i); they refer to the current ubatch
+/// and are valid after apply() until next().
+class memory_recurrent_context final : public memory_context_i {
+public:
+    /// What the context plans.
+    enum class kind : uint8_t { batch, full, update };
+
+    /// A failed, full or update context.
+    memory_recurrent_context(memory_recurrent& mem, memory_status status, kind k);
+    /// A batch context over ubatches that prepare() accepted.
+    memory_recurrent_context(memory_recurrent& mem, std::vector<ubatch> ubatches, std::vector<int32_t> out_ids);
+
+    // -- memory_context_i --
+    /// Moves to the next ubatch; false after the last.
+    bool next() override;
+    /// Places the current ubatch (batch contexts; once each); true. Full and update contexts: no-op.
+    /// Throws kvc::error on a failed context.
+    bool apply() override;
+    /// success, no_update (update contexts) or failed_prepare.
+    memory_status get_status() const override { return status_; }
+    /// The current ubatch (batch contexts).
+    const ubatch& get_ubatch() const override;
+    /// Batch indices of the output tokens in processing order.
+    std::span<const int32_t> out_ids() const override { return out_ids_; }
+
+    // -- per ubatch (after apply) --
+    /// The memory this context belongs to.
+    memory_recurrent& memory() const { return *mem_; }
+    /// Number of ubatches.
+    size_t n_ubatches() const { return ubatches_.size(); }
+    /// Cells in the range (size in full mode).
+    uint32_t get_n_rs() const { return slot().n; }
+    /// First cell of the range (0 in full mode).
+    uint32_t get_head() const { return slot().head; }
+    /// Row to zero before reading, -1 if none (0 in full mode).
+    int32_t get_rs_z() const { return slot().rs_z; }
+    /// Cells of the memory.
+    uint32_t get_size() const { return mem_->get_size(); }
+    /// Rollback depth k (planes are 1 + k).
+    uint32_t get_n_rs_seq() const { return mem_->get_n_rs_seq(); }
+    /// Source row of range cell i in [0, n_rs): plane * size + cell.
+    int64_t s_copy(uint32_t i) const;
+    /// History planes the engine carries over (step 5 of the contract).
+    std::span<const rs_copy> hist_copies() const { return slot().hist_copy; }
+    /// Layer il's r tensor, [n_embd_r, size, 1 + n_rs_seq].
+    tensor_view get_r(uint32_t il) const { return mem_->get_r(il); }
+    /// Layer il's s tensor, [n_embd_s, size, 1 + n_rs_seq].
+    tensor_view get_s(uint32_t il) const { return mem_->get_s(il); }
+
+private:
+    const rs_slot& slot() const;
+
+    memory_recurrent* mem_;  // borrowed: the memory outlives its contexts
+    memory_status status_;
+    kind kind_;
+    std::vector<ubatch> ubatches_;
+    std::vector<int32_t> out_ids_;
+    size_t i_cur_ = 0;
+    size_t n_applied_ = 0;
+    std::optional<rs_slot> slot_;  // of the applied ubatch, or the full range
+};
+
+}  // namespace kvc

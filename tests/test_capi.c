@@ -1,0 +1,1077 @@
+/* The C API (include/kvcache/kvcache.h), compiled as C11: every function, its error paths (NULL handles,
+ * bad ids, small buffers, bad state bytes with the memory unchanged, a batch that does not fit), a full
+ * decode loop with the values read back, session files, and kvc_last_error. A small runner: CHECK counts
+ * failures, main returns non-zero if any. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <kvcache/kvcache.h>
+#include <kvcache/version.h>
+
+static int g_checks = 0;
+static int g_failures = 0;
+
+#define CHECK(cond)                                                                                     \
+    do {                                                                                                \
+        ++g_checks;                                                                                     \
+        if (!(cond)) {                                                                                  \
+            ++g_failures;                                                                               \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: \"%s\"\n", __FILE__, __LINE__, #cond, \
+                    kvc_last_error());                                                                  \
+        }                                                                                               \
+    } while (0)
+
+/* The call succeeds. */
+#define CHECK_OK(call)                                                                \
+    do {                                                                              \
+        const kvc_status st_ok_ = (call);                                             \
+        ++g_checks;                                                                   \
+        if (st_ok_ != KVC_OK) {                                                       \
+            ++g_failures;                                                             \
+            fprintf(stderr, "%s:%d: %s returned %s: %s\n", __FILE__, __LINE__, #call, \
+                    kvc_status_string(st_ok_), kvc_last_error());                     \
+        }                                                                             \
+    } while (0)
+
+/* The call fails with `code` and this thread's message contains `text`. */
+#define CHECK_ERR(call, code, text)                                                                          \
+    do {                                                                                                     \
+        const kvc_status st_err_ = (call);                                                                   \
+        ++g_checks;                                                                                          \
+        if (st_err_ != (code) || strstr(kvc_last_error(), (text)) == NULL) {                                 \
+            ++g_failures;                                                                                    \
+            fprintf(stderr, "%s:%d: %s returned %s (\"%s\"), expected %s with \"%s\"\n", __FILE__, __LINE__, \
+                    #call, kvc_status_string(st_err_), kvc_last_error(), kvc_status_string(code), (text));   \
+        }                                                                                                    \
+    } while (0)
+
+/* The last error contains `text`. */
+#define CHECK_MSG(text) CHECK(strstr(kvc_last_error(), (text)) != NULL)
+
+/* -- fixtures -- */
+
+enum { E = 8 }; /* values per token of K and V rows: 2 heads of 4 */
+
+static kvc_layer_desc g_layers[2];
+
+/* Two layers of 2 KV heads of 4 values, f32 K and V (transposed V), no RoPE padding surprises. */
+static kvc_kv_cache_params small_params(uint32_t kv_size, uint32_t n_seq_max) {
+    kvc_kv_cache_params p = kvc_kv_cache_default_params();
+    for (int il = 0; il < 2; ++il) {
+        g_layers[il] = kvc_layer_desc_default();
+        g_layers[il].n_head_kv = 2;
+        g_layers[il].n_embd_head_k = 4;
+        g_layers[il].n_embd_head_v = 4;
+    }
+    p.layers = g_layers;
+    p.n_layers = 2;
+    p.type_k = KVC_TYPE_F32;
+    p.type_v = KVC_TYPE_F32;
+    p.kv_size = kv_size;
+    p.n_seq_max = n_seq_max;
+    p.n_kv_pad = 4;
+    return p;
+}
+
+static kvc_memory* small_cache(uint32_t kv_size, uint32_t n_seq_max) {
+    const kvc_kv_cache_params p = small_params(kv_size, n_seq_max);
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_kv_cache_create(&p, &mem));
+    return mem;
+}
+
+/* The value written for layer il, position pos, channel e (K; V adds 0.5). */
+static float kv_value(uint32_t il, int32_t pos, int e, int is_v) {
+    return (float)(1000 * (int)il + 10 * pos + e) + (is_v ? 0.5f : 0.0f);
+}
+
+/* Whole-memory (seq -1) or one sequence's state bytes; *size receives the length. Caller frees. */
+static uint8_t* state_of(const kvc_memory* mem, int32_t seq, size_t* size) {
+    size_t n = 0, written = 0;
+    CHECK_OK(kvc_state_seq_get_size(mem, seq, 0, &n));
+    uint8_t* buf = malloc(n);
+    CHECK(buf != NULL);
+    CHECK_OK(kvc_state_seq_get_data(mem, seq, buf, n, &written, 0));
+    CHECK(written == n);
+    *size = n;
+    return buf;
+}
+
+static int same_state(const kvc_memory* mem, const uint8_t* before, size_t n_before) {
+    size_t n = 0;
+    uint8_t* now = state_of(mem, KVC_SEQ_ALL, &n);
+    const int same = n == n_before && memcmp(now, before, n) == 0;
+    free(now);
+    return same;
+}
+
+/* Runs every ubatch of the batch: apply, write K/V rows of both layers from kv_value. */
+static void decode(kvc_memory* mem, const kvc_batch* batch, uint32_t n_ubatch) {
+    kvc_memory_context* ctx = NULL;
+    CHECK_OK(kvc_memory_init_batch(mem, batch, n_ubatch, false, &ctx));
+    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
+    do {
+        CHECK_OK(kvc_memory_context_apply(ctx));
+        kvc_ubatch_view ub;
+        CHECK_OK(kvc_memory_context_get_ubatch(ctx, &ub));
+        float* rows = malloc(sizeof(float) * E * ub.n_tokens);
+        for (uint32_t il = 0; il < 2; ++il) {
+            for (int is_v = 0; is_v < 2; ++is_v) {
+                for (uint32_t t = 0; t < ub.n_tokens; ++t)
+                    for (int e = 0; e < E; ++e) rows[t * E + e] = kv_value(il, ub.pos[t], e, is_v);
+                if (is_v)
+                    CHECK_OK(kvc_memory_cpy_v(ctx, il, rows, ub.n_tokens));
+                else
+                    CHECK_OK(kvc_memory_cpy_k(ctx, il, rows, ub.n_tokens));
+            }
+        }
+        free(rows);
+    } while (kvc_memory_context_next(ctx));
+    kvc_memory_context_free(ctx);
+}
+
+/* A batch of positions [p0, p1) of one sequence, the last token an output. */
+static kvc_batch* seq_batch(int32_t seq, int32_t p0, int32_t p1) {
+    kvc_batch* b = kvc_batch_init(p1 - p0, 0, 1);
+    CHECK(b != NULL);
+    for (int32_t p = p0; p < p1; ++p) CHECK_OK(kvc_batch_add(b, 100 + p, p, &seq, 1, p == p1 - 1));
+    return b;
+}
+
+static float k_at(const kvc_tensor_view* v, int64_t d, int64_t h, int64_t cell) {
+    float x;
+    memcpy(&x, (const char*)v->data + d * v->nb[0] + h * v->nb[1] + cell * v->nb[2], sizeof x);
+    return x;
+}
+
+/* -- errors, version, types -- */
+
+static void test_errors_and_version(void) {
+    CHECK(strcmp(kvc_last_error(), "") == 0); /* nothing failed on this thread yet */
+    CHECK(strcmp(kvc_status_string(KVC_OK), "ok") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_INVALID_ARGUMENT), "invalid_argument") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_OUT_OF_RANGE), "out_of_range") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_INVALID_STATE), "invalid_state") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_CORRUPT_DATA), "corrupt_data") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_UNSUPPORTED), "unsupported") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_IO), "io") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_OUT_OF_MEMORY), "out_of_memory") == 0);
+    CHECK(strcmp(kvc_status_string(KVC_ERR_INTERNAL), "internal") == 0);
+    CHECK(strcmp(kvc_status_string((kvc_status)12345), "unknown") == 0);
+    CHECK(strcmp(kvc_status_string((kvc_status)-12345), "unknown") == 0);
+    CHECK(strcmp(kvc_version_string(), KVC_VERSION_STRING) == 0);
+
+    /* the message names the function and the parameter; successes keep it; clear forgets it */
+    CHECK_ERR(kvc_memory_clear(NULL, false), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_clear: mem is NULL");
+    CHECK(strncmp(kvc_last_error(), "kvc_memory_clear: ", 18) == 0);
+    CHECK(kvc_row_size(KVC_TYPE_F32, 4) == 16);
+    CHECK(strcmp(kvc_last_error(), "kvc_memory_clear: mem is NULL") == 0);
+    kvc_clear_last_error();
+    CHECK(strcmp(kvc_last_error(), "") == 0);
+}
+
+static void test_types(void) {
+    CHECK(strcmp(kvc_type_name(KVC_TYPE_F32), "f32") == 0);
+    CHECK(strcmp(kvc_type_name(KVC_TYPE_F16), "f16") == 0);
+    CHECK(strcmp(kvc_type_name(KVC_TYPE_BF16), "bf16") == 0);
+    CHECK(strcmp(kvc_type_name(KVC_TYPE_Q8_0), "q8_0") == 0);
+    CHECK(strcmp(kvc_type_name(KVC_TYPE_Q4_0), "q4_0") == 0);
+    CHECK(kvc_type_name((kvc_type)3) == NULL); /* ggml's q4_1: not supported */
+    CHECK_MSG("kvc_type_name: type = 3 is not an element type");
+    CHECK(kvc_type_name((kvc_type)-7) == NULL);
+    CHECK(kvc_type_name((kvc_type)1000000) == NULL);
+
+    CHECK(kvc_type_block_size(KVC_TYPE_F16) == 1);
+    CHECK(kvc_type_block_size(KVC_TYPE_Q8_0) == 32);
+    CHECK(kvc_type_block_size((kvc_type)99) == KVC_ERR_INVALID_ARGUMENT);
+
+    CHECK(kvc_row_size(KVC_TYPE_F32, 8) == 32);
+    CHECK(kvc_row_size(KVC_TYPE_F16, 8) == 16);
+    CHECK(kvc_row_size(KVC_TYPE_BF16, 8) == 16);
+    CHECK(kvc_row_size(KVC_TYPE_Q8_0, 64) == 68);
+    CHECK(kvc_row_size(KVC_TYPE_Q4_0, 32) == 18);
+    CHECK(kvc_row_size(KVC_TYPE_F32, 0) == 0);
+    CHECK(kvc_row_size(KVC_TYPE_Q8_0, 31) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_MSG("kvc_row_size: ");
+    CHECK(kvc_row_size(KVC_TYPE_F32, -1) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK(kvc_row_size((kvc_type)5, 32) == KVC_ERR_INVALID_ARGUMENT);
+}
+
+/* -- creation -- */
+
+static uint32_t g_filter_calls = 0;
+
+static bool keep_even_layers(uint32_t il, void* user_data) {
+    ++*(uint32_t*)user_data;
+    return il % 2 == 0;
+}
+
+static void test_create(void) {
+    const kvc_kv_cache_params d = kvc_kv_cache_default_params();
+    CHECK(d.layers == NULL && d.n_layers == 0 && d.layer_filter == NULL);
+    CHECK(d.type_k == KVC_TYPE_F16 && d.type_v == KVC_TYPE_F16 && d.v_trans);
+    CHECK(d.kv_size == 4096 && d.n_seq_max == 1 && d.unified && d.n_pad == 1 && d.n_kv_pad == 256);
+    CHECK(d.n_swa == 0 && d.swa_type == KVC_SWA_TYPE_NONE && d.n_pos == 1 && d.compact_threshold == 0.0f);
+    const kvc_layer_desc l = kvc_layer_desc_default();
+    CHECK(l.n_head_kv == 1 && l.n_embd_head_k == 0 && l.has_kv && !l.is_swa);
+    CHECK(l.rope.type == KVC_ROPE_TYPE_NORMAL && l.rope.freq_base == 10000.0f && l.rope.freq_scale == 1.0f);
+
+    kvc_memory* mem = (kvc_memory*)&g_checks; /* garbage: must be set to NULL on failure */
+    CHECK_ERR(kvc_kv_cache_create(NULL, &mem), KVC_ERR_INVALID_ARGUMENT, "params is NULL");
+    CHECK(mem == NULL);
+    kvc_kv_cache_params p = small_params(16, 1);
+    CHECK_ERR(kvc_kv_cache_create(&p, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_kv_cache_create(&d, &mem), KVC_ERR_INVALID_ARGUMENT, "params.layers");
+
+    p = small_params(16, 1);
+    p.kv_size = 0;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "kv_size must be positive");
+    p = small_params(16, 1);
+    p.type_v = KVC_TYPE_Q8_0; /* quantized V must not be transposed */
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "transposed V");
+    p = small_params(16, 1);
+    p.type_k = (kvc_type)77;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "params.type_k = 77");
+    p = small_params(16, 1);
+    p.swa_type = (kvc_swa_type)9;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "params.swa_type = 9");
+    p = small_params(16, 1);
+    g_layers[1].rope.type = (kvc_rope_type)-3;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "layers[1].rope.type = -3");
+    p = small_params(16, 1);
+    g_layers[0].n_embd_head_k = 3; /* odd n_rot with normal RoPE */
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "layer 0");
+    CHECK(mem == NULL);
+
+    /* a filter keeps layers 0 and 2 of 3: layer 1 has no K/V */
+    kvc_layer_desc three[3];
+    for (int il = 0; il < 3; ++il) {
+        three[il] = kvc_layer_desc_default();
+        three[il].n_embd_head_k = three[il].n_embd_head_v = 8;
+    }
+    p = small_params(16, 1);
+    p.layers = three;
+    p.n_layers = 3;
+    p.layer_filter = keep_even_layers;
+    p.layer_filter_user_data = &g_filter_calls;
+    p.type_k = KVC_TYPE_Q8_0; /* 8 values are not a whole q8_0 block */
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "q8_0");
+    p.type_k = KVC_TYPE_F16;
+    g_filter_calls = 0;
+    CHECK_OK(kvc_kv_cache_create(&p, &mem));
+    CHECK(g_filter_calls == 3);
+    kvc_memory_context* full = NULL;
+    CHECK_OK(kvc_memory_init_full(mem, &full));
+    kvc_tensor_view v;
+    CHECK_OK(kvc_memory_get_k(full, 0, &v));
+    CHECK(v.type == KVC_TYPE_F16 && v.ne[0] == 8 && v.ne[1] == 1 && v.ne[2] == 16 && v.ne[3] == 1);
+    CHECK_OK(kvc_memory_get_k(full, 2, &v));
+    CHECK_ERR(kvc_memory_get_k(full, 1, &v), KVC_ERR_OUT_OF_RANGE, "model layer 1 has no K/V");
+    CHECK_ERR(kvc_memory_get_v(full, 3, &v), KVC_ERR_OUT_OF_RANGE, "model layer 3 has no K/V");
+    kvc_memory_context_free(full);
+    kvc_memory_free(mem);
+    kvc_memory_free(NULL); /* harmless */
+}
+
+/* -- batches -- */
+
+static void test_batch(void) {
+    CHECK(kvc_batch_init(0, 0, 1) == NULL);
+    CHECK_MSG("kvc_batch_init: ");
+    CHECK(kvc_batch_init(4, -1, 1) == NULL);
+    CHECK(kvc_batch_init(4, 0, 0) == NULL);
+
+    kvc_batch* b = kvc_batch_init(2, 0, 2);
+    CHECK(b != NULL);
+    CHECK(kvc_batch_n_tokens(b) == 0 && kvc_batch_capacity(b) == 2);
+    const int32_t seqs[3] = {0, 1, 0};
+    CHECK_OK(kvc_batch_add(b, 7, 0, seqs, 2, false));
+    CHECK_ERR(kvc_batch_add(b, 8, 1, NULL, 1, false), KVC_ERR_INVALID_ARGUMENT, "seq_ids is NULL");
+    CHECK_ERR(kvc_batch_add(b, 8, 1, seqs, 0, false), KVC_ERR_INVALID_ARGUMENT, "0 sequence ids");
+    CHECK_ERR(kvc_batch_add(b, 8, 1, seqs, 3, false), KVC_ERR_INVALID_ARGUMENT, "3 sequence ids");
+    const float row[4] = {1, 2, 3, 4};
+    CHECK_ERR(kvc_batch_add_embd(b, row, 1, seqs, 1, false), KVC_ERR_INVALID_ARGUMENT, "holds tokens");
+    CHECK(kvc_batch_n_tokens(b) == 1); /* failures changed nothing */
+    CHECK_OK(kvc_batch_add(b, 8, 1, seqs, 1, false));
+    CHECK_ERR(kvc_batch_add(b, 9, 2, seqs, 1, false), KVC_ERR_OUT_OF_RANGE, "full");
+    CHECK_OK(kvc_batch_set_output(b, 1, true));
+    CHECK_ERR(kvc_batch_set_output(b, 2, true), KVC_ERR_OUT_OF_RANGE, "token 2");
+    CHECK_ERR(kvc_batch_set_output(b, -1, true), KVC_ERR_OUT_OF_RANGE, "token -1");
+    CHECK(kvc_batch_n_tokens(b) == 2);
+    CHECK_OK(kvc_batch_clear(b));
+    CHECK(kvc_batch_n_tokens(b) == 0 && kvc_batch_capacity(b) == 2);
+    kvc_batch_free(b);
+
+    kvc_batch* e = kvc_batch_init(2, 4, 1);
+    CHECK(e != NULL);
+    CHECK_OK(kvc_batch_add_embd(e, row, 0, seqs, 1, true));
+    CHECK_ERR(kvc_batch_add_embd(e, NULL, 1, seqs, 1, true), KVC_ERR_INVALID_ARGUMENT, "embd is NULL");
+    CHECK_ERR(kvc_batch_add(e, 5, 1, seqs, 1, true), KVC_ERR_INVALID_ARGUMENT, "holds embeddings");
+    CHECK(kvc_batch_n_tokens(e) == 1);
+    kvc_batch_free(e);
+
+    const int32_t toks[3] = {5, 6, 7};
+    CHECK(kvc_batch_get_one(NULL, 3) == NULL);
+    CHECK_MSG("kvc_batch_get_one: tokens is NULL");
+    CHECK(kvc_batch_get_one(toks, 0) == NULL);
+    CHECK_MSG("n_tokens = 0");
+    kvc_batch* one = kvc_batch_get_one(toks, 3);
+    CHECK(one != NULL);
+    CHECK(kvc_batch_n_tokens(one) == 3 && kvc_batch_capacity(one) == 3);
+    CHECK_ERR(kvc_batch_add(one, 1, 3, seqs, 1, false), KVC_ERR_INVALID_ARGUMENT, "kvc_batch_get_one");
+    CHECK_ERR(kvc_batch_clear(one), KVC_ERR_INVALID_ARGUMENT, "kvc_batch_get_one");
+    CHECK_ERR(kvc_batch_set_output(one, 0, true), KVC_ERR_INVALID_ARGUMENT, "kvc_batch_get_one");
+    kvc_batch_free(one);
+
+    CHECK(kvc_batch_n_tokens(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_MSG("kvc_batch_n_tokens: batch is NULL");
+    CHECK(kvc_batch_capacity(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_ERR(kvc_batch_add(NULL, 1, 0, seqs, 1, false), KVC_ERR_INVALID_ARGUMENT, "batch is NULL");
+    CHECK_ERR(kvc_batch_add_embd(NULL, row, 0, seqs, 1, false), KVC_ERR_INVALID_ARGUMENT, "batch is NULL");
+    CHECK_ERR(kvc_batch_clear(NULL), KVC_ERR_INVALID_ARGUMENT, "batch is NULL");
+    CHECK_ERR(kvc_batch_set_output(NULL, 0, true), KVC_ERR_INVALID_ARGUMENT, "batch is NULL");
+    kvc_batch_free(NULL);
+}
+
+/* -- the decode loop -- */
+
+static void check_mask_row(const float* row, int64_t n_kv, int32_t visible_up_to) {
+    for (int64_t c = 0; c < n_kv; ++c) {
+        if (c <= visible_up_to)
+            CHECK(row[c] == 0.0f);
+        else
+            CHECK(isinf(row[c]) && row[c] < 0);
+    }
+}
+
+static void test_decode_loop(void) {
+    kvc_memory* mem = small_cache(16, 2);
+    kvc_batch* b = seq_batch(0, 0, 5); /* positions 0..4, output for the last */
+    kvc_memory_context* ctx = NULL;
+    CHECK_OK(kvc_memory_init_batch(mem, b, 3, false, &ctx));
+    kvc_batch_free(b); /* the context copied what it needs */
+    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
+
+    const int32_t* out_ids = NULL;
+    size_t n_out = 0;
+    CHECK_OK(kvc_memory_context_out_ids(ctx, &out_ids, &n_out));
+    CHECK(n_out == 1 && out_ids[0] == 4);
+
+    float rows[5 * E];
+    int ubatch = 0;
+    int32_t first_pos = 0;
+    do {
+        kvc_ubatch_view ub;
+        CHECK_OK(kvc_memory_context_get_ubatch(ctx, &ub));
+        CHECK(kvc_memory_context_n_tokens(ctx) == (ubatch == 0 ? 3 : 2));
+        CHECK(ub.n_tokens == (ubatch == 0 ? 3u : 2u) && ub.n_pos == 1 && ub.n_embd == 0 && ub.embd == NULL);
+        CHECK(ub.token != NULL && ub.token[0] == 100 + first_pos && ub.pos[0] == first_pos);
+        CHECK(ub.n_seq_id[0] == 1 && ub.seq_id_data[ub.seq_id_begin[0]] == 0 && ub.n_seqs_unq == 1 &&
+              ub.seq_id_unq[0] == 0);
+        CHECK(ub.batch_idx[0] == first_pos);
+        CHECK(ub.output[ub.n_tokens - 1] == (ubatch == 1));
+
+        /* nothing refers to a ubatch before it is applied */
+        CHECK_ERR(kvc_memory_cpy_k(ctx, 0, rows, ub.n_tokens), KVC_ERR_INVALID_STATE, "not applied");
+        CHECK(kvc_memory_kq_mask_elements(ctx) == KVC_ERR_INVALID_STATE);
+        kvc_tensor_view v;
+        CHECK_ERR(kvc_memory_get_k(ctx, 0, &v), KVC_ERR_INVALID_STATE,
+                  "kvc_memory_get_k: the current ubatch");
+
+        CHECK_OK(kvc_memory_context_apply(ctx));
+        CHECK_ERR(kvc_memory_context_apply(ctx), KVC_ERR_INVALID_STATE, "already applied");
+        const int64_t n_kv = kvc_memory_context_n_kv(ctx);
+        CHECK(n_kv == (ubatch == 0 ? 4 : 8)); /* used cells padded to n_kv_pad 4 */
+
+        for (uint32_t il = 0; il < 2; ++il) {
+            for (uint32_t t = 0; t < ub.n_tokens; ++t)
+                for (int e = 0; e < E; ++e) rows[t * E + e] = kv_value(il, ub.pos[t], e, 0);
+            CHECK_OK(kvc_memory_cpy_k(ctx, il, rows, ub.n_tokens));
+            for (uint32_t t = 0; t < ub.n_tokens; ++t)
+                for (int e = 0; e < E; ++e) rows[t * E + e] = kv_value(il, ub.pos[t], e, 1);
+            CHECK_OK(kvc_memory_cpy_v(ctx, il, rows, ub.n_tokens));
+        }
+        CHECK_ERR(kvc_memory_cpy_k(ctx, 0, rows, ub.n_tokens + 1), KVC_ERR_INVALID_ARGUMENT,
+                  "cpy_k: expected");
+        CHECK_ERR(kvc_memory_cpy_v(ctx, 0, rows, 0), KVC_ERR_INVALID_ARGUMENT, "cpy_v: expected");
+        CHECK_ERR(kvc_memory_cpy_k(ctx, 5, rows, ub.n_tokens), KVC_ERR_OUT_OF_RANGE, "model layer 5");
+        CHECK_ERR(kvc_memory_cpy_v(ctx, 0, NULL, ub.n_tokens), KVC_ERR_INVALID_ARGUMENT, "src is NULL");
+
+        /* K: [4 values, 2 heads, n_kv cells, 1 stream]; a fresh cache fills cells 0, 1, 2, ... */
+        CHECK_OK(kvc_memory_get_k(ctx, 1, &v));
+        CHECK(v.type == KVC_TYPE_F32 && v.ne[0] == 4 && v.ne[1] == 2 && v.ne[2] == n_kv && v.ne[3] == 1);
+        CHECK(v.nb[0] == 4 && v.nb[1] == 16 && v.nb[2] == 32 && v.nb[3] == 32 * 16);
+        for (uint32_t t = 0; t < ub.n_tokens; ++t) {
+            const int32_t p = ub.pos[t];
+            for (int h = 0; h < 2; ++h)
+                for (int dd = 0; dd < 4; ++dd) CHECK(k_at(&v, dd, h, p) == kv_value(1, p, h * 4 + dd, 0));
+        }
+        /* V transposed: [n_kv cells, 2 heads, 4 values, 1 stream], cells fastest */
+        CHECK_OK(kvc_memory_get_v(ctx, 0, &v));
+        CHECK(v.ne[0] == n_kv && v.ne[1] == 2 && v.ne[2] == 4 && v.ne[3] == 1 && v.nb[0] == 4);
+        for (int32_t p = 0; p < first_pos + (int32_t)ub.n_tokens; ++p)
+            for (int h = 0; h < 2; ++h)
+                for (int dd = 0; dd < 4; ++dd) {
+                    float x;
+                    memcpy(&x, (const char*)v.data + p * v.nb[0] + h * v.nb[1] + dd * v.nb[2], sizeof x);
+                    CHECK(x == kv_value(0, p, h * 4 + dd, 1));
+                }
+
+        /* masks: token at position p sees cells 0..p (causal) or every cell of its sequence */
+        const int64_t n_mask = kvc_memory_kq_mask_elements(ctx);
+        CHECK(n_mask == n_kv * (int64_t)ub.n_tokens);
+        float mask[8 * 3];
+        uint16_t mask16[8 * 3];
+        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask, true, false));
+        for (uint32_t t = 0; t < ub.n_tokens; ++t) check_mask_row(mask + t * n_kv, n_kv, ub.pos[t]);
+        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask, false, false));
+        for (uint32_t t = 0; t < ub.n_tokens; ++t)
+            check_mask_row(mask + t * n_kv, n_kv, first_pos + (int32_t)ub.n_tokens - 1);
+        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask, true, true)); /* ALiBi */
+        CHECK(mask[(ub.n_tokens - 1) * n_kv] == -(float)ub.pos[ub.n_tokens - 1]);
+        CHECK_OK(kvc_memory_set_input_kq_mask_f16(ctx, mask16, (size_t)n_mask, true, false));
+        CHECK(mask16[0] == 0x0000 && mask16[n_kv - 1] == 0xFC00);
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask - 1, true, false),
+                  KVC_ERR_INVALID_ARGUMENT, "contiguous elements");
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, NULL, (size_t)n_mask, true, false),
+                  KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+        CHECK_ERR(kvc_memory_set_input_kq_mask_f16(ctx, mask16, 1, true, false), KVC_ERR_INVALID_ARGUMENT,
+                  "kvc_memory_set_input_kq_mask_f16: ");
+
+        int32_t buckets[8 * 3];
+        CHECK_OK(kvc_memory_set_input_pos_bucket(ctx, buckets, (size_t)n_mask, 32));
+        CHECK(buckets[0 * n_kv + ub.pos[0]] == 0); /* relative position 0 */
+        CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, buckets, 3, 32), KVC_ERR_INVALID_ARGUMENT,
+                  "pos_bucket");
+        CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, NULL, 3, 32), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+
+        first_pos += (int32_t)ub.n_tokens;
+        ++ubatch;
+    } while (kvc_memory_context_next(ctx));
+    CHECK(ubatch == 2);
+    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(kvc_memory_context_n_tokens(ctx) == KVC_ERR_INVALID_STATE); /* past the last ubatch */
+    CHECK_MSG("no current ubatch");
+    kvc_ubatch_view ub;
+    CHECK_ERR(kvc_memory_context_get_ubatch(ctx, &ub), KVC_ERR_INVALID_STATE, "no current ubatch");
+    kvc_memory_context_free(ctx);
+
+    int32_t pos = 0;
+    CHECK_OK(kvc_memory_seq_pos_min(mem, 0, &pos));
+    CHECK(pos == 0);
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
+    CHECK(pos == 4);
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == -1);
+
+    /* kvc_batch_get_one continues sequence 0 from the memory */
+    const int32_t toks[2] = {42, 43};
+    kvc_batch* one = kvc_batch_get_one(toks, 2);
+    CHECK_OK(kvc_memory_init_batch(mem, one, 8, false, &ctx));
+    CHECK_OK(kvc_memory_context_get_ubatch(ctx, &ub));
+    CHECK(ub.n_tokens == 2 && ub.pos[0] == 5 && ub.pos[1] == 6 && ub.token[1] == 43);
+    CHECK(ub.output[0] == 0 && ub.output[1] == 1);
+    kvc_memory_context_free(ctx); /* never applied: the memory is unchanged */
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
+    CHECK(pos == 4);
+    kvc_batch_free(one);
+
+    /* a full context: every cell, nothing to apply */
+    CHECK_OK(kvc_memory_init_full(mem, &ctx));
+    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK(kvc_memory_context_n_kv(ctx) == 16);
+    kvc_tensor_view v;
+    CHECK_OK(kvc_memory_get_k(ctx, 0, &v));
+    CHECK(v.ne[2] == 16 && k_at(&v, 1, 1, 3) == kv_value(0, 3, 5, 0));
+    CHECK_OK(kvc_memory_context_apply(ctx));
+    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(kvc_memory_context_n_tokens(ctx) == KVC_ERR_INVALID_STATE);
+    CHECK_OK(kvc_memory_context_out_ids(ctx, &out_ids, &n_out));
+    CHECK(n_out == 0);
+    kvc_memory_context_free(ctx);
+    kvc_memory_free(mem);
+}
+
+/* An embeddings batch goes through the same path; the ubatch carries the rows. */
+static void test_embeddings_batch(void) {
+    kvc_memory* mem = small_cache(8, 1);
+    kvc_batch* e = kvc_batch_init(2, 3, 1);
+    const int32_t s0 = 0;
+    const float r0[3] = {1, 2, 3}, r1[3] = {4, 5, 6};
+    CHECK_OK(kvc_batch_add_embd(e, r0, 0, &s0, 1, false));
+    CHECK_OK(kvc_batch_add_embd(e, r1, 1, &s0, 1, true));
+    kvc_memory_context* ctx = NULL;
+    CHECK_OK(kvc_memory_init_batch(mem, e, 4, false, &ctx));
+    kvc_ubatch_view ub;
+    CHECK_OK(kvc_memory_context_get_ubatch(ctx, &ub));
+    CHECK(ub.token == NULL && ub.n_embd == 3 && ub.embd != NULL && ub.embd[3] == 4.0f && ub.pos[1] == 1);
+    kvc_memory_context_free(ctx);
+    kvc_batch_free(e);
+    kvc_memory_free(mem);
+}
+
+/* -- batches that are refused or do not fit -- */
+
+static void test_batch_errors_and_no_fit(void) {
+    kvc_memory* mem = small_cache(8, 2);
+    kvc_batch* b = seq_batch(0, 0, 3);
+    decode(mem, b, 8);
+    kvc_batch_free(b);
+    size_t n_before = 0;
+    uint8_t* before = state_of(mem, KVC_SEQ_ALL, &n_before);
+
+    /* 10 tokens in 8 cells: valid, does not fit; a failed context, nothing changed */
+    b = seq_batch(1, 0, 10);
+    kvc_memory_context* ctx = (kvc_memory_context*)&g_checks;
+    CHECK_OK(kvc_memory_init_batch(mem, b, 4, false, &ctx));
+    CHECK(ctx != NULL && kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
+    CHECK_ERR(kvc_memory_context_apply(ctx), KVC_ERR_INVALID_STATE, "failed context");
+    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(kvc_memory_context_n_tokens(ctx) == KVC_ERR_INVALID_STATE);
+    CHECK(kvc_memory_context_n_kv(ctx) == 0);
+    kvc_tensor_view v;
+    CHECK_ERR(kvc_memory_get_k(ctx, 0, &v), KVC_ERR_INVALID_STATE, "not applied");
+    kvc_memory_context_free(ctx);
+    CHECK(same_state(mem, before, n_before));
+    kvc_batch_free(b);
+
+    /* invalid batches are errors: no context */
+    b = seq_batch(5, 0, 2); /* seq 5 with n_seq_max 2 */
+    ctx = (kvc_memory_context*)&g_checks;
+    CHECK_ERR(kvc_memory_init_batch(mem, b, 4, false, &ctx), KVC_ERR_OUT_OF_RANGE, "seq_id[0][0] = 5");
+    CHECK(ctx == NULL);
+    kvc_batch_free(b);
+    b = seq_batch(0, 5, 7); /* positions 5, 6 after 0..2: the sequence must continue at 3 */
+    CHECK_ERR(kvc_memory_init_batch(mem, b, 4, false, &ctx), KVC_ERR_INVALID_STATE,
+              "kvc_memory_init_batch: batch: ");
+    kvc_batch_free(b);
+    b = seq_batch(0, 3, 4);
+    CHECK_ERR(kvc_memory_init_batch(mem, b, 0, false, &ctx), KVC_ERR_INVALID_ARGUMENT,
+              "n_ubatch must be at least 1");
+    kvc_batch_free(b);
+    b = kvc_batch_init(2, 0, 1);
+    CHECK_ERR(kvc_memory_init_batch(mem, b, 4, false, &ctx), KVC_ERR_INVALID_ARGUMENT, "n_tokens = 0");
+    CHECK_ERR(kvc_memory_init_batch(NULL, b, 4, false, &ctx), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_init_batch(mem, NULL, 4, false, &ctx), KVC_ERR_INVALID_ARGUMENT, "batch is NULL");
+    CHECK_ERR(kvc_memory_init_batch(mem, b, 4, false, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    kvc_batch_free(b);
+    CHECK(same_state(mem, before, n_before));
+    free(before);
+    kvc_memory_free(mem);
+}
+
+/* -- sequence operations, K-shift, update -- */
+
+static void test_sequence_ops(void) {
+    kvc_memory* mem = small_cache(16, 2);
+    kvc_batch* b = seq_batch(0, 0, 5);
+    decode(mem, b, 8);
+    kvc_batch_free(b);
+    int32_t pos = 0;
+    bool flag = false;
+
+    CHECK_OK(kvc_memory_can_shift(mem, &flag));
+    CHECK(flag);
+    CHECK_OK(kvc_memory_seq_cp(mem, 0, 1, 0, 3));
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == 2);
+    flag = false;
+    CHECK_OK(kvc_memory_seq_rm(mem, 1, 1, -1, &flag));
+    CHECK(flag);
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == 0);
+    CHECK_OK(kvc_memory_seq_rm(mem, 1, -1, -1, NULL));
+    CHECK_OK(kvc_memory_seq_pos_min(mem, 1, &pos));
+    CHECK(pos == -1);
+
+    /* context shift: drop [1, 3), move [3, end) down by 2 -> keys re-rotated by the update */
+    kvc_tensor_view v;
+    kvc_memory_context* full = NULL;
+    CHECK_OK(kvc_memory_init_full(mem, &full));
+    CHECK_OK(kvc_memory_get_k(full, 0, &v));
+    const float k_before = k_at(&v, 0, 0, 3);
+    CHECK(k_before == kv_value(0, 3, 0, 0));
+    CHECK_OK(kvc_memory_seq_rm(mem, 0, 1, 3, NULL));
+    CHECK_OK(kvc_memory_seq_add(mem, 0, 3, -1, -2));
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
+    CHECK(pos == 2);
+    CHECK(kvc_memory_k_shift_elements(mem) == 16);
+    int32_t shift[16];
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, shift, 16));
+    CHECK(shift[0] == 0 && shift[3] == -2 && shift[4] == -2 && shift[5] == 0);
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, shift, 15), KVC_ERR_INVALID_ARGUMENT, "need 16 elements");
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, NULL, 16), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+
+    kvc_memory_context* up = NULL;
+    CHECK_OK(kvc_memory_init_update(mem, false, &up));
+    CHECK(kvc_memory_context_status(up) == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK(!kvc_memory_context_next(up));
+    CHECK(kvc_memory_context_n_tokens(up) == KVC_ERR_INVALID_STATE);
+    CHECK_OK(kvc_memory_context_apply(up));
+    CHECK_ERR(kvc_memory_get_k(up, 0, &v), KVC_ERR_INVALID_STATE, "no current slot");
+    kvc_memory_context_free(up);
+    CHECK(k_at(&v, 0, 0, 3) != k_before); /* rotated back by 2 positions (v still views layer 0) */
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, shift, 16));
+    CHECK(shift[3] == 0 && shift[4] == 0);
+    CHECK_OK(kvc_memory_init_update(mem, false, &up));
+    CHECK(kvc_memory_context_status(up) == KVC_MEMORY_STATUS_NO_UPDATE);
+    CHECK_OK(kvc_memory_context_apply(up)); /* nothing to do, harmless */
+    kvc_memory_context_free(up);
+    kvc_memory_context_free(full);
+
+    /* cells 1, 2 are holes below used cells: optimize compacts them */
+    flag = true;
+    CHECK_OK(kvc_memory_update(mem, false, &flag));
+    CHECK(!flag);
+    CHECK_OK(kvc_memory_update(mem, true, &flag));
+    CHECK(flag);
+    CHECK_OK(kvc_memory_update(mem, true, NULL));
+
+    CHECK_OK(kvc_memory_seq_div(mem, 0, 0, -1, 2));
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
+    CHECK(pos == 1);
+    CHECK_ERR(kvc_memory_seq_div(mem, 0, 0, -1, 0), KVC_ERR_INVALID_ARGUMENT, "divisor 0");
+    CHECK_OK(kvc_memory_seq_cp(mem, 0, 1, -1, -1));
+    CHECK_OK(kvc_memory_seq_keep(mem, 1));
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
+    CHECK(pos == -1);
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == 1);
+    CHECK_OK(kvc_memory_seq_rm(mem, KVC_SEQ_ALL, -1, -1, NULL));
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == -1);
+
+    /* bad sequence ids change nothing */
+    b = seq_batch(0, 0, 4);
+    decode(mem, b, 8);
+    kvc_batch_free(b);
+    size_t n_before = 0;
+    uint8_t* before = state_of(mem, KVC_SEQ_ALL, &n_before);
+    CHECK_ERR(kvc_memory_seq_rm(mem, 7, -1, -1, &flag), KVC_ERR_OUT_OF_RANGE,
+              "kvc_memory_seq_rm: seq_rm: seq_id 7 not in [0, 2)");
+    CHECK_ERR(kvc_memory_seq_rm(mem, -2, -1, -1, NULL), KVC_ERR_OUT_OF_RANGE, "seq_id -2");
+    CHECK_ERR(kvc_memory_seq_cp(mem, 0, 2, -1, -1), KVC_ERR_OUT_OF_RANGE, "seq_id 2");
+    CHECK_ERR(kvc_memory_seq_cp(mem, -1, 1, -1, -1), KVC_ERR_OUT_OF_RANGE, "seq_id -1");
+    CHECK_ERR(kvc_memory_seq_keep(mem, 2), KVC_ERR_OUT_OF_RANGE, "seq_keep");
+    CHECK_ERR(kvc_memory_seq_add(mem, 3, 0, -1, 1), KVC_ERR_OUT_OF_RANGE, "seq_add");
+    CHECK_ERR(kvc_memory_seq_div(mem, 3, 0, -1, 2), KVC_ERR_OUT_OF_RANGE, "seq_div");
+    CHECK_ERR(kvc_memory_seq_pos_min(mem, 2, &pos), KVC_ERR_OUT_OF_RANGE, "seq_pos_min");
+    CHECK_ERR(kvc_memory_seq_pos_max(mem, -1, &pos), KVC_ERR_OUT_OF_RANGE, "seq_pos_max");
+    CHECK(same_state(mem, before, n_before));
+    free(before);
+
+    /* NULL handles and out pointers */
+    CHECK_ERR(kvc_memory_seq_rm(NULL, 0, -1, -1, NULL), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_seq_rm: mem is NULL");
+    CHECK_ERR(kvc_memory_seq_cp(NULL, 0, 1, -1, -1), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_seq_cp: mem is NULL");
+    CHECK_ERR(kvc_memory_seq_keep(NULL, 0), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_seq_add(NULL, 0, -1, -1, 1), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_seq_div(NULL, 0, -1, -1, 2), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_seq_pos_min(NULL, 0, &pos), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_seq_pos_max(mem, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_memory_can_shift(NULL, &flag), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_can_shift(mem, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_memory_update(NULL, false, &flag), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK(kvc_memory_k_shift_elements(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_ERR(kvc_memory_set_input_k_shift(NULL, shift, 16), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+
+    CHECK_OK(kvc_memory_clear(mem, true));
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
+    CHECK(pos == -1);
+    kvc_memory_free(mem);
+}
+
+/* M-RoPE caches cannot shift positions. */
+static void test_mrope_cannot_shift(void) {
+    kvc_kv_cache_params p = small_params(8, 1);
+    p.n_pos = 4;
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_kv_cache_create(&p, &mem));
+    bool can = true;
+    CHECK_OK(kvc_memory_can_shift(mem, &can));
+    CHECK(!can);
+    CHECK_ERR(kvc_memory_seq_add(mem, 0, 0, -1, 1), KVC_ERR_UNSUPPORTED, "M-RoPE");
+    CHECK_ERR(kvc_memory_seq_div(mem, 0, 0, -1, 2), KVC_ERR_UNSUPPORTED, "M-RoPE");
+    kvc_memory_free(mem);
+}
+
+static int g_split_warnings = 0;
+
+static void count_split_warnings(kvc_log_level level, const char* message, void* user_data) {
+    if (level == KVC_LOG_WARN && strstr(message, "sequential split") != NULL) ++*(int*)user_data;
+}
+
+/* One stream per sequence: views span the streams of the ubatch; position buckets need one stream. V is
+ * not transposed here. */
+static void test_split_streams(void) {
+    kvc_kv_cache_params p = small_params(8, 2);
+    p.unified = false;
+    p.v_trans = false;
+    p.type_v = KVC_TYPE_F16;
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_kv_cache_create(&p, &mem));
+    CHECK(kvc_memory_k_shift_elements(mem) == 16);
+    kvc_batch* b = kvc_batch_init(4, 0, 2);
+    const int32_t s0 = 0, s1 = 1, both[2] = {0, 1};
+    CHECK_OK(kvc_batch_add(b, 1, 0, &s0, 1, false));
+    CHECK_OK(kvc_batch_add(b, 2, 0, &s1, 1, true));
+    kvc_memory_context* ctx = NULL;
+    CHECK_OK(kvc_memory_init_batch(mem, b, 4, false, &ctx));
+    CHECK_OK(kvc_memory_context_apply(ctx));
+    kvc_tensor_view v;
+    CHECK_OK(kvc_memory_get_k(ctx, 0, &v));
+    CHECK(v.ne[3] == 2 && v.nb[3] == 8 * 32); /* a stream is kv_size rows of 8 f32 */
+    CHECK_OK(kvc_memory_get_v(ctx, 1, &v));
+    CHECK(v.type == KVC_TYPE_F16 && v.ne[0] == 4 && v.ne[1] == 2 && v.ne[2] == kvc_memory_context_n_kv(ctx));
+    CHECK(v.ne[3] == 2 && v.nb[0] == 2 && v.nb[1] == 8 && v.nb[2] == 16 && v.nb[3] == 8 * 16);
+    const int64_t n_mask = kvc_memory_kq_mask_elements(ctx);
+    CHECK(n_mask == 2 * kvc_memory_context_n_kv(ctx));
+    int32_t buckets[64];
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, buckets, (size_t)n_mask, 32), KVC_ERR_UNSUPPORTED,
+              "unified");
+    kvc_memory_context_free(ctx);
+
+    /* a token shared by two sequences cannot be split per stream: a failed context, not an error */
+    CHECK_OK(kvc_batch_clear(b));
+    CHECK_OK(kvc_batch_add(b, 3, 1, both, 2, true));
+    kvc_set_log_callback(count_split_warnings, &g_split_warnings);
+    CHECK_OK(kvc_memory_init_batch(mem, b, 4, false, &ctx));
+    kvc_set_log_callback(NULL, NULL);
+    CHECK(g_split_warnings == 1);
+    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
+    kvc_memory_context_free(ctx);
+    kvc_batch_free(b);
+    kvc_memory_free(mem);
+}
+
+/* -- state buffers -- */
+
+static void test_state(void) {
+    kvc_memory* mem = small_cache(16, 2);
+    kvc_batch* b = seq_batch(0, 0, 4);
+    decode(mem, b, 8);
+    kvc_batch_free(b);
+
+    size_t n = 0, n_whole = 0, written = 0, read = 0;
+    uint8_t* seq0 = state_of(mem, 0, &n);
+    uint8_t* whole = state_of(mem, KVC_SEQ_ALL, &n_whole);
+    CHECK(n > 8 && seq0[0] == 0xd8 && seq0[1] == 0x3c && seq0[2] == 0x14 && seq0[3] == 0xaf); /* magic, LE */
+
+    /* too small: out_of_range; the memory is untouched */
+    uint8_t* small = malloc(n - 1);
+    CHECK_ERR(kvc_state_seq_get_data(mem, 0, small, n - 1, &written, 0), KVC_ERR_OUT_OF_RANGE,
+              "kvc_state_seq_get_data: ");
+    free(small);
+    CHECK_ERR(kvc_state_seq_get_data(mem, 0, NULL, n, &written, 0), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+    CHECK_ERR(kvc_state_seq_get_data(NULL, 0, seq0, n, &written, 0), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    uint8_t* again = malloc(n + 16); /* a larger buffer; written may be NULL */
+    CHECK_OK(kvc_state_seq_get_data(mem, 0, again, n + 16, NULL, 0));
+    CHECK(memcmp(again, seq0, n) == 0);
+    free(again);
+    CHECK_ERR(kvc_state_seq_get_data(mem, 9, seq0, n, &written, 0), KVC_ERR_OUT_OF_RANGE, "seq_id 9");
+    CHECK_ERR(kvc_state_seq_get_size(mem, 9, 0, &written), KVC_ERR_OUT_OF_RANGE, "seq_id 9");
+    CHECK_ERR(kvc_state_seq_get_size(mem, 0, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_state_seq_get_size(NULL, 0, 0, &written), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK(same_state(mem, whole, n_whole));
+
+    /* sequence 0 restored into sequence 1 */
+    CHECK_OK(kvc_state_seq_set_data(mem, seq0, n, 1, 0, &read));
+    CHECK(read == n);
+    int32_t pos = 0;
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == 3);
+    free(whole);
+    whole = state_of(mem, KVC_SEQ_ALL, &n_whole);
+
+    /* bad bytes: refused, the memory exactly as before */
+    uint8_t* bad = malloc(n);
+    memcpy(bad, seq0, n);
+    bad[0] ^= 0xff;
+    CHECK_ERR(kvc_state_seq_set_data(mem, bad, n, 1, 0, &read), KVC_ERR_CORRUPT_DATA,
+              "kvc_state_seq_set_data: ");
+    CHECK(same_state(mem, whole, n_whole));
+    CHECK_ERR(kvc_state_seq_set_data(mem, seq0, n - 3, 1, 0, NULL), KVC_ERR_CORRUPT_DATA, "");
+    CHECK(same_state(mem, whole, n_whole));
+    memcpy(bad, seq0, n);
+    bad[8] = 7; /* stream count */
+    CHECK(kvc_state_seq_set_data(mem, bad, n, 1, 0, NULL) != KVC_OK);
+    CHECK(same_state(mem, whole, n_whole));
+    for (size_t i = 8; i < n; i += 7) { /* scattered corruptions: refused or accepted, never a crash */
+        memcpy(bad, seq0, n);
+        bad[i] ^= 0x5a;
+        (void)kvc_state_seq_set_data(mem, bad, n, 1, 0, NULL);
+    }
+    free(bad);
+    CHECK_ERR(kvc_state_seq_set_data(mem, NULL, n, 1, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "src is NULL");
+    CHECK_ERR(kvc_state_seq_set_data(NULL, seq0, n, 1, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_state_seq_set_data(mem, seq0, n, 5, 0, NULL), KVC_ERR_OUT_OF_RANGE, "");
+
+    /* the raw payload (the buffer after its 8-byte header) */
+    CHECK_OK(kvc_memory_seq_rm(mem, 1, -1, -1, NULL));
+    CHECK_OK(kvc_state_set_payload(mem, seq0 + 8, n - 8, 1, 0, &read));
+    CHECK(read == n - 8);
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == 3);
+    free(whole);
+    whole = state_of(mem, KVC_SEQ_ALL, &n_whole);
+    CHECK_ERR(kvc_state_set_payload(mem, seq0, n, 1, 0, NULL), KVC_ERR_CORRUPT_DATA,
+              "kvc_state_set_payload: ");
+    CHECK(same_state(mem, whole, n_whole));
+    CHECK_ERR(kvc_state_set_payload(mem, NULL, 4, 1, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "payload is NULL");
+    CHECK_ERR(kvc_state_set_payload(NULL, seq0, 4, 1, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+
+    /* the whole memory into a fresh cache */
+    kvc_memory* other = small_cache(16, 2);
+    CHECK_OK(kvc_state_seq_set_data(other, whole, n_whole, KVC_SEQ_ALL, 0, NULL));
+    CHECK(same_state(other, whole, n_whole));
+    kvc_memory_free(other);
+
+    /* ... but not into a cache with other K types: refused, unchanged */
+    kvc_kv_cache_params p = small_params(16, 2);
+    p.type_k = KVC_TYPE_BF16;
+    CHECK_OK(kvc_kv_cache_create(&p, &other));
+    size_t n_empty = 0;
+    uint8_t* empty = state_of(other, KVC_SEQ_ALL, &n_empty);
+    CHECK_ERR(kvc_state_seq_set_data(other, whole, n_whole, KVC_SEQ_ALL, 0, NULL), KVC_ERR_CORRUPT_DATA,
+              "K type");
+    CHECK(same_state(other, empty, n_empty));
+    free(empty);
+    kvc_memory_free(other);
+
+    free(seq0);
+    free(whole);
+    kvc_memory_free(mem);
+}
+
+/* -- session files -- */
+
+static void test_files(void) {
+    char path[256], llama_path[256], junk_path[256];
+    snprintf(path, sizeof path, "/tmp/kvc_test_capi_%ld.session", (long)getpid());
+    snprintf(llama_path, sizeof llama_path, "/tmp/kvc_test_capi_%ld.ggsq", (long)getpid());
+    snprintf(junk_path, sizeof junk_path, "/tmp/kvc_test_capi_%ld.junk", (long)getpid());
+
+    kvc_memory* mem = small_cache(16, 2);
+    kvc_batch* b = seq_batch(0, 0, 4);
+    decode(mem, b, 8);
+    kvc_batch_free(b);
+    const int32_t tokens[4] = {100, 101, 102, 103};
+
+    for (int compress = 0; compress < 2; ++compress) {
+        CHECK_OK(kvc_state_seq_save_file(mem, path, 0, tokens, 4, compress));
+        kvc_memory* other = small_cache(16, 2);
+        int32_t got[8] = {0};
+        size_t n_got = 0;
+        CHECK_OK(kvc_state_seq_load_file(other, path, 0, got, 8, &n_got));
+        CHECK(n_got == 4 && memcmp(got, tokens, sizeof tokens) == 0);
+        size_t a = 0, c = 0;
+        uint8_t* sa = state_of(mem, 0, &a);
+        uint8_t* sc = state_of(other, 0, &c);
+        CHECK(a == c && memcmp(sa, sc, a) == 0); /* the same sequence, K/V rows included */
+        free(sa);
+        free(sc);
+        /* a sequence loads into any destination */
+        CHECK_OK(kvc_state_seq_load_file(other, path, 1, NULL, 0, NULL));
+        int32_t pos = 0;
+        CHECK_OK(kvc_memory_seq_pos_max(other, 1, &pos));
+        CHECK(pos == 3);
+        kvc_memory_free(other);
+    }
+
+    /* too few token slots: refused before anything is loaded */
+    kvc_memory* other = small_cache(16, 2);
+    size_t n_before = 0, n_got = 0;
+    uint8_t* before = state_of(other, KVC_SEQ_ALL, &n_before);
+    int32_t got[4] = {0};
+    CHECK_ERR(kvc_state_seq_load_file(other, path, 1, got, 3, &n_got), KVC_ERR_OUT_OF_RANGE,
+              "holds 4 tokens, tokens_out has room for 3");
+    CHECK(same_state(other, before, n_before));
+    CHECK_OK(kvc_state_seq_load_file(other, path, KVC_SEQ_ALL, NULL, 0, &n_got)); /* tokens not wanted */
+    CHECK(n_got == 4);
+    CHECK_OK(kvc_memory_clear(other, true));
+    free(before);
+    before = state_of(other, KVC_SEQ_ALL, &n_before);
+
+    /* whole memory, no tokens */
+    CHECK_OK(kvc_state_seq_save_file(mem, path, KVC_SEQ_ALL, NULL, 0, false));
+    CHECK_ERR(kvc_state_seq_save_file(mem, path, 0, NULL, 2, false), KVC_ERR_INVALID_ARGUMENT,
+              "tokens is NULL but has 2 entries");
+    CHECK_ERR(kvc_state_seq_save_file(mem, path, 5, tokens, 4, false), KVC_ERR_OUT_OF_RANGE, "seq_id 5");
+    CHECK_ERR(kvc_state_seq_save_file(mem, NULL, 0, tokens, 4, false), KVC_ERR_INVALID_ARGUMENT,
+              "path is NULL");
+    CHECK_ERR(kvc_state_seq_save_file(NULL, path, 0, tokens, 4, false), KVC_ERR_INVALID_ARGUMENT,
+              "mem is NULL");
+    CHECK_ERR(kvc_state_seq_save_file(mem, "/nonexistent-dir/x.session", 0, tokens, 4, false), KVC_ERR_IO,
+              "nonexistent-dir");
+
+    /* load errors: missing, foreign, damaged, layout mismatch; the memory unchanged every time */
+    CHECK_ERR(kvc_state_seq_load_file(other, "/nonexistent-dir/x.session", 0, got, 4, &n_got), KVC_ERR_IO,
+              "kvc_state_seq_load_file: load_file '/nonexistent-dir/x.session'");
+    FILE* f = fopen(junk_path, "wb");
+    CHECK(f != NULL);
+    fputs("this is not a session file at all, just text long enough for a header of 72 bytes.......", f);
+    fclose(f);
+    CHECK_ERR(kvc_state_seq_load_file(other, junk_path, 0, got, 4, &n_got), KVC_ERR_CORRUPT_DATA,
+              "not a kvcache session file");
+    CHECK_ERR(kvc_state_seq_load_llama_file(other, junk_path, 0, got, 4, &n_got), KVC_ERR_CORRUPT_DATA,
+              "not a llama.cpp sequence file");
+    kvc_kv_cache_params p = small_params(16, 2);
+    p.type_k = KVC_TYPE_F16;
+    kvc_memory* f16 = NULL;
+    CHECK_OK(kvc_kv_cache_create(&p, &f16));
+    CHECK_ERR(kvc_state_seq_load_file(f16, path, KVC_SEQ_ALL, NULL, 0, NULL), KVC_ERR_INVALID_STATE,
+              "layout mismatch");
+    kvc_memory_free(f16);
+    CHECK_ERR(kvc_state_seq_load_file(other, path, 7, NULL, 0, NULL), KVC_ERR_OUT_OF_RANGE, "");
+    CHECK_ERR(kvc_state_seq_load_file(NULL, path, 0, NULL, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_state_seq_load_file(other, NULL, 0, NULL, 0, NULL), KVC_ERR_INVALID_ARGUMENT,
+              "path is NULL");
+    CHECK(same_state(other, before, n_before));
+
+    /* llama.cpp's 'ggsq' files */
+    CHECK_OK(kvc_state_seq_save_llama_file(mem, llama_path, 0, tokens, 4));
+    CHECK_ERR(kvc_state_seq_load_llama_file(other, llama_path, 1, got, 2, &n_got), KVC_ERR_OUT_OF_RANGE,
+              "holds 4 tokens");
+    CHECK(same_state(other, before, n_before));
+    CHECK_ERR(kvc_state_seq_load_file(other, llama_path, 1, got, 4, &n_got), KVC_ERR_CORRUPT_DATA, "ggsq");
+    memset(got, 0, sizeof got);
+    CHECK_OK(kvc_state_seq_load_llama_file(other, llama_path, 1, got, 4, &n_got));
+    CHECK(n_got == 4 && memcmp(got, tokens, sizeof tokens) == 0);
+    int32_t pos = 0;
+    CHECK_OK(kvc_memory_seq_pos_max(other, 1, &pos));
+    CHECK(pos == 3);
+    CHECK_OK(kvc_state_seq_save_llama_file(mem, llama_path, 0, NULL, 0));
+    CHECK_OK(kvc_state_seq_load_llama_file(other, llama_path, 0, got, 4, &n_got)); /* no tokens */
+    CHECK(n_got == 0);
+    CHECK_OK(kvc_state_seq_load_llama_file(other, llama_path, 0, NULL, 0, NULL));
+    CHECK_ERR(kvc_state_seq_save_llama_file(mem, llama_path, 0, NULL, 1), KVC_ERR_INVALID_ARGUMENT, "tokens");
+    CHECK_ERR(kvc_state_seq_save_llama_file(NULL, llama_path, 0, tokens, 4), KVC_ERR_INVALID_ARGUMENT, "mem");
+    CHECK_ERR(kvc_state_seq_save_llama_file(mem, NULL, 0, tokens, 4), KVC_ERR_INVALID_ARGUMENT,
+              "path is NULL");
+    CHECK_ERR(kvc_state_seq_load_llama_file(NULL, llama_path, 0, NULL, 0, NULL), KVC_ERR_INVALID_ARGUMENT,
+              "mem");
+    CHECK_ERR(kvc_state_seq_load_llama_file(other, NULL, 0, NULL, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "path");
+
+    free(before);
+    kvc_memory_free(other);
+    kvc_memory_free(mem);
+    remove(path);
+    remove(llama_path);
+    remove(junk_path);
+}
+
+/* -- NULL contexts -- */
+
+static void test_null_contexts(void) {
+    kvc_memory_context* ctx = NULL;
+    kvc_tensor_view v;
+    kvc_ubatch_view ub;
+    float f[4];
+    uint16_t h[4];
+    int32_t i[4];
+    const int32_t* ids = NULL;
+    size_t n = 0;
+    CHECK(kvc_memory_context_status(NULL) == KVC_MEMORY_STATUS_FAILED_PREPARE);
+    CHECK_MSG("kvc_memory_context_status: ctx is NULL");
+    CHECK(!kvc_memory_context_next(NULL));
+    CHECK_MSG("kvc_memory_context_next: ctx is NULL");
+    CHECK_ERR(kvc_memory_context_apply(NULL), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK(kvc_memory_context_n_kv(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK(kvc_memory_context_n_tokens(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK(kvc_memory_kq_mask_elements(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_ERR(kvc_memory_context_get_ubatch(NULL, &ub), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_context_out_ids(NULL, &ids, &n), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_cpy_k(NULL, 0, f, 1), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_cpy_k: ctx is NULL");
+    CHECK_ERR(kvc_memory_cpy_v(NULL, 0, f, 1), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_cpy_v: ctx is NULL");
+    CHECK_ERR(kvc_memory_get_k(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_get_v(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_kq_mask(NULL, f, 4, true, false), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_kq_mask_f16(NULL, h, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
+              "ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(NULL, i, 4, 32), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_init_full(NULL, &ctx), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_init_update(NULL, false, &ctx), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_clear(NULL, true), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    kvc_memory_context_free(NULL);
+
+    kvc_memory* mem = small_cache(8, 1);
+    CHECK_ERR(kvc_memory_init_full(mem, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_memory_init_update(mem, false, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_OK(kvc_memory_init_full(mem, &ctx));
+    CHECK_ERR(kvc_memory_get_k(ctx, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_memory_context_get_ubatch(ctx, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_memory_context_out_ids(ctx, NULL, &n), KVC_ERR_INVALID_ARGUMENT, "ids is NULL");
+    CHECK_ERR(kvc_memory_context_out_ids(ctx, &ids, NULL), KVC_ERR_INVALID_ARGUMENT, "n is NULL");
+    kvc_memory_context_free(ctx);
+    kvc_memory_free(mem);
+}
+
+/* -- logging -- */
+
+static int g_warnings = 0;
+
+static void count_warnings(kvc_log_level level, const char* message, void* user_data) {
+    if (level == KVC_LOG_WARN && strstr(message, "output_all") != NULL) ++*(int*)user_data;
+}
+
+static void test_log_callback(void) {
+    kvc_memory* mem = small_cache(8, 1);
+    kvc_batch* b = seq_batch(0, 0, 2);                             /* only the last token is an output */
+    kvc_set_log_callback(count_split_warnings, &g_split_warnings); /* replaced right away */
+    kvc_set_log_callback(count_warnings, &g_warnings);
+    kvc_memory_context* ctx = NULL;
+    CHECK_OK(kvc_memory_init_batch(mem, b, 4, true, &ctx)); /* embd_all: every token must be an output */
+    CHECK(g_warnings == 1);
+    kvc_ubatch_view ub;
+    CHECK_OK(kvc_memory_context_get_ubatch(ctx, &ub));
+    CHECK(ub.output[0] == 1 && ub.output[1] == 1);
+    kvc_memory_context_free(ctx);
+    kvc_set_log_callback(NULL, NULL); /* back to stderr */
+    kvc_batch_free(b);
+    kvc_memory_free(mem);
+}
+
+/* -- errors are per thread -- */
+
+static void* other_thread(void* arg) {
+    (void)arg;
+    const int clean = strcmp(kvc_last_error(), "") == 0; /* the main thread's failure is not seen here */
+    (void)kvc_row_size(KVC_TYPE_Q8_0, 3);
+    const int own = strstr(kvc_last_error(), "kvc_row_size") != NULL;
+    return (void*)(size_t)(clean && own);
+}
+
+static void test_errors_per_thread(void) {
+    CHECK_ERR(kvc_memory_seq_keep(NULL, 0), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_seq_keep: mem is NULL");
+    pthread_t t;
+    void* ok = NULL;
+    CHECK(pthread_create(&t, NULL, other_thread, NULL) == 0);
+    CHECK(pthread_join(t, &ok) == 0);
+    CHECK(ok == (void*)1);
+    CHECK(strcmp(kvc_last_error(), "kvc_memory_seq_keep: mem is NULL") == 0);
+}
+
+int main(void) {
+    test_errors_and_version();
+    test_types();
+    test_create();
+    test_batch();
+    test_decode_loop();
+    test_embeddings_batch();
+    test_batch_errors_and_no_fit();
+    test_sequence_ops();
+    test_mrope_cannot_shift();
+    test_split_streams();
+    test_state();
+    test_files();
+    test_null_contexts();
+    test_log_callback();
+    test_errors_per_thread();
+    printf("capi: %d checks, %d failed\n", g_checks, g_failures);
+    return g_failures == 0 ? 0 : 1;
+}

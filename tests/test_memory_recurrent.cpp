@@ -1,0 +1,1142 @@
+// memory_recurrent: spec batch-recurrent §4 (cells, find_slot, engine contract, sequence operations, state)
+// and the rollback extension. An engine is simulated by `engine_step`, which follows the contract of
+// memory_recurrent.h to the letter: states are hash chains of (sequence, position), so a gather from the
+// wrong row or plane shows up as a wrong value.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <kvcache/batch.h>
+#include <kvcache/memory_recurrent.h>
+#include <kvcache/state.h>
+
+namespace kvc {
+namespace {
+
+// -- the simulated engine --
+
+uint64_t splitmix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// The state after folding the token at position p of sequence s into state h (never 0: 0 is the fresh state).
+uint64_t mix(uint64_t h, seq_id_t s, pos_t p) {
+    return splitmix64(h ^ splitmix64((uint64_t{static_cast<uint32_t>(s)} << 32) | static_cast<uint32_t>(p))) | 1u;
+}
+
+// A row holding state h: h in its first 8 bytes, then bytes that depend on (h, layer, tensor); state 0 is
+// all zeros (what a zeroed row holds).
+void fill_row(std::byte* row, size_t bytes, uint64_t h, uint32_t il, bool is_s) {
+    if (h == 0) {
+        std::memset(row, 0, bytes);
+        return;
+    }
+    std::memcpy(row, &h, 8);
+    for (size_t i = 8; i < bytes; ++i)
+        row[i] = static_cast<std::byte>(splitmix64(h ^ (uint64_t{il} << 40) ^ (is_s ? 1ull << 39 : 0) ^ i) & 0xff);
+}
+
+// The state a row holds; fails the test when the row is not a well-formed state row.
+uint64_t read_row(const std::byte* row, size_t bytes, uint32_t il, bool is_s) {
+    uint64_t h = 0;
+    std::memcpy(&h, row, 8);
+    std::vector<std::byte> want(bytes);
+    fill_row(want.data(), bytes, h, il, is_s);
+    EXPECT_EQ(std::memcmp(want.data(), row, bytes), 0) << "row of layer " << il << (is_s ? " s" : " r");
+    return h;
+}
+
+// Every (layer, tensor) of the memory, as (il, is_s).
+std::vector<std::pair<uint32_t, bool>> tensors(const memory_recurrent& m) {
+    std::vector<std::pair<uint32_t, bool>> out;
+    for (uint32_t il : m.layer_ids()) {
+        if (m.has_r(il)) out.emplace_back(il, false);
+        if (m.has_s(il)) out.emplace_back(il, true);
+    }
+    return out;
+}
+
+tensor_view view_of(memory_recurrent& m, uint32_t il, bool is_s) {
+    return is_s ? m.get_s(il) : m.get_r(il);
+}
+
+std::byte* row_ptr(const tensor_view& v, int64_t row) {
+    return v.data + static_cast<size_t>(row) * v.nb[1];
+}
+
+// One applied ubatch, exactly as the contract in memory_recurrent.h says.
+void engine_step(memory_recurrent& m, const rs_slot& sl, const ubatch& ub) {
+    const uint32_t k = m.get_n_rs_seq(), T = ub.n_seq_tokens;
+    for (const auto& [il, is_s] : tensors(m)) {
+        const tensor_view v = view_of(m, il, is_s);
+        const size_t bytes = v.row_bytes();
+        // 1. the zero row
+        if (sl.rs_z >= 0) std::memset(row_ptr(v, sl.rs_z), 0, bytes);
+        // 2. gather everything before writing anything
+        std::vector<std::vector<std::byte>> g(sl.n), hc(sl.hist_copy.size());
+        for (uint32_t i = 0; i < sl.n; ++i) g[i].assign(row_ptr(v, sl.s_copy[i]), row_ptr(v, sl.s_copy[i]) + bytes);
+        for (size_t j = 0; j < hc.size(); ++j)
+            hc[j].assign(row_ptr(v, sl.hist_copy[j].src), row_ptr(v, sl.hist_copy[j].src) + bytes);
+        // 3. extra cells move
+        for (uint32_t i = sl.n_seqs; i < sl.n; ++i) std::memcpy(row_ptr(v, sl.head + i), g[i].data(), bytes);
+        // 4. main cells compute
+        for (uint32_t b = 0; b < sl.n_seqs; ++b) {
+            uint64_t h = read_row(g[b].data(), bytes, il, is_s);
+            std::vector<uint64_t> after(T);
+            for (uint32_t t = 0; t < T; ++t) after[t] = h = mix(h, ub.primary_seq(b * T + t), ub.pos[b * T + t]);
+            fill_row(row_ptr(v, sl.head + b), bytes, after[T - 1], il, is_s);
+            for (uint32_t r = 1; r <= k && r < T; ++r)
+                fill_row(row_ptr(v, int64_t{r} * m.get_size() + sl.head + b), bytes, after[T - 1 - r], il, is_s);
+        }
+        // 5. history copies
+        for (size_t j = 0; j < hc.size(); ++j) std::memcpy(row_ptr(v, sl.hist_copy[j].dst), hc[j].data(), bytes);
+    }
+}
+
+// The logical state of seq s (0: none), checked in every tensor.
+uint64_t state_of(memory_recurrent& m, seq_id_t s) {
+    const int32_t c = m.seq_tail(s);
+    if (c < 0) return 0;
+    const auto info = m.cell(static_cast<uint32_t>(c));
+    const int64_t row = int64_t{info.rs_idx} * m.get_size() + c;
+    uint64_t h = 0;
+    bool first = true;
+    for (const auto& [il, is_s] : tensors(m)) {
+        const tensor_view v = view_of(m, il, is_s);
+        const uint64_t x = read_row(row_ptr(v, row), v.row_bytes(), il, is_s);
+        if (!first) {
+            EXPECT_EQ(x, h) << "seq " << s << " layer " << il;
+        }
+        h = x;
+        first = false;
+    }
+    return h;
+}
+
+// -- building batches and ubatches --
+
+// A hand-made equal-seqs ubatch: blocks of one sequence set each, positions given per block.
+struct block {
+    std::vector<seq_id_t> ids;
+    std::vector<pos_t> pos;
+};
+
+ubatch make_ub(const std::vector<block>& blocks) {
+    ubatch u;
+    u.equal_seqs = true;
+    u.n_seqs = static_cast<uint32_t>(blocks.size());
+    u.n_seq_tokens = static_cast<uint32_t>(blocks[0].pos.size());
+    u.n_tokens = u.n_seqs * u.n_seq_tokens;
+    u.seq_id_begin.push_back(0);
+    for (const block& b : blocks)
+        for (pos_t p : b.pos) {
+            u.pos.push_back(p);
+            u.token.push_back(0);
+            u.n_seq_id.push_back(static_cast<int32_t>(b.ids.size()));
+            u.seq_id_data.insert(u.seq_id_data.end(), b.ids.begin(), b.ids.end());
+            u.seq_id_begin.push_back(static_cast<uint32_t>(u.seq_id_data.size()));
+            u.output.push_back(0);
+            u.batch_idx.push_back(static_cast<int32_t>(u.batch_idx.size()));
+        }
+    u.seq_id_unq = u.seq_id_data;
+    std::sort(u.seq_id_unq.begin(), u.seq_id_unq.end());
+    u.seq_id_unq.erase(std::unique(u.seq_id_unq.begin(), u.seq_id_unq.end()), u.seq_id_unq.end());
+    u.n_seqs_unq = static_cast<uint32_t>(u.seq_id_unq.size());
+    return u;
+}
+
+// find_slot + the engine for one hand-made ubatch.
+rs_slot step(memory_recurrent& m, const std::vector<block>& blocks) {
+    const ubatch ub = make_ub(blocks);
+    rs_slot sl = m.find_slot(ub);
+    engine_step(m, sl, ub);
+    return sl;
+}
+
+// One decode through the whole stack: batch_allocr, init_batch, then per ubatch apply + the engine, reading
+// the inputs from the context. Tokens: (seq, pos) in batch order. Returns the number of ubatches, or -1 when
+// init_batch failed.
+int decode(memory_recurrent& m, const std::vector<std::pair<seq_id_t, pos_t>>& tokens, uint32_t n_ubatch = 512,
+           bool embd_all = false) {
+    batch_storage b = batch::init(static_cast<int32_t>(tokens.size()), 0, 1);
+    for (const auto& [s, p] : tokens) {
+        const seq_id_t ids[] = {s};
+        b.add(1, p, ids, false);
+    }
+    batch_allocr a;
+    a.init(b.view(), &m, {.n_seq_max = m.params().n_seq_max});
+    auto ctx = m.init_batch(a, n_ubatch, embd_all);
+    if (is_fail(ctx->get_status())) return -1;
+    auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+    int n = 0;
+    do {
+        EXPECT_TRUE(rc.apply());
+        const ubatch& ub = rc.get_ubatch();
+        rs_slot sl;  // rebuilt from the context's accessors
+        sl.head = rc.get_head();
+        sl.n = rc.get_n_rs();
+        sl.n_seqs = ub.n_seqs;
+        sl.rs_z = rc.get_rs_z();
+        for (uint32_t i = 0; i < sl.n; ++i) sl.s_copy.push_back(rc.s_copy(i));
+        sl.hist_copy.assign(rc.hist_copies().begin(), rc.hist_copies().end());
+        engine_step(m, sl, ub);
+        ++n;
+    } while (rc.next());
+    return n;
+}
+
+// n tokens of s from position p0.
+std::vector<std::pair<seq_id_t, pos_t>> run(seq_id_t s, pos_t p0, pos_t n) {
+    std::vector<std::pair<seq_id_t, pos_t>> t;
+    for (pos_t i = 0; i < n; ++i) t.emplace_back(s, p0 + i);
+    return t;
+}
+
+// The chain of states of s over positions [p0, p0 + n) from h.
+std::vector<uint64_t> chain(uint64_t h, seq_id_t s, pos_t p0, pos_t n) {
+    std::vector<uint64_t> out;
+    for (pos_t i = 0; i < n; ++i) out.push_back(h = mix(h, s, p0 + i));
+    return out;
+}
+
+// Two layers with state, one without: r of 4 and s of 6 values, then nothing, then s of 3 values.
+recurrent_params params(uint32_t n_seq_max, uint32_t n_rs_seq = 0) {
+    recurrent_params p;
+    p.layers = {{.n_embd_r = 4, .n_embd_s = 6}, {}, {.n_embd_r = 0, .n_embd_s = 3}};
+    p.n_seq_max = n_seq_max;
+    p.n_rs_seq = n_rs_seq;
+    return p;
+}
+
+std::vector<uint8_t> payload(const memory_i& m, seq_id_t s) {
+    std::vector<uint8_t> out;
+    io_vector_writer w(out);
+    m.state_write(w, s, 0);
+    return out;
+}
+
+// Everything observable: cells, tails, head, used and the whole state.
+std::string snapshot(const memory_recurrent& m) {
+    std::string out = m.picture() + " head=" + std::to_string(m.get_head()) + " used=" + std::to_string(m.get_used());
+    for (uint32_t c = 0; c < m.get_size(); ++c) {
+        const auto x = m.cell(c);
+        out += " [" + std::to_string(x.pos) + "," + std::to_string(x.src) + "," + std::to_string(x.rs_idx) + "," +
+               std::to_string(x.depth) + "]";
+    }
+    const auto bytes = payload(m, seq_all);
+    out += " state=" + std::to_string(std::hash<std::string>{}(std::string(bytes.begin(), bytes.end())));
+    return out;
+}
+
+// -- construction and sizes --
+
+TEST(memory_recurrent, rejects_invalid_configurations) {
+    auto p = params(0);
+    EXPECT_THROW(memory_recurrent{p}, error);
+    p = params(2);
+    p.type_s = dtype::q8_0;
+    EXPECT_THROW(memory_recurrent{p}, error);
+    p = params(2);
+    p.layers.clear();
+    EXPECT_THROW(memory_recurrent{p}, error);
+    p = params(2);
+    p.layers = {{}, {}};
+    EXPECT_THROW(memory_recurrent{p}, error);
+    p = params(2);
+    p.filter = [](uint32_t) { return false; };
+    EXPECT_THROW(memory_recurrent{p}, error);
+    p = params(2);
+    p.type_r = dtype::f16;
+    p.type_s = dtype::bf16;
+    EXPECT_NO_THROW(memory_recurrent{p});
+}
+
+TEST(memory_recurrent, size_accounting_counts_every_rollback_plane) {
+    auto p = params(4, 3);
+    p.type_s = dtype::f16;
+    memory_recurrent m(p);
+    EXPECT_EQ(m.get_size(), 4u);
+    EXPECT_EQ(std::vector<uint32_t>(m.layer_ids().begin(), m.layer_ids().end()), (std::vector<uint32_t>{0, 2}));
+    EXPECT_TRUE(m.has_r(0));
+    EXPECT_FALSE(m.has_r(2));
+    EXPECT_TRUE(m.has_s(2));
+    EXPECT_FALSE(m.has_s(1));
+    // rows x cells x (1 + n_rs_seq) planes
+    EXPECT_EQ(m.size_r_bytes(), 4u * 4 * 4 * 4);
+    EXPECT_EQ(m.size_s_bytes(), (6u * 2 + 3u * 2) * 4 * 4);
+    EXPECT_EQ(m.size_bytes(), m.size_r_bytes() + m.size_s_bytes());
+    EXPECT_THROW((void)m.get_r(2), error);
+    EXPECT_THROW((void)m.get_s(1), error);
+    const tensor_view v = m.get_s(0);
+    EXPECT_EQ(v.type, dtype::f16);
+    EXPECT_EQ(v.ne[0], 6);
+    EXPECT_EQ(v.ne[1], 4);
+    EXPECT_EQ(v.ne[2], 4);
+    // the filter drops layers like a hybrid model's attention layers
+    p.filter = [](uint32_t il) { return il != 0; };
+    memory_recurrent f(p);
+    EXPECT_EQ(std::vector<uint32_t>(f.layer_ids().begin(), f.layer_ids().end()), (std::vector<uint32_t>{2}));
+    EXPECT_EQ(f.size_r_bytes(), 0u);
+}
+
+TEST(memory_recurrent, buffers_start_zeroed_and_clear_data_zeroes_them) {
+    memory_recurrent m(params(2, 2));
+    const auto zero = [&] {
+        for (const auto& [il, is_s] : tensors(m)) {
+            const tensor_view v = view_of(m, il, is_s);
+            for (int64_t i = 0; i < v.nrows(); ++i)
+                for (size_t b = 0; b < v.row_bytes(); ++b)
+                    if (row_ptr(v, i)[b] != std::byte{0}) return false;
+        }
+        return true;
+    };
+    EXPECT_TRUE(zero());
+    ASSERT_EQ(decode(m, run(0, 0, 5)), 1);
+    EXPECT_FALSE(zero());
+    m.clear(false);
+    EXPECT_FALSE(zero());
+    EXPECT_EQ(m.get_used(), 0u);
+    m.clear(true);
+    EXPECT_TRUE(zero());
+}
+
+// -- find_slot (spec §4.5) --
+
+TEST(memory_recurrent, new_sequence_starts_from_the_zero_row) {
+    memory_recurrent m(params(3));
+    const rs_slot sl = step(m, {{{1}, {0, 1, 2}}});
+    EXPECT_EQ(sl.n, 1u);
+    EXPECT_EQ(sl.n_seqs, 1u);
+    EXPECT_EQ(sl.rs_z, static_cast<int32_t>(sl.head));  // nobody reads the fresh cell's row
+    EXPECT_EQ(sl.s_copy[0], sl.rs_z);
+    EXPECT_TRUE(sl.hist_copy.empty());
+    EXPECT_EQ(m.seq_tail(1), static_cast<int32_t>(sl.head));
+    EXPECT_EQ(m.seq_pos_max(1), 2);
+    EXPECT_EQ(m.seq_pos_min(1), 2);  // I4: one position is present
+    EXPECT_EQ(state_of(m, 1), chain(0, 1, 0, 3).back());
+    EXPECT_EQ(m.get_used(), 1u);
+    m.validate();
+}
+
+TEST(memory_recurrent, own_cell_is_reused_reading_its_own_row) {
+    memory_recurrent m(params(3));
+    const rs_slot a = step(m, {{{0}, {0, 1}}});
+    const rs_slot b = step(m, {{{0}, {2}}});
+    EXPECT_EQ(b.head, a.head);
+    EXPECT_EQ(b.s_copy[0], b.head);
+    EXPECT_EQ(b.rs_z, -1);  // the only row of the range is read
+    EXPECT_EQ(state_of(m, 0), chain(0, 0, 0, 3).back());
+    m.validate();
+}
+
+TEST(memory_recurrent, copy_on_write_after_seq_cp) {
+    for (const seq_id_t writer : {0, 1}) {
+        memory_recurrent m(params(3));
+        step(m, {{{0}, {0, 1, 2}}});
+        const uint64_t h = state_of(m, 0);
+        const int32_t shared = m.seq_tail(0);
+        m.seq_cp(0, 1, -1, -1);
+        EXPECT_EQ(m.seq_tail(1), shared);
+        EXPECT_EQ(m.cell(static_cast<uint32_t>(shared)).seqs, (std::vector<seq_id_t>{0, 1}));
+        EXPECT_EQ(m.get_used(), 1u);  // sharing costs no cell
+        EXPECT_EQ(m.seq_pos_max(1), 2);
+        // the next batch for either sequence gives it its own cell, reading the shared row
+        const rs_slot sl = step(m, {{{writer}, {3}}});
+        EXPECT_NE(m.seq_tail(writer), shared);
+        EXPECT_EQ(m.seq_tail(1 - writer), shared);
+        EXPECT_EQ(sl.s_copy[static_cast<size_t>(m.seq_tail(writer)) - sl.head], shared);
+        EXPECT_EQ(m.get_used(), 2u);
+        EXPECT_EQ(state_of(m, writer), mix(h, writer, 3));
+        EXPECT_EQ(state_of(m, 1 - writer), h);  // never sees the other's update
+        m.validate();
+    }
+}
+
+TEST(memory_recurrent, blocks_are_gathered_into_a_contiguous_range_by_swapping_metadata) {
+    memory_recurrent m(params(3));
+    step(m, {{{1}, {0}}});  // seq 1 -> cell 0
+    step(m, {{{0}, {0}}});  // seq 0 -> cell 1
+    ASSERT_EQ(m.seq_tail(1), 0);
+    ASSERT_EQ(m.seq_tail(0), 1);
+    const rs_slot sl = step(m, {{{0}, {1}}, {{1}, {1}}});
+    EXPECT_EQ(sl.head, 0u);
+    EXPECT_EQ(sl.n, 2u);
+    EXPECT_EQ(m.seq_tail(0), 0);  // block b lives in cell head + b
+    EXPECT_EQ(m.seq_tail(1), 1);
+    EXPECT_EQ(sl.s_copy, (std::vector<int64_t>{1, 0}));  // the data was not moved by the swap: gathered
+    EXPECT_EQ(state_of(m, 0), chain(0, 0, 0, 2).back());
+    EXPECT_EQ(state_of(m, 1), chain(0, 1, 0, 2).back());
+    m.validate();
+}
+
+TEST(memory_recurrent, extra_cells_inside_the_range_are_moved) {
+    memory_recurrent m(params(3));
+    step(m, {{{0}, {0}}});  // cell 0
+    step(m, {{{2}, {0}}});  // cell 1
+    step(m, {{{1}, {0}}});  // cell 2
+    ASSERT_EQ(m.picture(), "021");
+    const rs_slot sl = step(m, {{{0}, {1}}, {{1}, {1}}});
+    EXPECT_EQ(sl.head, 0u);
+    EXPECT_EQ(sl.n, 3u);  // cell 1 went to seq 1, seq 2 was swapped to cell 2: an extra cell
+    EXPECT_EQ(sl.n_seqs, 2u);
+    EXPECT_EQ(m.picture(), "012");
+    EXPECT_EQ(sl.s_copy, (std::vector<int64_t>{0, 2, 1}));
+    EXPECT_EQ(state_of(m, 2), chain(0, 2, 0, 1).back());  // moved unchanged
+    EXPECT_EQ(state_of(m, 1), chain(0, 1, 0, 2).back());
+    m.validate();
+}
+
+TEST(memory_recurrent, free_cell_inside_the_range_reads_the_zero_row) {
+    memory_recurrent m(params(3));
+    step(m, {{{0}, {0}}});
+    step(m, {{{2}, {0}}});
+    step(m, {{{1}, {0}}});
+    ASSERT_TRUE(m.seq_rm(2, -1, -1));  // frees cell 1
+    const rs_slot sl = step(m, {{{0}, {1}}, {{1}, {1}}});
+    // seq 1 moves from cell 2 to cell 1 (a swap with the free cell), which stays in the range [0, 3)
+    EXPECT_EQ(sl.n, 3u);
+    EXPECT_EQ(m.picture(), "01.");
+    EXPECT_EQ(sl.rs_z, 1);  // the row nobody reads: the free cell gets zeros
+    EXPECT_EQ(sl.s_copy, (std::vector<int64_t>{0, 2, 1}));
+    EXPECT_EQ(state_of(m, 1), chain(0, 1, 0, 2).back());
+    // a fresh sequence after that starts from zeros again
+    step(m, {{{2}, {5}}});
+    EXPECT_EQ(state_of(m, 2), mix(0, 2, 5));
+    m.validate();
+}
+
+TEST(memory_recurrent, coupled_secondary_sequences_share_the_block_result) {
+    memory_recurrent m(params(3));
+    step(m, {{{1}, {0, 1}}});  // seq 1 has a state of its own
+    const rs_slot sl = step(m, {{{0, 1}, {0, 1, 2}}});
+    (void)sl;
+    EXPECT_EQ(m.seq_tail(0), m.seq_tail(1));
+    EXPECT_EQ(m.cell(static_cast<uint32_t>(m.seq_tail(0))).seqs, (std::vector<seq_id_t>{0, 1}));
+    EXPECT_EQ(m.get_used(), 1u);  // seq 1's old cell was freed
+    EXPECT_EQ(state_of(m, 1), chain(0, 0, 0, 3).back());
+    m.validate();
+}
+
+TEST(memory_recurrent, find_slot_rejects_what_it_cannot_place_and_changes_nothing) {
+    memory_recurrent m(params(3));
+    step(m, {{{0}, {0}}});
+    const std::string before = snapshot(m);
+    EXPECT_THROW((void)m.find_slot(make_ub({{{3}, {0}}})), error);             // seq id >= n_seq_max
+    EXPECT_THROW((void)m.find_slot(make_ub({{{1}, {0}}, {{1, 2}, {0}}})), error);  // seq 1 in two blocks
+    EXPECT_THROW((void)m.find_slot(make_ub({{{1}, {0}}, {{-1}, {0}}})), error);
+    ubatch u = make_ub({{{1}, {0, 1}}});
+    u.equal_seqs = false;
+    EXPECT_THROW((void)m.find_slot(u), error);
+    u = make_ub({{{1}, {0, 1}}});
+    u.seq_id_data[1] = 2;  // the block's second token belongs to another sequence
+    EXPECT_THROW((void)m.find_slot(u), error);
+    EXPECT_EQ(snapshot(m), before);
+}
+
+TEST(memory_recurrent, prepare_is_a_dry_run) {
+    memory_recurrent m(params(4));
+    step(m, {{{0}, {0}}});
+    step(m, {{{1}, {0}}});
+    m.seq_cp(1, 2, -1, -1);
+    const std::string before = snapshot(m);
+    const std::vector<ubatch> ubs = {make_ub({{{1}, {1}}, {{2}, {1}}}), make_ub({{{3}, {0}}})};
+    m.prepare(ubs);
+    EXPECT_EQ(snapshot(m), before);
+    const std::vector<ubatch> bad = {make_ub({{{1}, {1}}}), make_ub({{{9}, {0}}})};
+    EXPECT_THROW(m.prepare(bad), error);  // the second fails after the first was placed: rolled back
+    EXPECT_EQ(snapshot(m), before);
+}
+
+// -- init_batch, contexts --
+
+TEST(memory_recurrent, init_batch_splits_sequentially_and_refuses_shared_tokens) {
+    memory_recurrent m(params(4));
+    EXPECT_EQ(decode(m, {{2, 0}, {0, 0}, {1, 0}, {3, 0}}, 8), 2);  // primaries 2,3 then 0,1 (§3.5)
+    const std::string before = snapshot(m);
+    batch_storage b = batch::init(2, 0, 2);
+    const seq_id_t both[] = {0, 1};
+    b.add(1, 1, both, true);
+    b.add(1, 2, both, true);
+    batch_allocr a;
+    a.init(b.view(), &m, {.n_seq_max = 4});
+    testing::internal::CaptureStderr();
+    auto ctx = m.init_batch(a, 8, false);
+    testing::internal::GetCapturedStderr();
+    EXPECT_EQ(ctx->get_status(), memory_status::failed_prepare);
+    EXPECT_THROW(ctx->apply(), error);
+    EXPECT_EQ(snapshot(m), before);
+    // with all outputs (split_seq) the shared tokens are one block of set {0, 1}
+    auto ctx2 = m.init_batch(a, 8, true);
+    ASSERT_EQ(ctx2->get_status(), memory_status::success);
+    EXPECT_EQ(ctx2->get_ubatch().n_seqs, 1u);
+}
+
+TEST(memory_recurrent, init_batch_rejects_sequence_ids_beyond_its_cells) {
+    memory_recurrent m(params(2));
+    batch_storage b = batch::init(1, 0, 1);
+    const seq_id_t s[] = {3};
+    b.add(1, 0, s, true);
+    batch_allocr a;
+    // the engine allows more sequences than the memory has cells: the allocator's position query fails
+    EXPECT_THROW(a.init(b.view(), &m, {.n_seq_max = 8}), error);
+    a.init(b.view(), nullptr, {.n_seq_max = 8});  // and so does init_batch, for a batch checked without it
+    EXPECT_THROW((void)m.init_batch(a, 8, false), error);
+    EXPECT_EQ(m.get_used(), 0u);
+}
+
+TEST(memory_recurrent, init_batch_keeps_the_rollback_tail_in_one_ubatch) {
+    memory_recurrent m(params(1, 3));
+    batch_storage b = batch::init(10, 0, 1);
+    const seq_id_t s[] = {0};
+    for (pos_t p = 0; p < 10; ++p) b.add(1, p, s, false);
+    batch_allocr a;
+    a.init(b.view(), &m, {});
+    auto ctx = m.init_batch(a, 4, false);
+    ASSERT_EQ(ctx->get_status(), memory_status::success);
+    auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+    std::vector<uint32_t> sizes;
+    do sizes.push_back(rc.get_ubatch().n_tokens);
+    while (rc.next());
+    EXPECT_EQ(sizes, (std::vector<uint32_t>{4, 2, 4}));
+}
+
+TEST(memory_recurrent, full_and_update_contexts) {
+    memory_recurrent m(params(3));
+    auto full = m.init_full();
+    EXPECT_EQ(full->get_status(), memory_status::success);
+    auto& f = dynamic_cast<memory_recurrent_context&>(*full);
+    EXPECT_EQ(f.get_n_rs(), 3u);
+    EXPECT_EQ(f.get_head(), 0u);
+    EXPECT_EQ(f.get_rs_z(), 0);
+    EXPECT_EQ(f.s_copy(2), 2);
+    EXPECT_THROW((void)f.s_copy(3), error);
+    EXPECT_TRUE(f.apply());
+    EXPECT_FALSE(f.next());
+    auto up = m.init_update(true);
+    EXPECT_EQ(up->get_status(), memory_status::no_update);
+    EXPECT_TRUE(up->apply());
+    EXPECT_THROW((void)dynamic_cast<memory_recurrent_context&>(*up).get_n_rs(), error);
+    EXPECT_TRUE(m.get_can_shift());
+}
+
+TEST(memory_recurrent, context_inputs_need_apply_and_apply_runs_once) {
+    memory_recurrent m(params(2));
+    batch_storage b = batch::init(2, 0, 1);
+    const seq_id_t s0[] = {0}, s1[] = {1};
+    b.add(1, 0, s0, false);
+    b.add(1, 0, s1, true);
+    batch_allocr a;
+    a.init(b.view(), &m, {.n_seq_max = 2});
+    auto ctx = m.init_batch(a, 1, false);  // two ubatches of one token
+    auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+    EXPECT_EQ(rc.n_ubatches(), 2u);
+    EXPECT_THROW((void)rc.get_head(), error);
+    rc.apply();
+    EXPECT_THROW(rc.apply(), error);
+    EXPECT_EQ(rc.get_n_rs(), 1u);
+    EXPECT_TRUE(rc.next());
+    EXPECT_THROW((void)rc.s_copy(0), error);
+    rc.apply();
+    EXPECT_FALSE(rc.next());
+    EXPECT_EQ(std::vector<int32_t>(rc.out_ids().begin(), rc.out_ids().end()), (std::vector<int32_t>{1}));
+}
+
+// -- sequence operations (spec §4.7) --
+
+// Into an empty memory of 4 cells: seq 0 in its own cell at pos 4, seqs 1 and 2 sharing a cell at pos 2.
+void three_sequences(memory_recurrent& m) {
+    EXPECT_EQ(decode(m, run(0, 0, 5)), 1);
+    EXPECT_EQ(decode(m, run(1, 0, 3)), 1);
+    m.seq_cp(1, 2, -1, -1);
+}
+
+TEST(memory_recurrent, seq_rm_partial_suffix_without_rollback_is_false_and_changes_nothing) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const std::string before = snapshot(m);
+    EXPECT_FALSE(m.seq_rm(0, 3, -1));
+    EXPECT_FALSE(m.seq_rm(0, 4, 5));
+    EXPECT_FALSE(m.seq_rm(0, 1, 100));
+    EXPECT_EQ(snapshot(m), before);
+}
+
+TEST(memory_recurrent, seq_rm_from_zero_removes_the_state) {
+    for (const pos_t p0 : {0, -1}) {
+        memory_recurrent m(params(4));
+    three_sequences(m);
+        const int32_t c = m.seq_tail(0);
+        EXPECT_TRUE(m.seq_rm(0, p0, -1));
+        EXPECT_EQ(m.seq_tail(0), -1);
+        EXPECT_EQ(m.seq_pos_max(0), -1);
+        EXPECT_TRUE(m.cell(static_cast<uint32_t>(c)).seqs.empty());
+        EXPECT_EQ(m.get_used(), 1u);
+        EXPECT_LE(m.get_head(), static_cast<uint32_t>(c));  // the head moves down to the freed cell
+        m.validate();
+    }
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    EXPECT_TRUE(m.seq_rm(1, 0, 3));  // [0, 3) holds the tail position 2
+    EXPECT_EQ(m.seq_pos_max(1), -1);
+    EXPECT_EQ(m.seq_pos_max(2), 2);  // the shared cell stays for seq 2
+    EXPECT_EQ(m.get_used(), 2u);
+    m.validate();
+}
+
+TEST(memory_recurrent, seq_rm_of_a_range_without_the_tail_position_is_true_and_changes_nothing) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const std::string before = snapshot(m);
+    EXPECT_TRUE(m.seq_rm(0, 5, -1));  // truncate nothing
+    EXPECT_TRUE(m.seq_rm(0, 0, 4));   // an older prefix: the state keeps it folded in
+    EXPECT_TRUE(m.seq_rm(0, 1, 3));
+    EXPECT_TRUE(m.seq_rm(3, -1, -1));  // no state at all
+    EXPECT_EQ(snapshot(m), before);
+}
+
+TEST(memory_recurrent, seq_rm_of_every_sequence) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const std::string before = snapshot(m);
+    EXPECT_FALSE(m.seq_rm(seq_all, 2, -1));  // partial: impossible
+    EXPECT_FALSE(m.seq_rm(seq_all, 0, 3));
+    EXPECT_TRUE(m.seq_rm(seq_all, 3, 3));  // empty range
+    EXPECT_EQ(snapshot(m), before);
+    EXPECT_TRUE(m.seq_rm(seq_all, -1, -1));
+    EXPECT_EQ(m.get_used(), 0u);
+    // decision 13: no tail is left dangling; the next batch starts from a zero state
+    for (seq_id_t s = 0; s < 3; ++s) EXPECT_EQ(m.seq_tail(s), -1);
+    m.validate();
+    ASSERT_EQ(decode(m, run(2, 7, 1)), 1);
+    EXPECT_EQ(state_of(m, 2), mix(0, 2, 7));
+}
+
+TEST(memory_recurrent, sequence_ids_outside_the_cells_are_errors) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const std::string before = snapshot(m);
+    EXPECT_THROW((void)m.seq_rm(4, -1, -1), error);  // upstream: false
+    EXPECT_THROW((void)m.seq_rm(-2, -1, -1), error);
+    EXPECT_THROW(m.seq_cp(0, 4, -1, -1), error);  // upstream: no-op
+    EXPECT_THROW(m.seq_cp(-1, 1, -1, -1), error);
+    EXPECT_THROW(m.seq_keep(4), error);
+    EXPECT_THROW(m.seq_add(4, -1, -1, 1), error);
+    EXPECT_THROW(m.seq_div(4, -1, -1, 2), error);
+    EXPECT_THROW((void)m.seq_pos_max(4), error);
+    EXPECT_THROW((void)m.seq_pos_min(-1), error);
+    EXPECT_EQ(snapshot(m), before);
+}
+
+TEST(memory_recurrent, seq_cp_shares_the_whole_state_and_ignores_the_range) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    m.seq_cp(0, 0, -1, -1);  // src == dst: nothing
+    m.seq_cp(0, 3, 100, 200);
+    EXPECT_EQ(m.seq_tail(3), m.seq_tail(0));
+    EXPECT_EQ(m.seq_pos_max(3), 4);
+    EXPECT_EQ(m.get_used(), 2u);
+    // dst's own state is dropped first: seq 2 leaves the cell it shared with seq 1
+    m.seq_cp(0, 2, -1, -1);
+    EXPECT_EQ(m.cell(static_cast<uint32_t>(m.seq_tail(0))).seqs, (std::vector<seq_id_t>{0, 2, 3}));
+    EXPECT_EQ(m.cell(static_cast<uint32_t>(m.seq_tail(1))).seqs, (std::vector<seq_id_t>{1}));
+    // a source without state clears dst (freeing a cell dst held alone)
+    m.seq_cp(1, 0, -1, -1);  // seq 0 now shares seq 1's cell
+    EXPECT_TRUE(m.seq_rm(1, -1, -1));
+    EXPECT_TRUE(m.seq_rm(0, -1, -1));
+    const uint32_t used = m.get_used();
+    m.seq_cp(1, 2, -1, -1);
+    EXPECT_EQ(m.seq_tail(2), -1);
+    EXPECT_EQ(m.get_used(), used);  // seq 2 shared with seq 3: the cell stays
+    m.validate();
+}
+
+TEST(memory_recurrent, seq_keep_drops_every_other_sequence) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    m.seq_keep(2);  // keeps the shared cell with only seq 2
+    EXPECT_EQ(m.get_used(), 1u);
+    EXPECT_EQ(m.cell(static_cast<uint32_t>(m.seq_tail(2))).seqs, (std::vector<seq_id_t>{2}));
+    EXPECT_EQ(m.seq_tail(0), -1);
+    EXPECT_EQ(m.seq_tail(1), -1);
+    EXPECT_EQ(m.seq_pos_max(2), 2);
+    m.validate();
+    m.seq_keep(3);  // a sequence without state: everything goes
+    EXPECT_EQ(m.get_used(), 0u);
+    EXPECT_EQ(m.get_head(), 0u);
+    m.validate();
+}
+
+TEST(memory_recurrent, seq_add_moves_the_tail_position_for_every_sharer) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const std::string before = snapshot(m);
+    m.seq_add(1, -1, -1, 0);  // shift 0
+    m.seq_add(1, 2, 2, 5);    // empty range
+    m.seq_add(1, 3, -1, 5);   // tail at 2 is outside
+    EXPECT_EQ(snapshot(m), before);
+    m.seq_add(1, 0, 3, 10);
+    EXPECT_EQ(m.seq_pos_max(1), 12);
+    EXPECT_EQ(m.seq_pos_max(2), 12);  // shared cell: moves for seq 2 too
+    EXPECT_EQ(m.seq_pos_max(0), 4);
+    // below zero: the state stays, with its negative position (a KV cache would free the cells)
+    m.seq_add(0, -1, -1, -7);
+    EXPECT_EQ(m.seq_pos_max(0), -3);
+    EXPECT_EQ(m.seq_pos_min(0), -3);
+    EXPECT_EQ(m.get_used(), 2u);
+    m.seq_add(0, -1, -1, 3);  // a negative p0 has no lower bound: the position -3 is in range
+    EXPECT_EQ(m.seq_pos_max(0), 0);
+    EXPECT_THROW(m.seq_add(1, -1, -1, std::numeric_limits<pos_t>::max()), error);
+    EXPECT_EQ(m.seq_pos_max(1), 12);
+    m.validate();
+}
+
+TEST(memory_recurrent, seq_div_divides_the_tail_position) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const std::string before = snapshot(m);
+    EXPECT_THROW(m.seq_div(0, -1, -1, 0), error);  // upstream divides by zero
+    EXPECT_THROW(m.seq_div(0, -1, -1, -2), error);
+    m.seq_div(0, -1, -1, 1);
+    m.seq_div(0, 5, -1, 2);  // tail outside
+    EXPECT_EQ(snapshot(m), before);
+    m.seq_div(0, 0, 10, 2);
+    EXPECT_EQ(m.seq_pos_max(0), 2);
+    m.seq_div(2, -1, -1, 2);
+    EXPECT_EQ(m.seq_pos_max(1), 1);  // shared
+}
+
+// -- rollback --
+
+TEST(memory_recurrent, rollback_restores_each_of_the_last_k_states) {
+    constexpr uint32_t k = 4;
+    const std::vector<uint64_t> h = chain(0, 0, 0, 10);  // h[p]: the state after position p
+    for (uint32_t r = 1; r <= k; ++r) {
+        memory_recurrent m(params(2, k));
+        ASSERT_EQ(decode(m, run(0, 0, 10)), 1);
+        EXPECT_EQ(state_of(m, 0), h[9]);
+        const pos_t p0 = 10 - static_cast<pos_t>(r);
+        EXPECT_TRUE(m.seq_rm(0, p0, -1)) << r;
+        EXPECT_EQ(m.seq_pos_max(0), p0 - 1);
+        EXPECT_EQ(state_of(m, 0), h[static_cast<size_t>(p0 - 1)]) << r;  // the pending plane
+        m.validate();
+        // the next decode continues from the restored state
+        ASSERT_EQ(decode(m, run(0, p0, 1)), 1);
+        EXPECT_EQ(state_of(m, 0), mix(h[static_cast<size_t>(p0 - 1)], 0, p0));
+        EXPECT_EQ(m.cell(static_cast<uint32_t>(m.seq_tail(0))).rs_idx, 0u);  // consumed
+    }
+}
+
+TEST(memory_recurrent, plane_r_holds_the_state_r_tokens_back) {
+    constexpr uint32_t k = 3;
+    memory_recurrent m(params(1, k));
+    ASSERT_EQ(decode(m, run(0, 0, 6)), 1);
+    const std::vector<uint64_t> h = chain(0, 0, 0, 6);
+    const auto c = static_cast<uint32_t>(m.seq_tail(0));
+    EXPECT_EQ(m.cell(c).depth, k);
+    for (uint32_t r = 0; r <= k; ++r)
+        for (const auto& [il, is_s] : tensors(m)) {
+            const tensor_view v = view_of(m, il, is_s);
+            EXPECT_EQ(read_row(v.row(c, r), v.row_bytes(), il, is_s), h[5 - r]) << "plane " << r;
+        }
+}
+
+TEST(memory_recurrent, rollback_works_after_one_token_steps) {
+    // each step is a ubatch of one token: the history comes from the engine's history copies
+    constexpr uint32_t k = 4;
+    memory_recurrent m(params(3, k));
+    ASSERT_EQ(decode(m, run(1, 0, 2)), 1);
+    for (pos_t p = 2; p < 8; ++p) ASSERT_EQ(decode(m, {{0, p - 2}, {1, p}}), 1);  // seq 1 swaps cells once
+    const std::vector<uint64_t> h = chain(0, 1, 0, 8);
+    EXPECT_EQ(state_of(m, 1), h[7]);
+    EXPECT_FALSE(m.seq_rm(1, 3, -1));  // 5 tokens > k
+    EXPECT_TRUE(m.seq_rm(1, 4, -1));   // 4 tokens back: the state after position 3
+    EXPECT_EQ(state_of(m, 1), h[3]);
+    EXPECT_EQ(state_of(m, 0), chain(0, 0, 0, 6).back());
+    m.validate();
+}
+
+TEST(memory_recurrent, rollbacks_compose_until_the_history_runs_out) {
+    constexpr uint32_t k = 4;
+    memory_recurrent m(params(2, k));
+    ASSERT_EQ(decode(m, run(0, 0, 10)), 1);
+    const std::vector<uint64_t> h = chain(0, 0, 0, 10);
+    EXPECT_TRUE(m.seq_rm(0, 8, -1));  // 2 back
+    EXPECT_TRUE(m.seq_rm(0, 7, -1));  // 1 more
+    EXPECT_EQ(m.seq_pos_max(0), 6);
+    EXPECT_EQ(state_of(m, 0), h[6]);
+    const auto c = static_cast<uint32_t>(m.seq_tail(0));
+    EXPECT_EQ(m.cell(c).rs_idx, 3u);
+    EXPECT_EQ(m.cell(c).depth, 1u);
+    const std::string before = snapshot(m);
+    EXPECT_FALSE(m.seq_rm(0, 5, -1));  // 2 more: only 1 left
+    EXPECT_EQ(snapshot(m), before);
+    EXPECT_TRUE(m.seq_rm(0, 6, -1));
+    EXPECT_EQ(state_of(m, 0), h[5]);
+    // a state with a pending rollback is written as its logical state and copies share it
+    m.seq_cp(0, 1, -1, -1);
+    EXPECT_EQ(payload(m, 0), payload(m, 1));
+    ASSERT_EQ(decode(m, run(1, 6, 2)), 1);
+    EXPECT_EQ(state_of(m, 1), chain(h[5], 1, 6, 2).back());
+    EXPECT_EQ(state_of(m, 0), h[5]);
+    ASSERT_EQ(decode(m, run(0, 6, 1)), 1);
+    EXPECT_EQ(state_of(m, 0), mix(h[5], 0, 6));
+    m.validate();
+}
+
+TEST(memory_recurrent, rollback_limits) {
+    constexpr uint32_t k = 3;
+    memory_recurrent m(params(2, k));
+    ASSERT_EQ(decode(m, run(0, 0, 8)), 1);
+    const std::string before = snapshot(m);
+    EXPECT_FALSE(m.seq_rm(0, 4, -1));  // k + 1 tokens
+    EXPECT_TRUE(m.seq_rm(0, 5, 7));    // does not reach the tail: nothing to remove
+    EXPECT_EQ(snapshot(m), before);
+    // a shared state is not rolled back (the position is the cell's, shared with the copy)
+    m.seq_cp(0, 1, -1, -1);
+    EXPECT_FALSE(m.seq_rm(0, 7, -1));
+    EXPECT_TRUE(m.seq_rm(1, -1, -1));
+    EXPECT_TRUE(m.seq_rm(0, 7, -1));
+    // p0 == 0 is a removal, not a rollback
+    EXPECT_TRUE(m.seq_rm(0, 0, -1));
+    EXPECT_EQ(m.seq_pos_max(0), -1);
+    // without rollback planes, upstream's false
+    memory_recurrent plain(params(1));
+    ASSERT_EQ(decode(plain, run(0, 0, 4)), 1);
+    EXPECT_FALSE(plain.seq_rm(0, 3, -1));
+}
+
+TEST(memory_recurrent, restored_states_have_no_history) {
+    constexpr uint32_t k = 3;
+    memory_recurrent m(params(2, k));
+    ASSERT_EQ(decode(m, run(0, 0, 8)), 1);
+    const uint64_t h7 = state_of(m, 0);
+    state_set_payload(m, payload(m, 0), 1);
+    EXPECT_FALSE(m.seq_rm(1, 7, -1));
+    ASSERT_EQ(decode(m, run(1, 8, 2)), 1);  // two tokens: back to the restored state at most
+    EXPECT_FALSE(m.seq_rm(1, 7, -1));
+    EXPECT_TRUE(m.seq_rm(1, 8, -1));
+    EXPECT_EQ(state_of(m, 1), h7);
+    EXPECT_EQ(m.seq_pos_max(1), 7);
+}
+
+// -- state (spec §4.9) --
+
+TEST(memory_recurrent, sequence_state_size_follows_the_formula) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    // 4 + (4 + 4) + 4 + 4 + per r layer (4 + 8 + row) + per s layer (4 + 8 + row)
+    const size_t want = 4 + 8 + 4 + 4 + (12 + 16) + (12 + 24) + (12 + 12);
+    EXPECT_EQ(payload(m, 0).size(), want);
+    EXPECT_EQ(state_seq_get_size(m, 0), 8 + want);
+    // the whole memory: two cells, the shared one listing both sequences
+    EXPECT_EQ(payload(m, seq_all).size(), 4 + (4 + 4 + 4) + (4 + 4 + 8) + 8 + 3 * 12 + 2 * (16 + 24 + 12));
+    // no state: the header only
+    EXPECT_EQ(payload(m, 3).size(), 4 + 4 + 4 + 12 * 3u);
+}
+
+TEST(memory_recurrent, state_layout_is_canonical) {
+    auto p = params(4, 2);
+    p.layers.push_back({.n_embd_r = 0, .n_embd_s = 3});
+    p.layers.push_back({.n_embd_r = 4, .n_embd_s = 6});
+    memory_recurrent m(p);
+    EXPECT_EQ(m.state_layout(), "recurrent n_layer=5 layers=0:r=f32x4,s=f32x6;2-3:s=f32x3;4:r=f32x4,s=f32x6");
+    EXPECT_EQ(memory_recurrent(params(1)).state_layout(), memory_recurrent(params(8, 4)).state_layout());
+}
+
+TEST(memory_recurrent, whole_state_round_trip_compacts_cells) {
+    memory_recurrent m(params(4, 2));
+    ASSERT_EQ(decode(m, run(3, 0, 2)), 1);
+    ASSERT_EQ(decode(m, run(1, 0, 4)), 1);
+    ASSERT_TRUE(m.seq_rm(1, 3, -1));  // pending rollback: written as the logical state
+    m.seq_cp(1, 2, -1, -1);
+    ASSERT_TRUE(m.seq_rm(3, -1, -1));  // leaves a hole before seq 1's cell
+    const auto bytes = payload(m, seq_all);
+    const uint64_t h1 = state_of(m, 1);
+    memory_recurrent r(params(6));  // more cells, no rollback: the layout matches all the same
+    ASSERT_EQ(r.state_layout(), m.state_layout());
+    state_set_payload(r, bytes, seq_all);
+    EXPECT_EQ(r.picture(), "M.....");
+    EXPECT_EQ(r.cell(0).seqs, (std::vector<seq_id_t>{1, 2}));
+    EXPECT_EQ(r.seq_pos_max(2), 2);
+    EXPECT_EQ(state_of(r, 2), h1);
+    EXPECT_EQ(payload(r, seq_all), bytes);
+    r.validate();
+    // and it continues like the original
+    ASSERT_EQ(decode(r, run(2, 3, 1)), 1);
+    EXPECT_EQ(state_of(r, 2), mix(h1, 2, 3));
+    EXPECT_EQ(state_of(r, 1), h1);
+}
+
+TEST(memory_recurrent, sequence_state_restores_into_another_sequence) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const uint64_t h0 = state_of(m, 0);
+    const auto buf = state_seq_get_data(m, 0);
+    state_seq_set_data(m, buf, 2);  // seq 2 leaves the cell it shared with seq 1
+    EXPECT_EQ(m.seq_pos_max(2), 4);
+    EXPECT_EQ(state_of(m, 2), h0);
+    EXPECT_NE(m.seq_tail(2), m.seq_tail(0));
+    EXPECT_EQ(m.cell(static_cast<uint32_t>(m.seq_tail(1))).seqs, (std::vector<seq_id_t>{1}));
+    EXPECT_EQ(m.get_used(), 3u);
+    m.validate();
+    // into a memory of another size
+    memory_recurrent other(params(2));
+    state_seq_set_data(other, buf, 1);
+    EXPECT_EQ(state_of(other, 1), h0);
+    EXPECT_EQ(other.seq_pos_max(1), 4);
+    // a state without cells clears the destination
+    state_seq_set_data(other, state_seq_get_data(other, 0), 1);
+    EXPECT_EQ(other.seq_pos_max(1), -1);
+    EXPECT_EQ(other.get_used(), 0u);
+}
+
+// Restoring bytes into dest must fail with an error containing `want` and leave m exactly as it was.
+void expect_rejected(memory_recurrent& m, std::span<const uint8_t> bytes, seq_id_t dest, const std::string& want) {
+    const std::string before = snapshot(m);
+    try {
+        state_set_payload(m, bytes, dest);
+        ADD_FAILURE() << "accepted, expected: " << want;
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(snapshot(m), before) << "after: " << want;
+}
+
+TEST(memory_recurrent, every_truncation_is_rejected_and_changes_nothing) {
+    memory_recurrent m(params(4, 2));
+    three_sequences(m);
+    for (const seq_id_t s : {seq_all, seq_id_t{0}}) {
+        const auto bytes = payload(m, s);
+        memory_recurrent target(params(4, 2));
+    three_sequences(target);
+        ASSERT_TRUE(target.seq_rm(0, 4, -1));  // something to keep intact
+        for (size_t n = 0; n < bytes.size(); ++n)
+            expect_rejected(target, std::span(bytes).first(n), s == seq_all ? seq_all : 3, "state:");
+        auto longer = bytes;
+        longer.push_back(0);
+        expect_rejected(target, longer, s == seq_all ? seq_all : 3, "trailing");
+    }
+}
+
+// A payload with one field overwritten: the u32/i32 at byte `at`.
+std::vector<uint8_t> patched(std::vector<uint8_t> bytes, size_t at, uint32_t value) {
+    std::memcpy(bytes.data() + at, &value, 4);
+    return bytes;
+}
+
+TEST(memory_recurrent, corrupt_states_are_rejected_and_change_nothing) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const auto whole = payload(m, seq_all);  // cells: [pos 4, 1 id: 0], [pos 2, 2 ids: 1 2]
+    const auto one = payload(m, 0);          // [pos 4, 0 ids]
+    memory_recurrent small(params(1));
+    expect_rejected(small, whole, seq_all, "holds 2 cells, this memory has 1");
+    expect_rejected(m, whole, 3, "at most one cell");
+    expect_rejected(m, patched(one, 8, 1), 3, "seq-agnostic");
+    expect_rejected(m, patched(whole, 12, 7), seq_all, "seq_id 7 not in [0, 4)");
+    expect_rejected(m, patched(whole, 28, 0), seq_all, "seq_id 0 has a state in two cells");
+    expect_rejected(m, patched(whole, 20, 0), seq_all, "cell 1 belongs to no sequence");
+    expect_rejected(m, patched(whole, 20, 5), seq_all, "cell 1 lists 5 sequence ids, more than n_seq_max 4");
+    const size_t data = one.size() - (12 + 16) - (12 + 24) - (12 + 12) - 8;  // s_trans, n_layer
+    expect_rejected(m, patched(one, data, 1), 0, "transposed s rows");
+    expect_rejected(m, patched(one, data + 4, 2), 0, "the state has 2 layers, this memory 3");
+    expect_rejected(m, patched(one, data + 8, 1), 0, "layer 0 r type 1");
+    expect_rejected(m, patched(one, data + 12, 20), 0, "layer 0 r rows of 20 bytes, this memory 16");
+    expect_rejected(m, patched(one, data + 8 + 28, 30), 0, "layer 0 s type 30");
+    expect_rejected(m, patched(one, data + 8 + 28 + 36 + 4, 8), 0, "layer 2 s rows of 8 bytes");
+    // state_check agrees with state_read and changes nothing either
+    io_span_reader good(one, true);
+    EXPECT_NO_THROW(m.state_check(good, 0, 0));
+    const auto bad_layers = patched(one, data + 4, 2);
+    io_span_reader bad(bad_layers, true);
+    EXPECT_THROW(m.state_check(bad, 0, 0), error);
+}
+
+// -- property: the memory against an oracle of per-sequence states --
+
+struct oracle_seq {
+    bool has = false;
+    pos_t pos = -1;
+    uint64_t h = 0;
+    std::vector<uint64_t> hist;  // hist[r - 1]: the state r tokens back
+    int group = -1;              // cell identity: sequences sharing a state have the same group
+};
+
+TEST(memory_recurrent_property, sequences_own_their_states_like_the_oracle_says) {
+    std::mt19937 rng(26);
+    int rollbacks = 0, refused = 0, decodes = 0;
+    for (int iter = 0; iter < 150; ++iter) {
+        const uint32_t n_seq = 1 + rng() % 6;
+        const uint32_t k = std::vector<uint32_t>{0, 1, 3}[rng() % 3];
+        recurrent_params p;
+        p.layers = {{.n_embd_r = static_cast<uint32_t>(2 + rng() % 3), .n_embd_s = static_cast<uint32_t>(2 + rng() % 5)},
+                    {.n_embd_r = 0, .n_embd_s = 3}};
+        p.n_seq_max = n_seq;
+        p.n_rs_seq = k;
+        memory_recurrent m(p);
+        std::vector<oracle_seq> o(n_seq);
+        int next_group = 0;
+        const auto sharers = [&](seq_id_t s) {
+            int n = 0;
+            for (const oracle_seq& x : o) n += x.has && x.group == o[static_cast<size_t>(s)].group;
+            return n;
+        };
+        const auto rand_seq = [&] { return static_cast<seq_id_t>(rng() % n_seq); };
+        for (int op = 0; op < 60; ++op) {
+            const uint32_t what = rng() % 20;
+            std::string label;
+            if (what < 9) {  // decode
+                label = "decode";
+                std::vector<std::pair<seq_id_t, pos_t>> tokens;
+                std::vector<pos_t> next(n_seq);
+                std::vector<int> count(n_seq, 0);
+                for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s) {
+                    const oracle_seq& x = o[static_cast<size_t>(s)];
+                    next[static_cast<size_t>(s)] = x.has ? x.pos + 1 : static_cast<pos_t>(rng() % 3 == 0 ? 5 : 0);
+                    if (rng() % 2) count[static_cast<size_t>(s)] = 1 + static_cast<int>(rng() % 5);
+                }
+                for (bool more = true; more;) {  // interleave the sequences' tokens randomly
+                    more = false;
+                    for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s)
+                        if (count[static_cast<size_t>(s)] > 0 && rng() % 2) {
+                            tokens.emplace_back(s, next[static_cast<size_t>(s)]++);
+                            --count[static_cast<size_t>(s)];
+                        }
+                    for (int c : count) more |= c > 0;
+                }
+                if (tokens.empty()) continue;
+                const bool embd_all = rng() % 5 == 0;
+                ASSERT_GT(decode(m, tokens, 1 + rng() % 8, embd_all), 0);
+                ++decodes;
+                for (const auto& [s, pos] : tokens) {
+                    oracle_seq& x = o[static_cast<size_t>(s)];
+                    if (!x.has || x.group >= 0) {  // first token of this batch: a cell of its own
+                        if (!x.has) x.h = 0, x.hist.clear();
+                        x.has = true;
+                        x.group = -1;
+                    }
+                    x.hist.insert(x.hist.begin(), x.h);
+                    if (x.hist.size() > k) x.hist.resize(k);
+                    x.h = mix(x.h, s, pos);
+                    x.pos = pos;
+                }
+                for (oracle_seq& x : o)
+                    if (x.has && x.group < 0) x.group = next_group++;
+            } else if (what < 12) {  // seq_rm: removal, rollback or nothing
+                const seq_id_t s = rand_seq();
+                oracle_seq& x = o[static_cast<size_t>(s)];
+                const uint32_t kind = rng() % 3;
+                pos_t p0 = kind == 0 ? -1 : x.pos - static_cast<pos_t>(rng() % (k + 2));
+                if (kind == 2) p0 = x.pos + 1;
+                label = "rm " + std::to_string(s) + " " + std::to_string(p0);
+                bool want = true;
+                if (x.has && p0 <= 0) {
+                    x = oracle_seq{};
+                } else if (x.has && p0 <= x.pos) {
+                    const auto r = static_cast<size_t>(x.pos - p0 + 1);
+                    want = k > 0 && sharers(s) == 1 && r <= x.hist.size();
+                    if (want) {
+                        x.h = x.hist[r - 1];
+                        x.hist.erase(x.hist.begin(), x.hist.begin() + static_cast<ptrdiff_t>(r));
+                        x.pos = p0 - 1;
+                        ++rollbacks;
+                    } else {
+                        ++refused;
+                    }
+                }
+                ASSERT_EQ(m.seq_rm(s, p0, -1), want) << label;
+            } else if (what < 14) {  // seq_cp
+                const seq_id_t a = rand_seq(), b = rand_seq();
+                label = "cp";
+                m.seq_cp(a, b, -1, -1);
+                if (a != b) o[static_cast<size_t>(b)] = o[static_cast<size_t>(a)];
+            } else if (what < 15) {  // seq_add / seq_div, keeping positions >= 0
+                const seq_id_t s = rand_seq();
+                oracle_seq& x = o[static_cast<size_t>(s)];
+                label = "add/div";
+                if (!x.has) continue;
+                const pos_t old = x.pos;
+                if (rng() % 2) {
+                    const pos_t shift = static_cast<pos_t>(rng() % 6) - std::min<pos_t>(x.pos, 3);
+                    m.seq_add(s, -1, -1, shift);
+                    for (oracle_seq& y : o)
+                        if (y.has && y.group == x.group) y.pos = old + shift;
+                } else {
+                    const int d = 1 + static_cast<int>(rng() % 3);
+                    m.seq_div(s, 0, -1, d);
+                    for (oracle_seq& y : o)
+                        if (y.has && y.group == x.group) y.pos = old / d;
+                }
+            } else if (what < 16) {  // keep
+                const seq_id_t s = rand_seq();
+                label = "keep";
+                m.seq_keep(s);
+                for (size_t i = 0; i < o.size(); ++i)
+                    if (static_cast<seq_id_t>(i) != s) o[i] = oracle_seq{};
+            } else if (what < 18) {  // one sequence's state into another
+                const seq_id_t a = rand_seq(), b = rand_seq();
+                label = "restore " + std::to_string(a) + " -> " + std::to_string(b);
+                state_seq_set_data(m, state_seq_get_data(m, a), b);
+                const oracle_seq src = o[static_cast<size_t>(a)];
+                oracle_seq& y = o[static_cast<size_t>(b)];
+                y = oracle_seq{};
+                if (src.has) {
+                    y = src;
+                    y.hist.clear();
+                    y.group = next_group++;
+                }
+            } else if (what < 19) {  // whole memory through another memory
+                label = "whole";
+                memory_recurrent other(p);
+                state_set_payload(other, payload(m, seq_all), seq_all);
+                state_set_payload(m, payload(other, seq_all), seq_all);
+                for (oracle_seq& x : o) x.hist.clear();
+            } else {
+                label = "rm all / clear";
+                if (rng() % 2)
+                    ASSERT_TRUE(m.seq_rm(seq_all, -1, -1));
+                else
+                    m.clear(rng() % 2);
+                for (oracle_seq& x : o) x = oracle_seq{};
+            }
+            // every sequence holds exactly its own state; I1-I4
+            ASSERT_NO_THROW(m.validate()) << label;
+            uint32_t cells = 0;
+            std::set<int> groups;
+            for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s) {
+                const oracle_seq& x = o[static_cast<size_t>(s)];
+                ASSERT_EQ(m.seq_pos_max(s), x.has ? x.pos : -1) << label << " seq " << s;
+                ASSERT_EQ(m.seq_pos_min(s), m.seq_pos_max(s));
+                ASSERT_EQ(m.seq_tail(s) >= 0, x.has) << label;
+                if (!x.has) continue;
+                ASSERT_EQ(state_of(m, s), x.h) << label << " seq " << s;
+                const auto info = m.cell(static_cast<uint32_t>(m.seq_tail(s)));
+                ASSERT_EQ(info.depth, x.hist.size()) << label << " seq " << s;
+                for (uint32_t r = 1; r <= info.depth; ++r) {  // the history planes hold the earlier states
+                    const int64_t row = int64_t{info.rs_idx + r} * n_seq + m.seq_tail(s);
+                    for (const auto& [il, is_s] : tensors(m)) {
+                        const tensor_view v = view_of(m, il, is_s);
+                        ASSERT_EQ(read_row(row_ptr(v, row), v.row_bytes(), il, is_s), x.hist[r - 1])
+                            << label << " seq " << s << " plane " << r;
+                    }
+                }
+                ASSERT_EQ(static_cast<int>(info.seqs.size()), sharers(s)) << label << " seq " << s;
+                cells += groups.insert(x.group).second;
+            }
+            ASSERT_EQ(m.get_used(), cells) << label;
+        }
+    }
+    EXPECT_GT(decodes, 1000);
+    EXPECT_GT(rollbacks, 50);
+    EXPECT_GT(refused, 50);
+}
+
+}  // namespace
+}  // namespace kvc
