@@ -416,11 +416,11 @@ ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential, uint32_t n_
     }
     // 1. choose pairwise disjoint sequence sets (at most n_ubatch), in batch order. A token passed over
     //    holds back its sequences: no later set containing one of them may go before it.
-    std::vector<uint32_t> chosen;                     // indices into sets_
-    std::vector<uint32_t> first_tok;                  // [chosen] the token that chose it
+    std::vector<uint32_t> chosen;                    // indices into sets_
+    std::vector<uint32_t> first_tok;                 // [chosen] the token that chose it
     std::vector<int32_t> slot_of(sets_.size(), -1);  // [set] its index in chosen, or -1
-    seq_set held;                                     // sequences of passed-over tokens
-    seq_set taken;                                    // sequences of the chosen sets
+    seq_set held;                                    // sequences of passed-over tokens
+    seq_set taken;                                   // sequences of the chosen sets
     seq_id_t last_primary = -1;
     for (uint32_t i = 0; i < n_tokens_ && chosen.size() < n_ubatch; ++i) {
         if (used_[i]) continue;

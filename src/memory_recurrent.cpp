@@ -73,6 +73,7 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
     cells_.assign(size_, cell_rec{});
     tail_.assign(size_, -1);
     next_.assign(size_, -1);
+    refs_.assign(size_, 0);
 }
 
 memory_recurrent::~memory_recurrent() = default;
@@ -93,11 +94,13 @@ const memory_recurrent::layer& memory_recurrent::own_layer(uint32_t il) const {
 }
 
 bool memory_recurrent::has_r(uint32_t il) const {
-    return il < layer_map_.size() && layer_map_[il] >= 0 && layers_[static_cast<size_t>(layer_map_[il])].row_r;
+    return il < layer_map_.size() && layer_map_[il] >= 0 &&
+           layers_[static_cast<size_t>(layer_map_[il])].row_r;
 }
 
 bool memory_recurrent::has_s(uint32_t il) const {
-    return il < layer_map_.size() && layer_map_[il] >= 0 && layers_[static_cast<size_t>(layer_map_[il])].row_s;
+    return il < layer_map_.size() && layer_map_[il] >= 0 &&
+           layers_[static_cast<size_t>(layer_map_[il])].row_s;
 }
 
 size_t memory_recurrent::size_r_bytes() const {
@@ -114,7 +117,8 @@ size_t memory_recurrent::size_s_bytes() const {
 
 tensor_view memory_recurrent::get_r(uint32_t il) {
     const layer& l = own_layer(il);
-    if (!l.row_r) throw error(errc::out_of_range, fmt::format("memory_recurrent: layer {} has no r tensor", il));
+    if (!l.row_r)
+        throw error(errc::out_of_range, fmt::format("memory_recurrent: layer {} has no r tensor", il));
     return tensor_view::contiguous(params_.type_r, const_cast<std::byte*>(l.r.data()), l.n_embd_r, size_,
                                    int64_t{params_.n_rs_seq} + 1);
 }
@@ -125,7 +129,8 @@ const_tensor_view memory_recurrent::get_r(uint32_t il) const {
 
 tensor_view memory_recurrent::get_s(uint32_t il) {
     const layer& l = own_layer(il);
-    if (!l.row_s) throw error(errc::out_of_range, fmt::format("memory_recurrent: layer {} has no s tensor", il));
+    if (!l.row_s)
+        throw error(errc::out_of_range, fmt::format("memory_recurrent: layer {} has no s tensor", il));
     return tensor_view::contiguous(params_.type_s, const_cast<std::byte*>(l.s.data()), l.n_embd_s, size_,
                                    int64_t{params_.n_rs_seq} + 1);
 }
@@ -215,7 +220,8 @@ void memory_recurrent::check_ubatch(const ubatch& ub) const {
                 bad(errc::out_of_range,
                     fmt::format("seq_id {} not in [0, {}) (n_seq_max: one cell per sequence)", s, size_));
             if (seen[static_cast<size_t>(s)])
-                bad(errc::invalid_argument, fmt::format("seq_id {} appears in two blocks (or twice in one)", s));
+                bad(errc::invalid_argument,
+                    fmt::format("seq_id {} appears in two blocks (or twice in one)", s));
             seen[static_cast<size_t>(s)] = true;
         }
         for (uint32_t t = b * T + 1; t < (b + 1) * T; ++t) {
@@ -225,7 +231,8 @@ void memory_recurrent::check_ubatch(const ubatch& ub) const {
                 same = std::find(ids.begin(), ids.end(), other[q]) != ids.end();
             if (!same)
                 bad(errc::invalid_argument,
-                    fmt::format("token {} of block {} belongs to other sequences than the block's first", t, b));
+                    fmt::format("token {} of block {} belongs to other sequences than the block's first", t,
+                                b));
         }
     }
 }
@@ -239,6 +246,11 @@ rs_slot memory_recurrent::find_slot(const ubatch& ub) {
 rs_slot memory_recurrent::place(const ubatch& ub, bool dry_run) {
     check_ubatch(ub);
     const uint32_t T = ub.n_seq_tokens, B = ub.n_seqs, k = params_.n_rs_seq;
+    rs_slot slot;
+    if (!dry_run) {  // allocations first: nothing below may fail once the cells change
+        slot.s_copy.reserve(size_);
+        slot.hist_copy.reserve(size_t{size_} * k);
+    }
 
     // 1. prefer refilling the front when the head is far beyond the used cells
     if (head_ > used_ + 2 * uint64_t{B}) head_ = 0;
@@ -295,22 +307,21 @@ rs_slot memory_recurrent::place(const ubatch& ub, bool dry_run) {
         const pos_t last = ub.pos[b * T + T - 1];
         if (!dry_run && x.pos >= 0 && int64_t{last} != int64_t{x.pos} + T)
             log(log_level::warn,
-                fmt::format("memory_recurrent: non-consecutive position {} after {} for seq {} ({} tokens)", last,
-                            x.pos, ub.primary_seq(b * T), T));
+                fmt::format("memory_recurrent: non-consecutive position {} after {} for seq {} ({} tokens)",
+                            last, x.pos, ub.primary_seq(b * T), T));
         x.pos = last;
         const auto ids = ub.seq_ids(b * T);
         for (size_t q = 1; q < ids.size(); ++q) link(lo + b, ids[q]);
     }
 
     // 7. stage the sources: rs_z is a row of the range no cell reads from (zeroed for fresh states)
-    refs_.assign(size_, 0);
+    std::fill(refs_.begin(), refs_.end(), 0u);
     for (const cell_rec& x : cells_)
         if (x.src >= 0) ++refs_[static_cast<size_t>(x.src)];
     int32_t rs_z = -1;
     for (uint32_t i = lo; i <= hi && rs_z < 0; ++i)
         if (refs_[i] == 0) rs_z = static_cast<int32_t>(i);
 
-    rs_slot slot;
     slot.head = lo;
     slot.n = hi - lo + 1;
     slot.n_seqs = B;
@@ -535,9 +546,11 @@ void memory_recurrent::validate() const {
         const struct cell_rec& x = cells_[c];
         uint32_t n = 0;
         for (seq_id_t s = x.first; s >= 0; s = next_[static_cast<size_t>(s)]) {
-            if (static_cast<uint32_t>(s) >= size_ || ++n > size_) broken(fmt::format("cell {}: bad member list", c));
+            if (static_cast<uint32_t>(s) >= size_ || ++n > size_)
+                broken(fmt::format("cell {}: bad member list", c));
             if (tail_[static_cast<size_t>(s)] != static_cast<int32_t>(c))  // I1
-                broken(fmt::format("cell {} holds seq {} whose tail is {}", c, s, tail_[static_cast<size_t>(s)]));
+                broken(fmt::format("cell {} holds seq {} whose tail is {}", c, s,
+                                   tail_[static_cast<size_t>(s)]));
         }
         if (n != x.n_seq) broken(fmt::format("cell {}: {} members listed, {} counted", c, n, x.n_seq));
         if (n == 0) {
@@ -558,7 +571,8 @@ void memory_recurrent::validate() const {
         if (c < -1 || c >= static_cast<int32_t>(size_)) broken(fmt::format("seq {} has tail {}", s, c));
         if (c >= 0) {
             bool found = false;
-            for (seq_id_t q = cells_[static_cast<size_t>(c)].first; q >= 0 && !found; q = next_[static_cast<size_t>(q)])
+            for (seq_id_t q = cells_[static_cast<size_t>(c)].first; q >= 0 && !found;
+                 q = next_[static_cast<size_t>(q)])
                 found = q == static_cast<seq_id_t>(s);
             if (!found) broken(fmt::format("seq {} has tail {} but is not in it", s, c));
         }
@@ -598,9 +612,11 @@ bool memory_recurrent_context::next() {
 bool memory_recurrent_context::apply() {
     if (is_fail(status_)) throw error(errc::invalid_state, "memory context: apply() on a failed context");
     if (kind_ != kind::batch) return true;
-    if (i_cur_ >= ubatches_.size()) throw error(errc::invalid_state, "memory context: no ubatch left to apply");
+    if (i_cur_ >= ubatches_.size())
+        throw error(errc::invalid_state, "memory context: no ubatch left to apply");
     if (n_applied_ > i_cur_)
-        throw error(errc::invalid_state, fmt::format("memory context: ubatch {} was already applied", i_cur_));
+        throw error(errc::invalid_state,
+                    fmt::format("memory context: ubatch {} was already applied", i_cur_));
     slot_ = mem_->find_slot(ubatches_[i_cur_]);
     n_applied_ = i_cur_ + 1;
     return true;
@@ -614,9 +630,9 @@ const ubatch& memory_recurrent_context::get_ubatch() const {
 
 const rs_slot& memory_recurrent_context::slot() const {
     if (!slot_)
-        throw error(errc::invalid_state,
-                    kind_ == kind::batch ? "memory context: apply() the current ubatch first"
-                                         : "memory context: an update context has no state rows");
+        throw error(errc::invalid_state, kind_ == kind::batch
+                                             ? "memory context: apply() the current ubatch first"
+                                             : "memory context: an update context has no state rows");
     return *slot_;
 }
 

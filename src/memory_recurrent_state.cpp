@@ -59,8 +59,7 @@ void memory_recurrent::state_write(io_write_i& io, seq_id_t seq_id,
     put<uint32_t>(io, static_cast<uint32_t>(params_.layers.size()));
     // the logical state of each cell: plane rs_idx when a rollback is pending (between ubatches src == c)
     const auto rows = [&](const buffer& b, size_t row) {
-        for (uint32_t c : cells)
-            io.write(b.data() + (size_t{cells_[c].rs_idx} * size_ + c) * row, row);
+        for (uint32_t c : cells) io.write(b.data() + (size_t{cells_[c].rs_idx} * size_ + c) * row, row);
     };
     for (const layer& l : layers_) {
         if (!l.row_r) continue;
@@ -88,7 +87,8 @@ std::string memory_recurrent::state_layout() const {
     for (size_t i = 0; i < layers_.size();) {
         size_t n = 1;
         const std::string s = shape(layers_[i]);
-        while (i + n < layers_.size() && layers_[i + n].il == layers_[i].il + n && shape(layers_[i + n]) == s) ++n;
+        while (i + n < layers_.size() && layers_[i + n].il == layers_[i].il + n && shape(layers_[i + n]) == s)
+            ++n;
         if (i) out += ';';
         out += n == 1 ? fmt::format("{}:{}", layers_[i].il, s)
                       : fmt::format("{}-{}:{}", layers_[i].il, layers_[i + n - 1].il, s);
@@ -114,9 +114,10 @@ memory_recurrent::staged_state memory_recurrent::parse_state(io_read_i& io, seq_
     if (seq_id == seq_all && count > size_)
         bad(io, fmt::format("the state holds {} cells, this memory has {}", count, size_));
     if (seq_id != seq_all && count > 1)
-        bad(io, fmt::format("a sequence's recurrent state holds at most one cell, this one has {} (a whole-memory "
-                            "state cannot be restored into one sequence)",
-                            count));
+        bad(io, fmt::format(
+                    "a sequence's recurrent state holds at most one cell, this one has {} (a whole-memory "
+                    "state cannot be restored into one sequence)",
+                    count));
     st.pos.resize(count);
     if (seq_id == seq_all) st.seqs.resize(count);
     std::vector<bool> has_state(size_, false);
@@ -125,13 +126,15 @@ memory_recurrent::staged_state memory_recurrent::parse_state(io_read_i& io, seq_
         const auto n_ids = get<uint32_t>(io);
         if (seq_id != seq_all) {
             if (n_ids != 0)
-                bad(io, fmt::format("cell {} lists {} sequence ids; a sequence's state is seq-agnostic (0 ids) "
-                                    "(a whole-memory state cannot be restored into one sequence)",
-                                    j, n_ids));
+                bad(io,
+                    fmt::format("cell {} lists {} sequence ids; a sequence's state is seq-agnostic (0 ids) "
+                                "(a whole-memory state cannot be restored into one sequence)",
+                                j, n_ids));
             continue;
         }
         if (n_ids == 0) bad(io, fmt::format("cell {} belongs to no sequence", j));
-        if (n_ids > size_) bad(io, fmt::format("cell {} lists {} sequence ids, more than n_seq_max {}", j, n_ids, size_));
+        if (n_ids > size_)
+            bad(io, fmt::format("cell {} lists {} sequence ids, more than n_seq_max {}", j, n_ids, size_));
         for (uint32_t q = 0; q < n_ids; ++q) {
             const auto id = get<int32_t>(io);
             if (id < 0 || static_cast<uint32_t>(id) >= size_)
@@ -151,10 +154,11 @@ memory_recurrent::staged_state memory_recurrent::parse_state(io_read_i& io, seq_
     const auto tensor = [&](const char* name, dtype type, uint32_t il, size_t row) {
         const auto t = get<int32_t>(io);
         if (t != static_cast<int32_t>(type))
-            bad(io, fmt::format("layer {} {} type {} (ggml id), this memory has {} ({})", il, name, t, to_string(type),
-                                static_cast<int32_t>(type)));
+            bad(io, fmt::format("layer {} {} type {} (ggml id), this memory has {} ({})", il, name, t,
+                                to_string(type), static_cast<int32_t>(type)));
         const auto bytes = get<uint64_t>(io);
-        if (bytes != row) bad(io, fmt::format("layer {} {} rows of {} bytes, this memory {}", il, name, bytes, row));
+        if (bytes != row)
+            bad(io, fmt::format("layer {} {} rows of {} bytes, this memory {}", il, name, bytes, row));
         return io.read_span(size_t{count} * row, st.owned.emplace_back());
     };
     for (const layer& l : layers_)
@@ -186,7 +190,8 @@ void memory_recurrent::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flag
         const int32_t old = tail_[static_cast<size_t>(seq_id)];
         if (old >= 0) {
             unlink(static_cast<uint32_t>(old), seq_id);
-            if (free_if_empty(static_cast<uint32_t>(old))) head_ = std::min(head_, static_cast<uint32_t>(old));
+            if (free_if_empty(static_cast<uint32_t>(old)))
+                head_ = std::min(head_, static_cast<uint32_t>(old));
         }
         if (n == 0) return;
         const int32_t c = next_free(head_);  // exists: seq_id holds no cell now

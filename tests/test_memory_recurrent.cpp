@@ -29,7 +29,8 @@ uint64_t splitmix64(uint64_t x) {
 
 // The state after folding the token at position p of sequence s into state h (never 0: 0 is the fresh state).
 uint64_t mix(uint64_t h, seq_id_t s, pos_t p) {
-    return splitmix64(h ^ splitmix64((uint64_t{static_cast<uint32_t>(s)} << 32) | static_cast<uint32_t>(p))) | 1u;
+    return splitmix64(h ^ splitmix64((uint64_t{static_cast<uint32_t>(s)} << 32) | static_cast<uint32_t>(p))) |
+           1u;
 }
 
 // A row holding state h: h in its first 8 bytes, then bytes that depend on (h, layer, tensor); state 0 is
@@ -41,7 +42,8 @@ void fill_row(std::byte* row, size_t bytes, uint64_t h, uint32_t il, bool is_s) 
     }
     std::memcpy(row, &h, 8);
     for (size_t i = 8; i < bytes; ++i)
-        row[i] = static_cast<std::byte>(splitmix64(h ^ (uint64_t{il} << 40) ^ (is_s ? 1ull << 39 : 0) ^ i) & 0xff);
+        row[i] =
+            static_cast<std::byte>(splitmix64(h ^ (uint64_t{il} << 40) ^ (is_s ? 1ull << 39 : 0) ^ i) & 0xff);
 }
 
 // The state a row holds; fails the test when the row is not a well-formed state row.
@@ -82,7 +84,8 @@ void engine_step(memory_recurrent& m, const rs_slot& sl, const ubatch& ub) {
         if (sl.rs_z >= 0) std::memset(row_ptr(v, sl.rs_z), 0, bytes);
         // 2. gather everything before writing anything
         std::vector<std::vector<std::byte>> g(sl.n), hc(sl.hist_copy.size());
-        for (uint32_t i = 0; i < sl.n; ++i) g[i].assign(row_ptr(v, sl.s_copy[i]), row_ptr(v, sl.s_copy[i]) + bytes);
+        for (uint32_t i = 0; i < sl.n; ++i)
+            g[i].assign(row_ptr(v, sl.s_copy[i]), row_ptr(v, sl.s_copy[i]) + bytes);
         for (size_t j = 0; j < hc.size(); ++j)
             hc[j].assign(row_ptr(v, sl.hist_copy[j].src), row_ptr(v, sl.hist_copy[j].src) + bytes);
         // 3. extra cells move
@@ -91,13 +94,16 @@ void engine_step(memory_recurrent& m, const rs_slot& sl, const ubatch& ub) {
         for (uint32_t b = 0; b < sl.n_seqs; ++b) {
             uint64_t h = read_row(g[b].data(), bytes, il, is_s);
             std::vector<uint64_t> after(T);
-            for (uint32_t t = 0; t < T; ++t) after[t] = h = mix(h, ub.primary_seq(b * T + t), ub.pos[b * T + t]);
+            for (uint32_t t = 0; t < T; ++t)
+                after[t] = h = mix(h, ub.primary_seq(b * T + t), ub.pos[b * T + t]);
             fill_row(row_ptr(v, sl.head + b), bytes, after[T - 1], il, is_s);
             for (uint32_t r = 1; r <= k && r < T; ++r)
-                fill_row(row_ptr(v, int64_t{r} * m.get_size() + sl.head + b), bytes, after[T - 1 - r], il, is_s);
+                fill_row(row_ptr(v, int64_t{r} * m.get_size() + sl.head + b), bytes, after[T - 1 - r], il,
+                         is_s);
         }
         // 5. history copies
-        for (size_t j = 0; j < hc.size(); ++j) std::memcpy(row_ptr(v, sl.hist_copy[j].dst), hc[j].data(), bytes);
+        for (size_t j = 0; j < hc.size(); ++j)
+            std::memcpy(row_ptr(v, sl.hist_copy[j].dst), hc[j].data(), bytes);
     }
 }
 
@@ -164,8 +170,8 @@ rs_slot step(memory_recurrent& m, const std::vector<block>& blocks) {
 // One decode through the whole stack: batch_allocr, init_batch, then per ubatch apply + the engine, reading
 // the inputs from the context. Tokens: (seq, pos) in batch order. Returns the number of ubatches, or -1 when
 // init_batch failed.
-int decode(memory_recurrent& m, const std::vector<std::pair<seq_id_t, pos_t>>& tokens, uint32_t n_ubatch = 512,
-           bool embd_all = false) {
+int decode(memory_recurrent& m, const std::vector<std::pair<seq_id_t, pos_t>>& tokens,
+           uint32_t n_ubatch = 512, bool embd_all = false) {
     batch_storage b = batch::init(static_cast<int32_t>(tokens.size()), 0, 1);
     for (const auto& [s, p] : tokens) {
         const seq_id_t ids[] = {s};
@@ -225,11 +231,12 @@ std::vector<uint8_t> payload(const memory_i& m, seq_id_t s) {
 
 // Everything observable: cells, tails, head, used and the whole state.
 std::string snapshot(const memory_recurrent& m) {
-    std::string out = m.picture() + " head=" + std::to_string(m.get_head()) + " used=" + std::to_string(m.get_used());
+    std::string out =
+        m.picture() + " head=" + std::to_string(m.get_head()) + " used=" + std::to_string(m.get_used());
     for (uint32_t c = 0; c < m.get_size(); ++c) {
         const auto x = m.cell(c);
-        out += " [" + std::to_string(x.pos) + "," + std::to_string(x.src) + "," + std::to_string(x.rs_idx) + "," +
-               std::to_string(x.depth) + "]";
+        out += " [" + std::to_string(x.pos) + "," + std::to_string(x.src) + "," + std::to_string(x.rs_idx) +
+               "," + std::to_string(x.depth) + "]";
     }
     const auto bytes = payload(m, seq_all);
     out += " state=" + std::to_string(std::hash<std::string>{}(std::string(bytes.begin(), bytes.end())));
@@ -264,7 +271,8 @@ TEST(memory_recurrent, size_accounting_counts_every_rollback_plane) {
     p.type_s = dtype::f16;
     memory_recurrent m(p);
     EXPECT_EQ(m.get_size(), 4u);
-    EXPECT_EQ(std::vector<uint32_t>(m.layer_ids().begin(), m.layer_ids().end()), (std::vector<uint32_t>{0, 2}));
+    EXPECT_EQ(std::vector<uint32_t>(m.layer_ids().begin(), m.layer_ids().end()),
+              (std::vector<uint32_t>{0, 2}));
     EXPECT_TRUE(m.has_r(0));
     EXPECT_FALSE(m.has_r(2));
     EXPECT_TRUE(m.has_s(2));
@@ -429,7 +437,7 @@ TEST(memory_recurrent, find_slot_rejects_what_it_cannot_place_and_changes_nothin
     memory_recurrent m(params(3));
     step(m, {{{0}, {0}}});
     const std::string before = snapshot(m);
-    EXPECT_THROW((void)m.find_slot(make_ub({{{3}, {0}}})), error);             // seq id >= n_seq_max
+    EXPECT_THROW((void)m.find_slot(make_ub({{{3}, {0}}})), error);                 // seq id >= n_seq_max
     EXPECT_THROW((void)m.find_slot(make_ub({{{1}, {0}}, {{1, 2}, {0}}})), error);  // seq 1 in two blocks
     EXPECT_THROW((void)m.find_slot(make_ub({{{1}, {0}}, {{-1}, {0}}})), error);
     ubatch u = make_ub({{{1}, {0, 1}}});
@@ -571,7 +579,7 @@ TEST(memory_recurrent, seq_rm_partial_suffix_without_rollback_is_false_and_chang
 TEST(memory_recurrent, seq_rm_from_zero_removes_the_state) {
     for (const pos_t p0 : {0, -1}) {
         memory_recurrent m(params(4));
-    three_sequences(m);
+        three_sequences(m);
         const int32_t c = m.seq_tail(0);
         EXPECT_TRUE(m.seq_rm(0, p0, -1));
         EXPECT_EQ(m.seq_tail(0), -1);
@@ -654,6 +662,21 @@ TEST(memory_recurrent, seq_cp_shares_the_whole_state_and_ignores_the_range) {
     m.seq_cp(1, 2, -1, -1);
     EXPECT_EQ(m.seq_tail(2), -1);
     EXPECT_EQ(m.get_used(), used);  // seq 2 shared with seq 3: the cell stays
+    m.validate();
+}
+
+TEST(memory_recurrent, seq_cp_frees_the_cell_dst_held_alone) {
+    memory_recurrent m(params(4));
+    three_sequences(m);
+    const auto old = static_cast<uint32_t>(m.seq_tail(0));
+    const uint32_t head = m.get_head();
+    m.seq_cp(1, 0, -1, -1);
+    EXPECT_TRUE(m.cell(old).seqs.empty());
+    EXPECT_EQ(m.cell(old).pos, -1);
+    EXPECT_EQ(m.get_used(), 1u);
+    EXPECT_EQ(m.get_head(), head);  // as upstream, seq_cp leaves the head alone
+    EXPECT_EQ(m.cell(static_cast<uint32_t>(m.seq_tail(1))).seqs, (std::vector<seq_id_t>{0, 1, 2}));
+    EXPECT_EQ(m.seq_pos_max(0), 2);
     m.validate();
 }
 
@@ -898,7 +921,8 @@ TEST(memory_recurrent, sequence_state_restores_into_another_sequence) {
 }
 
 // Restoring bytes into dest must fail with an error containing `want` and leave m exactly as it was.
-void expect_rejected(memory_recurrent& m, std::span<const uint8_t> bytes, seq_id_t dest, const std::string& want) {
+void expect_rejected(memory_recurrent& m, std::span<const uint8_t> bytes, seq_id_t dest,
+                     const std::string& want) {
     const std::string before = snapshot(m);
     try {
         state_set_payload(m, bytes, dest);
@@ -915,7 +939,7 @@ TEST(memory_recurrent, every_truncation_is_rejected_and_changes_nothing) {
     for (const seq_id_t s : {seq_all, seq_id_t{0}}) {
         const auto bytes = payload(m, s);
         memory_recurrent target(params(4, 2));
-    three_sequences(target);
+        three_sequences(target);
         ASSERT_TRUE(target.seq_rm(0, 4, -1));  // something to keep intact
         for (size_t n = 0; n < bytes.size(); ++n)
             expect_rejected(target, std::span(bytes).first(n), s == seq_all ? seq_all : 3, "state:");
@@ -976,7 +1000,8 @@ TEST(memory_recurrent_property, sequences_own_their_states_like_the_oracle_says)
         const uint32_t n_seq = 1 + rng() % 6;
         const uint32_t k = std::vector<uint32_t>{0, 1, 3}[rng() % 3];
         recurrent_params p;
-        p.layers = {{.n_embd_r = static_cast<uint32_t>(2 + rng() % 3), .n_embd_s = static_cast<uint32_t>(2 + rng() % 5)},
+        p.layers = {{.n_embd_r = static_cast<uint32_t>(2 + rng() % 3),
+                     .n_embd_s = static_cast<uint32_t>(2 + rng() % 5)},
                     {.n_embd_r = 0, .n_embd_s = 3}};
         p.n_seq_max = n_seq;
         p.n_rs_seq = k;
@@ -999,7 +1024,8 @@ TEST(memory_recurrent_property, sequences_own_their_states_like_the_oracle_says)
                 std::vector<int> count(n_seq, 0);
                 for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s) {
                     const oracle_seq& x = o[static_cast<size_t>(s)];
-                    next[static_cast<size_t>(s)] = x.has ? x.pos + 1 : static_cast<pos_t>(rng() % 3 == 0 ? 5 : 0);
+                    next[static_cast<size_t>(s)] =
+                        x.has ? x.pos + 1 : static_cast<pos_t>(rng() % 3 == 0 ? 5 : 0);
                     if (rng() % 2) count[static_cast<size_t>(s)] = 1 + static_cast<int>(rng() % 5);
                 }
                 for (bool more = true; more;) {  // interleave the sequences' tokens randomly

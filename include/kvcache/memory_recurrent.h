@@ -37,6 +37,10 @@
 /// plane). Rollbacks compose: a second seq_rm before the next decode goes further back, as long as the
 /// history lasts (pending + r <= k). The history counts the states a cell really has: after a state
 /// restore it is empty, after a rollback of r it is r shorter, each token adds one (up to k).
+///
+/// Sequence operations take [p0, p1) with p1 < 0 unbounded, and p0 < 0 unbounded below (a tail moved below
+/// 0 by seq_add is still "from the start"). Sequence ids outside [0, n_seq_max) throw kvc::error
+/// (out_of_range) and change nothing, in every operation (upstream: seq_rm false, others no-ops).
 #pragma once
 
 #include <cstdint>
@@ -79,19 +83,19 @@ struct rs_copy {
 
 /// Where one ubatch's states come from and go (what find_slot staged; see the engine contract).
 struct rs_slot {
-    uint32_t head = 0;              ///< first cell of the range
-    uint32_t n = 0;                 ///< cells in the range (n_rs); the first n_seqs are the blocks'
-    uint32_t n_seqs = 0;            ///< blocks of the ubatch ("main" cells)
-    int32_t rs_z = -1;              ///< row to zero before reading (fresh states read it), -1: none
-    std::vector<int64_t> s_copy;    ///< [n] source row of range cell i (plane * size + cell)
-    std::vector<rs_copy> hist_copy; ///< history planes to carry over (empty when n_rs_seq == 0)
+    uint32_t head = 0;               ///< first cell of the range
+    uint32_t n = 0;                  ///< cells in the range (n_rs); the first n_seqs are the blocks'
+    uint32_t n_seqs = 0;             ///< blocks of the ubatch ("main" cells)
+    int32_t rs_z = -1;               ///< row to zero before reading (fresh states read it), -1: none
+    std::vector<int64_t> s_copy;     ///< [n] source row of range cell i (plane * size + cell)
+    std::vector<rs_copy> hist_copy;  ///< history planes to carry over (empty when n_rs_seq == 0)
 };
 
 /// The recurrent state memory. See the file comment for cells, the engine contract and rollback.
 class memory_recurrent final : public memory_i {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration (no layer kept, n_seq_max 0,
-    /// a quantized type, rows that are not whole blocks).
+    /// a type other than f32, f16 or bf16, buffers whose size overflows).
     explicit memory_recurrent(recurrent_params params);
     ~memory_recurrent() override;
     memory_recurrent(const memory_recurrent&) = delete;
@@ -237,12 +241,12 @@ private:
     std::vector<layer> layers_;       // own layers, ascending model index
     std::vector<int32_t> layer_map_;  // [model layers] index into layers_, or -1
     std::vector<uint32_t> layer_ids_;
-    std::vector<cell_rec> cells_;     // [size] as storage cells (index = physical row)
-    std::vector<int32_t> tail_;   // [size] per sequence: its cell, -1 = no state
-    std::vector<seq_id_t> next_;  // [size] per sequence: next member of the same cell, -1 = last
+    std::vector<cell_rec> cells_;  // [size] as storage cells (index = physical row)
+    std::vector<int32_t> tail_;    // [size] per sequence: its cell, -1 = no state
+    std::vector<seq_id_t> next_;   // [size] per sequence: next member of the same cell, -1 = last
     uint32_t head_ = 0;
     uint32_t used_ = 0;
-    std::vector<uint32_t> refs_;  // scratch: sources referencing each row
+    std::vector<uint32_t> refs_;         // scratch: sources referencing each row
     std::vector<cell_rec> saved_cells_;  // scratch of prepare: the cells before the dry run
     std::vector<int32_t> saved_tail_;
     std::vector<seq_id_t> saved_next_;
@@ -259,7 +263,8 @@ public:
     /// A failed, full or update context.
     memory_recurrent_context(memory_recurrent& mem, memory_status status, kind k);
     /// A batch context over ubatches that prepare() accepted.
-    memory_recurrent_context(memory_recurrent& mem, std::vector<ubatch> ubatches, std::vector<int32_t> out_ids);
+    memory_recurrent_context(memory_recurrent& mem, std::vector<ubatch> ubatches,
+                             std::vector<int32_t> out_ids);
 
     // -- memory_context_i --
     /// Moves to the next ubatch; false after the last.

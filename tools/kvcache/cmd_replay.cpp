@@ -123,7 +123,9 @@ void recurrent_ubatch(memory_recurrent& mem, const memory_recurrent_context& ctx
             if (!(is_s ? mem.has_s(il) : mem.has_r(il))) continue;
             const tensor_view v = is_s ? mem.get_s(il) : mem.get_r(il);
             const auto width = static_cast<size_t>(v.ne[0]);
-            const auto row = [&](int64_t i) { return reinterpret_cast<float*>(v.data + static_cast<size_t>(i) * v.nb[1]); };
+            const auto row = [&](int64_t i) {
+                return reinterpret_cast<float*>(v.data + static_cast<size_t>(i) * v.nb[1]);
+            };
             if (ctx.get_rs_z() >= 0) std::fill_n(row(ctx.get_rs_z()), width, 0.0f);
             std::vector<std::vector<float>> src(n), hist(ctx.hist_copies().size());
             for (uint32_t i = 0; i < n; ++i) src[i].assign(row(ctx.s_copy(i)), row(ctx.s_copy(i)) + width);
@@ -136,7 +138,8 @@ void recurrent_ubatch(memory_recurrent& mem, const memory_recurrent_context& ctx
                     const uint32_t tok = b * T + t;
                     const uint64_t key = seq_key[static_cast<size_t>(ub.batch_idx[tok])];
                     for (size_t d = 0; d < width; ++d)
-                        x[d] = 0.5f * x[d] + synth_value(il, key, ub.pos[tok], static_cast<uint32_t>(d), is_s);
+                        x[d] =
+                            0.5f * x[d] + synth_value(il, key, ub.pos[tok], static_cast<uint32_t>(d), is_s);
                     const uint32_t back = T - 1 - t;  // plane of this token's state
                     if (back <= k) std::copy(x.begin(), x.end(), row(int64_t{back} * size + head + b));
                 }
@@ -284,7 +287,8 @@ private:
         p.n_seq_max = count("n_seq_max", 1, 1);
         p.n_rs_seq = count("n_rs_seq", 0, 0);
         const uint32_t n_layer = count("n_layer", 2, 1);
-        const recurrent_layer_desc d{.n_embd_r = count("n_embd_r", 8, 0), .n_embd_s = count("n_embd_s", 16, 0)};
+        const recurrent_layer_desc d{.n_embd_r = count("n_embd_r", 8, 0),
+                                     .n_embd_s = count("n_embd_s", 16, 0)};
         p.layers.assign(n_layer, d);
         n_ubatch_ = count("n_ubatch", 512, 1);
         try {
@@ -612,10 +616,10 @@ private:
     }
 
     std::unique_ptr<model> model_;
-    std::unique_ptr<kv_cache> cache_;           // type=kv
-    std::unique_ptr<memory_recurrent> rec_;     // type=recurrent
-    memory_i* mem_ = nullptr;                   // the one of them in use
-    std::unique_ptr<runtime> rt_;  // with a model
+    std::unique_ptr<kv_cache> cache_;        // type=kv
+    std::unique_ptr<memory_recurrent> rec_;  // type=recurrent
+    memory_i* mem_ = nullptr;                // the one of them in use
+    std::unique_ptr<runtime> rt_;            // with a model
     uint32_t n_seq_max_ = 1;
     uint32_t n_ubatch_ = 512;
 };
