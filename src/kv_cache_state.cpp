@@ -7,26 +7,15 @@
 #include <kvcache/state.h>
 
 #include "detail/kv_cache_layer.h"
+#include "detail/state_io.h"
 
 namespace kvc {
 
+using detail::bad;
+using detail::get;
+using detail::put;
+
 namespace {
-
-template <class T>
-void put(io_write_i& io, T v) {
-    io.write(&v, sizeof v);
-}
-
-template <class T>
-T get(io_read_i& io) {
-    T v{};
-    io.read(&v, sizeof v);
-    return v;
-}
-
-[[noreturn]] void bad(const io_read_i& io, const std::string& what) {
-    throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", io.n_bytes(), what));
-}
 
 // The runs cells[j..j+n) of consecutive ascending cells, as (j, n): their rows move in one piece.
 // Found once per stream, then used for every layer and every channel of a transposed V.
@@ -141,18 +130,8 @@ std::string kv_cache::state_layout() const {
         return fmt::format("k={}x{},v={}x{}", to_string(params_.type_k), l.e_k, to_string(params_.type_v),
                            l.e_v);
     };
-    // runs of consecutive model layers with one shape: "0-31:k=f16x1024,v=f16x1024;32:..."
-    for (size_t i = 0; i < layers_.size();) {
-        size_t n = 1;
-        const std::string s = shape(layers_[i]);
-        while (i + n < layers_.size() && layers_[i + n].il == layers_[i].il + n && shape(layers_[i + n]) == s)
-            ++n;
-        if (i) out += ';';
-        out += n == 1 ? fmt::format("{}:{}", layers_[i].il, s)
-                      : fmt::format("{}-{}:{}", layers_[i].il, layers_[i + n - 1].il, s);
-        i += n;
-    }
-    if (layers_.empty()) out += "none";
+    out += detail::layer_runs(
+        layers_.size(), [&](size_t i) { return layers_[i].il; }, [&](size_t i) { return shape(layers_[i]); });
     return out;
 }
 

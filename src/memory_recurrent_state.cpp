@@ -8,28 +8,13 @@
 #include <kvcache/state.h>
 
 #include "detail/memory_recurrent_impl.h"
+#include "detail/state_io.h"
 
 namespace kvc {
 
-namespace {
-
-template <class T>
-void put(io_write_i& io, T v) {
-    io.write(&v, sizeof v);
-}
-
-template <class T>
-T get(io_read_i& io) {
-    T v{};
-    io.read(&v, sizeof v);
-    return v;
-}
-
-[[noreturn]] void bad(const io_read_i& io, const std::string& what) {
-    throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", io.n_bytes(), what));
-}
-
-}  // namespace
+using detail::bad;
+using detail::get;
+using detail::put;
 
 // -- writing --
 
@@ -83,17 +68,8 @@ std::string memory_recurrent::state_layout() const {
         if (l.row_s) s += fmt::format("{}s={}x{}", l.row_r ? "," : "", to_string(params_.type_s), l.n_embd_s);
         return s;
     };
-    // runs of consecutive model layers with one shape: "0-31:r=f32x1536,s=f32x4096;32:..."
-    for (size_t i = 0; i < layers_.size();) {
-        size_t n = 1;
-        const std::string s = shape(layers_[i]);
-        while (i + n < layers_.size() && layers_[i + n].il == layers_[i].il + n && shape(layers_[i + n]) == s)
-            ++n;
-        if (i) out += ';';
-        out += n == 1 ? fmt::format("{}:{}", layers_[i].il, s)
-                      : fmt::format("{}-{}:{}", layers_[i].il, layers_[i + n - 1].il, s);
-        i += n;
-    }
+    out += detail::layer_runs(
+        layers_.size(), [&](size_t i) { return layers_[i].il; }, [&](size_t i) { return shape(layers_[i]); });
     return out;
 }
 

@@ -1,11 +1,7 @@
 // Session files (decision 11) and llama.cpp's per-sequence files.
 #include <bit>
-#include <cstdio>
 #include <cstring>
-#include <random>
 
-#include <fcntl.h>
-#include <unistd.h>
 #include <xxhash.h>
 #include <zstd.h>
 
@@ -106,35 +102,6 @@ private:
     std::vector<uint8_t> out_;
     size_t n_ = 0;
 };
-
-// Writes a file under a temporary name beside path, then syncs it and renames it over path.
-template <class F>
-uint64_t write_atomically(const std::string& path, F&& fill) {
-    std::random_device rd;
-    const std::string tmp = fmt::format("{}.tmp-{}-{:08x}", path, ::getpid(), rd());
-    try {
-        io_file_writer f(tmp);
-        fill(f);
-        f.sync();
-        const uint64_t bytes = f.n_bytes();
-        f.close();
-        if (std::rename(tmp.c_str(), path.c_str()) != 0)
-            throw error(errc::io,
-                        fmt::format("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
-        // the rename itself reaches the disk with the directory
-        const size_t slash = path.rfind('/');
-        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-        const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-            ::fsync(dfd);
-            ::close(dfd);
-        }
-        return bytes;
-    } catch (...) {
-        std::remove(tmp.c_str());
-        throw;
-    }
-}
 
 [[noreturn]] void bad_file(errc code, const std::string& what) {
     throw error(code, fmt::format("session: {}", what));
@@ -266,7 +233,7 @@ uint64_t save_file(const memory_i& mem, const std::string& path, seq_id_t seq_id
         mem.state_write(counter, seq_id, options.flags);  // also checks seq_id before a file is made
         const uint64_t payload_bytes = counter.n_bytes();
         const std::string layout = mem.state_layout();
-        return write_atomically(path, [&](io_file_writer& f) {
+        return write_file_atomically(path, [&](io_file_writer& f) {
             uint8_t header[session_header_size] = {};
             f.write(header, sizeof header);  // placeholder: sizes and checksums are known at the end
             hashing_writer body(f);
@@ -329,7 +296,7 @@ uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_i
     return about_file("save_llama_seq_file", path, [&] {
         io_size_counter counter;
         mem.state_write(counter, seq_id, 0);  // checks seq_id before a file is made
-        return write_atomically(path, [&](io_file_writer& f) {
+        return write_file_atomically(path, [&](io_file_writer& f) {
             const uint32_t head[3] = {llama_seq_file_magic, llama_seq_file_version,
                                       static_cast<uint32_t>(tokens.size())};
             f.write(head, sizeof head);

@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <random>
 
 #include <fmt/format.h>
 #include <kvcache/state.h>
@@ -137,6 +139,33 @@ void io_file_reader::read(void* dst, size_t size) {
         left -= static_cast<size_t>(r);
     }
     n_ += size;
+}
+
+uint64_t write_file_atomically(const std::string& path, const std::function<void(io_file_writer&)>& fill) {
+    std::random_device rd;
+    const std::string tmp = fmt::format("{}.tmp-{}-{:08x}", path, ::getpid(), rd());
+    try {
+        io_file_writer f(tmp);
+        fill(f);
+        f.sync();
+        const uint64_t bytes = f.n_bytes();
+        f.close();
+        if (std::rename(tmp.c_str(), path.c_str()) != 0)
+            throw error(errc::io,
+                        fmt::format("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
+        // the rename itself reaches the disk with the directory
+        const size_t slash = path.rfind('/');
+        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+        const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd >= 0) {
+            ::fsync(dfd);
+            ::close(dfd);
+        }
+        return bytes;
+    } catch (...) {
+        std::remove(tmp.c_str());
+        throw;
+    }
 }
 
 std::vector<uint8_t> read_file_bytes(const std::string& path) {

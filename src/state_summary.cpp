@@ -3,21 +3,14 @@
 #include <fmt/format.h>
 #include <kvcache/state.h>
 #include <kvcache/state_summary.h>
+#include "detail/state_io.h"
 
 namespace kvc {
 
+using detail::bad;
+using detail::get;
+
 namespace {
-
-template <class T>
-T get(io_read_i& io) {
-    T v{};
-    io.read(&v, sizeof v);
-    return v;
-}
-
-[[noreturn]] void bad(const io_read_i& io, const std::string& what) {
-    throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", io.n_bytes(), what));
-}
 
 dtype type_at(io_read_i& io, const char* what, uint32_t il) {
     const auto id = get<int32_t>(io);

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -143,6 +144,12 @@ private:
     uint64_t size_ = 0;
     size_t n_ = 0;
 };
+
+/// Writes a file safely: `fill` writes it under a temporary name beside `path`, which is then synced and
+/// renamed over `path` (and the directory synced), so a crash leaves the old file or the new one, never a
+/// torn one. On any error the temporary file is removed, `path` is untouched and the kvc::error is
+/// rethrown. Returns the size of the file.
+uint64_t write_file_atomically(const std::string& path, const std::function<void(io_file_writer&)>& fill);
 
 /// Every byte of a file (kvc::error(io) when it cannot be read).
 std::vector<uint8_t> read_file_bytes(const std::string& path);

@@ -14,7 +14,6 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <random>
 #include <set>
 #include <utility>
 
@@ -682,32 +681,6 @@ void put_pad(std::vector<uint8_t>& out, uint64_t alignment) {
     throw error(errc::invalid_argument, fmt::format("gguf_writer: {}", what));
 }
 
-// Writes under a temporary name beside path, syncs, renames over path and syncs the directory.
-uint64_t write_atomically(const std::string& path, std::span<const uint8_t> bytes) {
-    std::random_device rd;
-    const std::string tmp = fmt::format("{}.tmp-{}-{:08x}", path, ::getpid(), rd());
-    try {
-        io_file_writer f(tmp);
-        f.write(bytes.data(), bytes.size());
-        f.sync();
-        f.close();
-        if (std::rename(tmp.c_str(), path.c_str()) != 0)
-            throw error(errc::io,
-                        fmt::format("gguf: cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
-        const size_t slash = path.rfind('/');
-        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-        const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-            ::fsync(dfd);
-            ::close(dfd);
-        }
-        return bytes.size();
-    } catch (...) {
-        std::remove(tmp.c_str());
-        throw;
-    }
-}
-
 }  // namespace
 
 gguf_writer::gguf_writer(uint64_t alignment) : alignment_(alignment) {
@@ -833,7 +806,7 @@ std::vector<uint8_t> gguf_writer::bytes() const {
 
 uint64_t gguf_writer::write(const std::string& path) const {
     const std::vector<uint8_t> b = bytes();
-    return write_atomically(path, b);
+    return write_file_atomically(path, [&](io_file_writer& f) { f.write(b.data(), b.size()); });
 }
 
 }  // namespace kvc
