@@ -480,6 +480,7 @@ ubatch batch_allocr::split_equal(uint32_t n_ubatch, bool sequential, uint32_t n_
     //    set whose tail is within reach (all its remaining tokens available) must either finish or keep
     //    at least n_keep_tail tokens back; the first m sets that allow a round count do so.
     const auto rounds_for = [&](size_t n_sets, bool keep_tail) -> size_t {
+        if (n_sets == 0) return 0;
         const size_t cap = std::max<size_t>(1, n_ubatch / n_sets);
         size_t min_avail = cap;
         for (size_t k = 0; k < n_sets; ++k) min_avail = std::min(min_avail, n_avail(k));
