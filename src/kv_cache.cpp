@@ -426,12 +426,16 @@ memory_context_ptr kv_cache::init_batch(batch_allocr& balloc, uint32_t n_ubatch,
     if (balloc.get_n_used() < balloc.get_n_tokens())
         return std::make_unique<kv_cache_context>(*this, memory_status::failed_prepare,
                                                   kv_cache_context::kind::batch);
+    return init_ubatches(std::move(ubatches), {balloc.out_ids().begin(), balloc.out_ids().end()});
+}
+
+memory_context_ptr kv_cache::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
     std::vector<slot_info> sinfos = prepare(ubatches);
     if (sinfos.empty())
         return std::make_unique<kv_cache_context>(*this, memory_status::failed_prepare,
                                                   kv_cache_context::kind::batch);
-    std::vector<int32_t> out(balloc.out_ids().begin(), balloc.out_ids().end());
-    return std::make_unique<kv_cache_context>(*this, std::move(ubatches), std::move(sinfos), std::move(out));
+    return std::make_unique<kv_cache_context>(*this, std::move(ubatches), std::move(sinfos),
+                                              std::move(out_ids));
 }
 
 memory_context_ptr kv_cache::init_full() {

@@ -137,7 +137,9 @@ std::string kv_cache::state_layout() const {
 
 // -- reading --
 
-struct kv_cache::staged_state {
+struct kv_cache::staged_state final : state_stage_i {
+    const kv_cache* owner = nullptr;
+    seq_id_t seq_id = seq_all;  // destination
     struct stream_part {
         uint32_t stream = 0;  // target stream
         std::vector<pos_t> pos;
@@ -151,9 +153,12 @@ struct kv_cache::staged_state {
     std::vector<stream_part> parts;  // streams with cells, ascending
 };
 
-kv_cache::staged_state kv_cache::parse_state(io_read_i& io, seq_id_t seq_id) const {
+state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) const {
     if (seq_id != seq_all) check_seq(seq_id, "state_read");
-    staged_state st;
+    auto stage = std::make_unique<staged_state>();
+    staged_state& st = *stage;
+    st.owner = this;
+    st.seq_id = seq_id;
     const auto n_stream = get<uint32_t>(io);
     if (n_stream != streams_.size())
         bad(io, fmt::format(
@@ -255,17 +260,15 @@ kv_cache::staged_state kv_cache::parse_state(io_read_i& io, seq_id_t seq_id) con
         }
         st.parts.push_back(std::move(part));
     }
-    return st;
+    return stage;
 }
 
-void kv_cache::state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) const {
-    (void)parse_state(io, seq_id);
-    io.end_of_state();
-}
-
-void kv_cache::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) {
-    const staged_state st = parse_state(io, seq_id);  // everything checked before anything changes
-    io.end_of_state();
+void kv_cache::state_commit(state_stage_i& stage) {
+    auto* staged = dynamic_cast<staged_state*>(&stage);
+    if (staged == nullptr || staged->owner != this)
+        throw error(errc::invalid_argument, "state_commit: the stage was made by another memory");
+    const staged_state& st = *staged;
+    const seq_id_t seq_id = st.seq_id;
 
     // placement
     std::vector<slot_info> slots;

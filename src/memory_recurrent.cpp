@@ -394,9 +394,12 @@ memory_context_ptr memory_recurrent::init_batch(batch_allocr& balloc, uint32_t n
     if (balloc.get_n_used() < balloc.get_n_tokens())
         return std::make_unique<memory_recurrent_context>(*this, memory_status::failed_prepare,
                                                           memory_recurrent_context::kind::batch);
+    return init_ubatches(std::move(ubatches), {balloc.out_ids().begin(), balloc.out_ids().end()});
+}
+
+memory_context_ptr memory_recurrent::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
     prepare(ubatches);
-    std::vector<int32_t> out(balloc.out_ids().begin(), balloc.out_ids().end());
-    return std::make_unique<memory_recurrent_context>(*this, std::move(ubatches), std::move(out));
+    return std::make_unique<memory_recurrent_context>(*this, std::move(ubatches), std::move(out_ids));
 }
 
 memory_context_ptr memory_recurrent::init_full() {

@@ -75,7 +75,9 @@ std::string memory_recurrent::state_layout() const {
 
 // -- reading --
 
-struct memory_recurrent::staged_state {
+struct memory_recurrent::staged_state final : state_stage_i {
+    const memory_recurrent* owner = nullptr;
+    seq_id_t seq_id = seq_all;                  // destination
     std::vector<pos_t> pos;                     // [cells]
     std::vector<std::vector<seq_id_t>> seqs;    // [cells] whole restore only
     std::vector<std::span<const std::byte>> r;  // [own layer] the cells' rows back to back (or empty)
@@ -83,9 +85,13 @@ struct memory_recurrent::staged_state {
     std::vector<std::vector<std::byte>> owned;  // bytes behind r and s unless the reader lends them
 };
 
-memory_recurrent::staged_state memory_recurrent::parse_state(io_read_i& io, seq_id_t seq_id) const {
+state_stage_ptr memory_recurrent::state_stage(io_read_i& io, seq_id_t seq_id,
+                                              state_seq_flags /*flags*/) const {
     if (seq_id != seq_all) check_seq(seq_id, "state_read");
-    staged_state st;
+    auto stage = std::make_unique<staged_state>();
+    staged_state& st = *stage;
+    st.owner = this;
+    st.seq_id = seq_id;
     const auto count = get<uint32_t>(io);
     if (seq_id == seq_all && count > size_)
         bad(io, fmt::format("the state holds {} cells, this memory has {}", count, size_));
@@ -141,17 +147,15 @@ memory_recurrent::staged_state memory_recurrent::parse_state(io_read_i& io, seq_
         st.r.push_back(l.row_r ? tensor("r", params_.type_r, l.il, l.row_r) : std::span<const std::byte>{});
     for (const layer& l : layers_)
         st.s.push_back(l.row_s ? tensor("s", params_.type_s, l.il, l.row_s) : std::span<const std::byte>{});
-    return st;
+    return stage;
 }
 
-void memory_recurrent::state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) const {
-    (void)parse_state(io, seq_id);
-    io.end_of_state();
-}
-
-void memory_recurrent::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags /*flags*/) {
-    const staged_state st = parse_state(io, seq_id);  // everything checked before anything changes
-    io.end_of_state();
+void memory_recurrent::state_commit(state_stage_i& stage) {
+    auto* staged = dynamic_cast<staged_state*>(&stage);
+    if (staged == nullptr || staged->owner != this)
+        throw error(errc::invalid_argument, "state_commit: the stage was made by another memory");
+    const staged_state& st = *staged;
+    const seq_id_t seq_id = st.seq_id;
 
     const auto n = static_cast<uint32_t>(st.pos.size());
     uint32_t first = 0;  // restored cells are [first, first + n)

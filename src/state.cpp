@@ -32,6 +32,17 @@ size_t restore_from(memory_i& mem, std::span<const uint8_t> data, size_t start, 
 
 }  // namespace
 
+void memory_i::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) {
+    const state_stage_ptr st = state_stage(io, seq_id, flags);  // everything checked before anything changes
+    io.end_of_state();
+    state_commit(*st);
+}
+
+void memory_i::state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const {
+    (void)state_stage(io, seq_id, flags);
+    io.end_of_state();
+}
+
 // -- files --
 
 io_file_writer::io_file_writer(std::string path) : path_(std::move(path)) {

@@ -19,6 +19,7 @@ public:
     std::map<seq_id_t, std::pair<pos_t, pos_t>> ranges;  // seq -> [min, max]
 
     memory_context_ptr init_batch(batch_allocr&, uint32_t, bool) override { return nullptr; }
+    memory_context_ptr init_ubatches(std::vector<ubatch>, std::vector<int32_t>) override { return nullptr; }
     memory_context_ptr init_full() override { return nullptr; }
     memory_context_ptr init_update(bool) override { return nullptr; }
     bool get_can_shift() const override { return true; }
@@ -37,8 +38,8 @@ public:
         return it == ranges.end() ? -1 : it->second.second;
     }
     void state_write(io_write_i&, seq_id_t, state_seq_flags) const override {}
-    void state_read(io_read_i&, seq_id_t, state_seq_flags) override {}
-    void state_check(io_read_i&, seq_id_t, state_seq_flags) const override {}
+    state_stage_ptr state_stage(io_read_i&, seq_id_t, state_seq_flags) const override { return nullptr; }
+    void state_commit(state_stage_i&) override {}
     std::string state_layout() const override { return {}; }
 };
 

@@ -99,6 +99,7 @@ public:
 
     // -- memory_i --
     memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) override;
+    memory_context_ptr init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) override;
     memory_context_ptr init_full() override;
     memory_context_ptr init_update(bool optimize) override;
     bool get_can_shift() const override;
@@ -113,8 +114,8 @@ public:
     pos_t seq_pos_max(seq_id_t seq_id) const override;
 
     void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    void state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) override;
-    void state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    void state_commit(state_stage_i& stage) override;
     /// "kv streams=1 v_trans=1 n_pos=1 rotation=none layers=0-31:k=f16x1024,v=f16x1024"
     std::string state_layout() const override;
 
@@ -193,7 +194,6 @@ private:
     struct journal;       // cell snapshots taken by a trial placement, for its rollback
     struct staged_state;  // a parsed, checked state waiting to be applied
 
-    staged_state parse_state(io_read_i& io, seq_id_t seq_id) const;
     void write_cells(io_write_i& io, uint32_t stream, std::span<const uint32_t> cells, seq_id_t seq_id) const;
 
     layer& own_layer(uint32_t il);

@@ -23,6 +23,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <kvcache/dtype.h>
 #include <kvcache/types.h>
@@ -46,6 +47,15 @@ using state_seq_flags = uint32_t;
 /// Composite memories (iSWA, hybrid) save and restore only their partial part (SWA cache, recurrent
 /// state); plain memories ignore the flag.
 inline constexpr state_seq_flags state_seq_flag_partial_only = 1;
+
+/// A state parsed and checked by memory_i::state_stage, waiting for memory_i::state_commit. It may point
+/// into the reader's source, which must outlive it.
+class state_stage_i {
+public:
+    virtual ~state_stage_i() = default;
+};
+
+using state_stage_ptr = std::unique_ptr<state_stage_i>;  ///< a stage owned by the caller
 
 /// The plan for one batch, a worst-case reservation or pending maintenance (llama_memory_context_i);
 /// created by memory_i::init_batch, init_full and init_update.
@@ -76,6 +86,11 @@ public:
     /// Splits the batch the allocator holds into ubatches of at most n_ubatch tokens and finds room for
     /// all of them. embd_all: every token produces an output (embeddings), which constrains the split.
     virtual memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) = 0;
+    /// What init_batch does once the batch is split: finds room for ubatches the caller split (a composite
+    /// memory splits once for all its parts). out_ids: the batch's output ids in ubatch order. A failed
+    /// context when they do not fit; throws kvc::error for a ubatch this memory cannot take (sequence
+    /// ids out of range, a shape it cannot place). Changes nothing.
+    virtual memory_context_ptr init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) = 0;
     /// A context shaped like the largest possible ubatch, to reserve compute buffers.
     virtual memory_context_ptr init_full() = 0;
     /// Pending maintenance (K-shift, stream copies; compaction when optimize). no_update when none.
@@ -108,10 +123,18 @@ public:
 
     /// Writes the state to io.
     virtual void state_write(io_write_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const = 0;
-    /// Reads a state from io into the memory (seq_id: the destination).
-    virtual void state_read(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) = 0;
+    /// Reads a state from io into the memory (seq_id: the destination): state_stage, io.end_of_state(),
+    /// state_commit.
+    void state_read(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0);
     /// Parses and checks a state exactly as state_read would, changing nothing; throws on any problem.
-    virtual void state_check(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const = 0;
+    void state_check(io_read_i& io, seq_id_t seq_id = seq_all, state_seq_flags flags = 0) const;
+    /// First half of state_read: parses and checks everything, changing nothing; throws kvc::error naming
+    /// the problem and its byte offset.
+    virtual state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const = 0;
+    /// Second half: replaces the memory (or the stage's destination sequence) with a stage this memory
+    /// made, that nothing changed since. Throws kvc::error(invalid_state) only when the memory's contents
+    /// leave no room for the cells of one sequence, and then changes nothing.
+    virtual void state_commit(state_stage_i& stage) = 0;
     /// What a state must match to load here, as one canonical line (kind, streams, V layout, positions
     /// per token, rotation, layers with K/V types and widths; not capacity). Session files store it.
     virtual std::string state_layout() const = 0;

@@ -107,6 +107,9 @@ public:
     /// shared by several sequences cannot be split sequentially); throws kvc::error for a sequence id
     /// outside [0, n_seq_max) (like kv_cache; upstream reports failed_prepare). Changes nothing.
     memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) override;
+    /// Dry-runs find_slot on ubatches split by the caller; throws what prepare throws (a ubatch that is
+    /// not equal_seqs, blocks sharing a sequence), memory unchanged.
+    memory_context_ptr init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) override;
     /// Worst-case context: n_rs = size, head = 0, rs_z = 0, s_copy(i) = i.
     memory_context_ptr init_full() override;
     /// Always no_update: a recurrent memory has no pending maintenance.
@@ -142,12 +145,12 @@ public:
     /// row size and rows, then the same for s. A cell with a pending rollback writes that plane (its
     /// logical state). Flags are ignored (the memory is already "partial").
     void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    /// Transactional (decision 6): parses and checks everything, calls io.end_of_state(), then replaces
-    /// the whole memory (cells compacted to 0..n-1) or the destination sequence. A sequence's state holds
-    /// at most one cell; more is an error. Restored cells have no pending rollback and no history.
-    void state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) override;
-    /// Parses and checks a state exactly as state_read would, changing nothing.
-    void state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    /// Parses and checks a state (state_read = stage + commit, transactional: decision 6). A sequence's
+    /// state holds at most one cell; more is an error.
+    state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    /// Replaces the whole memory (cells compacted to 0..n-1) or the destination sequence; never runs out
+    /// of room. Restored cells have no pending rollback and no history.
+    void state_commit(state_stage_i& stage) override;
     /// "recurrent n_layer=4 layers=0-3:r=f32x1536,s=f32x4096": what a state must match (not the number of
     /// cells, nor the rollback depth, which the format does not hold).
     std::string state_layout() const override;
@@ -234,7 +237,6 @@ private:
     int32_t next_free(uint32_t from) const;  // first free cell from `from`, ring-wise; -1 if none
     std::vector<seq_id_t> members(uint32_t c) const;
     struct staged_state;
-    staged_state parse_state(io_read_i& io, seq_id_t seq_id) const;
 
     recurrent_params params_;
     uint32_t size_ = 0;

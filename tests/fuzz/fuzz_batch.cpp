@@ -34,6 +34,9 @@ class table_memory final : public kvc::memory_i {
 public:
     std::map<kvc::seq_id_t, std::pair<kvc::pos_t, kvc::pos_t>> ranges;
     kvc::memory_context_ptr init_batch(kvc::batch_allocr&, uint32_t, bool) override { return nullptr; }
+    kvc::memory_context_ptr init_ubatches(std::vector<kvc::ubatch>, std::vector<int32_t>) override {
+        return nullptr;
+    }
     kvc::memory_context_ptr init_full() override { return nullptr; }
     kvc::memory_context_ptr init_update(bool) override { return nullptr; }
     bool get_can_shift() const override { return true; }
@@ -52,8 +55,10 @@ public:
         return it == ranges.end() ? -1 : it->second.second;
     }
     void state_write(kvc::io_write_i&, kvc::seq_id_t, kvc::state_seq_flags) const override {}
-    void state_read(kvc::io_read_i&, kvc::seq_id_t, kvc::state_seq_flags) override {}
-    void state_check(kvc::io_read_i&, kvc::seq_id_t, kvc::state_seq_flags) const override {}
+    kvc::state_stage_ptr state_stage(kvc::io_read_i&, kvc::seq_id_t, kvc::state_seq_flags) const override {
+        return nullptr;
+    }
+    void state_commit(kvc::state_stage_i&) override {}
     std::string state_layout() const override { return {}; }
 };
 
