@@ -30,6 +30,34 @@ std::vector<std::pair<size_t, size_t>> runs_of(std::span<const uint32_t> cells) 
     return runs;
 }
 
+// The cells of a one-sequence state as the ubatch whose placement restores them into seq_id.
+ubatch restore_ubatch(std::span<const pos_t> pos, std::span<const cell_ext> ext, seq_id_t seq_id,
+                      uint32_t n_pos) {
+    const auto n = static_cast<uint32_t>(pos.size());
+    ubatch ub;
+    ub.n_tokens = n;
+    ub.n_seq_tokens = n;
+    ub.n_seqs = 1;
+    ub.equal_seqs = true;
+    ub.n_pos = n_pos >= 3 ? n_pos : 1;
+    ub.pos.assign(size_t{n} * ub.n_pos, 0);
+    for (uint32_t j = 0; j < n; ++j) {
+        ub.pos[j] = pos[j];
+        if (ub.n_pos >= 3) {
+            ub.pos[j + n] = ext[j].y;
+            ub.pos[j + 2 * n] = ext[j].x;
+        }
+    }
+    ub.n_seq_id.assign(n, 1);
+    ub.seq_id_data.assign(n, seq_id);
+    ub.seq_id_begin.resize(n + 1);
+    for (uint32_t j = 0; j <= n; ++j) ub.seq_id_begin[j] = j;
+    ub.seq_id_unq = {seq_id};
+    ub.n_seqs_unq = 1;
+    ub.output.assign(n, 0);
+    return ub;
+}
+
 }  // namespace
 
 // -- writing --
@@ -301,27 +329,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
         if (!st.parts.empty()) {
             const auto& part = st.parts[0];
             const auto n = static_cast<uint32_t>(part.pos.size());
-            ubatch ub;
-            ub.n_tokens = n;
-            ub.n_seq_tokens = n;
-            ub.n_seqs = 1;
-            ub.equal_seqs = true;
-            ub.n_pos = params_.n_pos >= 3 ? params_.n_pos : 1;
-            ub.pos.assign(size_t{n} * ub.n_pos, 0);
-            for (uint32_t j = 0; j < n; ++j) {
-                ub.pos[j] = part.pos[j];
-                if (ub.n_pos >= 3) {
-                    ub.pos[j + n] = part.ext[j].y;
-                    ub.pos[j + 2 * n] = part.ext[j].x;
-                }
-            }
-            ub.n_seq_id.assign(n, 1);
-            ub.seq_id_data.assign(n, seq_id);
-            ub.seq_id_begin.resize(n + 1);
-            for (uint32_t j = 0; j <= n; ++j) ub.seq_id_begin[j] = j;
-            ub.seq_id_unq = {seq_id};
-            ub.n_seqs_unq = 1;
-            ub.output.assign(n, 0);
+            const ubatch ub = restore_ubatch(part.pos, part.ext, seq_id, params_.n_pos);
             slot_info si = find_slot(ub);
             if (si.empty()) {
                 c.set(old, saved);
@@ -359,6 +367,26 @@ void kv_cache::state_commit(state_stage_i& stage) {
                                 part.v[li].data() + (size_t{e} * cells.size() + j) * esz, n * esz);
         }
     }
+}
+
+bool kv_cache::state_fits(const state_stage_i& stage) {
+    const auto* st = dynamic_cast<const staged_state*>(&stage);
+    if (st == nullptr || st->owner != this)
+        throw error(errc::invalid_argument, "state_fits: the stage was made by another memory");
+    if (st->seq_id == seq_all || st->parts.empty()) return true;  // a whole state is placed at 0..n-1
+    // what state_commit does (the destination leaves its cells, then the state's cells are placed), undone
+    const seq_id_t seq_id = st->seq_id;
+    kv_cells& c = streams_[seq_to_stream(seq_id)];
+    std::vector<uint32_t> old;
+    c.seq_cells(seq_id, -1, -1, old);
+    const cells_snapshot saved = c.cp(old);
+    const std::vector<uint32_t> saved_heads = heads_;
+    seq_rm(seq_id, -1, -1);
+    const ubatch ub = restore_ubatch(st->parts[0].pos, st->parts[0].ext, seq_id, params_.n_pos);
+    const bool fits = !prepare(std::span(&ub, 1)).empty();
+    c.set(old, saved);
+    heads_ = saved_heads;
+    return fits;
 }
 
 }  // namespace kvc

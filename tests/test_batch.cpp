@@ -40,6 +40,7 @@ public:
     void state_write(io_write_i&, seq_id_t, state_seq_flags) const override {}
     state_stage_ptr state_stage(io_read_i&, seq_id_t, state_seq_flags) const override { return nullptr; }
     void state_commit(state_stage_i&) override {}
+    bool state_fits(const state_stage_i&) override { return true; }
     std::string state_layout() const override { return {}; }
 };
 

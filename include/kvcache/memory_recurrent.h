@@ -151,6 +151,8 @@ public:
     /// Replaces the whole memory (cells compacted to 0..n-1) or the destination sequence; never runs out
     /// of room. Restored cells have no pending rollback and no history.
     void state_commit(state_stage_i& stage) override;
+    /// True: a sequence always finds a cell (it owns at most one, and there are n_seq_max).
+    bool state_fits(const state_stage_i& /*stage*/) override { return true; }
     /// "recurrent n_layer=4 layers=0-3:r=f32x1536,s=f32x4096": what a state must match (not the number of
     /// cells, nor the rollback depth, which the format does not hold).
     std::string state_layout() const override;

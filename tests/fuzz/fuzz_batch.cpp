@@ -59,6 +59,7 @@ public:
         return nullptr;
     }
     void state_commit(kvc::state_stage_i&) override {}
+    bool state_fits(const kvc::state_stage_i&) override { return true; }
     std::string state_layout() const override { return {}; }
 };
 
