@@ -17,6 +17,8 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/kv_cache_iswa.h>
+#include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/runtime.h>
 #include <kvcache/session.h>
@@ -65,7 +67,7 @@ std::vector<std::string_view> split(std::string_view s, char sep) {
 struct keys {
     std::map<std::string, std::string, std::less<>> values;
 
-    keys(const std::vector<std::string_view>& words, size_t first, std::initializer_list<const char*> allowed,
+    keys(const std::vector<std::string_view>& words, size_t first, std::span<const char* const> allowed,
          const char* op) {
         for (size_t i = first; i < words.size(); ++i) {
             const size_t eq = words[i].find('=');
@@ -79,6 +81,9 @@ struct keys {
                 fail(fmt::format("{}: key '{}' given twice", op, name));
         }
     }
+    keys(const std::vector<std::string_view>& words, size_t first, std::initializer_list<const char*> allowed,
+         const char* op)
+        : keys(words, first, std::span<const char* const>(allowed.begin(), allowed.size()), op) {}
     std::optional<std::string> get(std::string_view name) const {
         const auto it = values.find(name);
         if (it == values.end()) return std::nullopt;
@@ -201,14 +206,17 @@ private:
         if (mem_) fail("'memory' given twice");
         for (size_t i = 1; i < w.size(); ++i)
             if (w[i] == "type=recurrent") return memory_recurrent_line(w);
-        const keys k(w, 1,
-                     {"type", "n_ctx", "n_seq_max", "unified", "n_ubatch", "type_k", "type_v", "v_trans",
-                      "swa_type", "n_swa", "n_layer", "n_embd_k", "n_embd_v", "n_head_kv", "model"},
-                     "memory");
-        const std::string type = k.get("type").value_or("kv");
-        if (type == "iswa" || type == "hybrid")
-            fail(fmt::format("memory: type={} is not supported by this version of kvcache", type));
-        if (type != "kv") fail(fmt::format("memory: unknown type '{}'", type));
+        std::string type = "kv";
+        for (size_t i = 1; i < w.size(); ++i)
+            if (w[i].substr(0, 5) == "type=") type = std::string(w[i].substr(5));
+        if (type != "kv" && type != "iswa" && type != "hybrid") fail(fmt::format("memory: unknown type '{}'", type));
+        std::vector<const char*> allowed = {"type",     "n_ctx",  "n_seq_max", "unified",  "n_ubatch",
+                                            "type_k",   "type_v", "v_trans",   "swa_type", "n_swa",
+                                            "n_layer",  "n_embd_k", "n_embd_v", "n_head_kv"};
+        if (type == "kv") allowed.push_back("model");
+        if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
+        if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
+        const keys k(w, 1, allowed, "memory");
         const auto positive = [&](const char* name, int64_t def) {
             const int64_t v = k.get_int(name, def);
             if (v < 1 || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
@@ -255,6 +263,9 @@ private:
                                             .n_embd_head_k = head_k,
                                             .n_embd_head_v = n_embd_v / n_head_kv,
                                             .rope = rope});
+        n_seq_max_ = n_seq_max;
+        if (type == "iswa") return memory_iswa_line(k, std::move(p));
+        if (type == "hybrid") return memory_hybrid_line(k, std::move(p));
         try {
             if (const auto path = k.get("model")) {  // the layers are the model's; decode runs it
                 model_ = std::make_unique<model>(model::load(*path));
@@ -266,11 +277,63 @@ private:
         } catch (const error& e) {
             fail(fmt::format("memory: {}", e.what()));
         }
-        n_seq_max_ = n_seq_max;
         mem_ = cache_.get();
         // size: every cell of every stream, as llama_n_ctx() reports it
         fmt::print("memory ok size={} streams={}\n", cache_->get_size() * cache_->get_n_stream(),
                    cache_->get_n_stream());
+    }
+
+    // A pattern key: every N-th layer (the last of each group of N) is of the other kind, as llama.cpp's
+    // n_pattern; 0: none is.
+    static uint32_t pattern(const keys& k, const char* name, int64_t def) {
+        const int64_t v = k.get_int(name, def);
+        if (v < 0 || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
+        return static_cast<uint32_t>(v);
+    }
+
+    // memory type=iswa: layer il is a sliding-window layer unless il % swa_pattern == swa_pattern - 1
+    void memory_iswa_line(const keys& k, kv_cache_params p) {
+        const uint32_t n = pattern(k, "swa_pattern", 2);
+        for (uint32_t il = 0; il < p.layers.size(); ++il) p.layers[il].is_swa = n == 0 || il % n < n - 1;
+        try {
+            iswa_ = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{
+                .kv = std::move(p), .swa_full = k.get_bool("swa_full", true), .n_ubatch = n_ubatch_});
+        } catch (const error& e) {
+            fail(fmt::format("memory: {}", e.what()));
+        }
+        mem_ = iswa_.get();
+        const kv_cache& base = iswa_->get_base();
+        fmt::print("memory ok size={} streams={} swa_size={}\n", base.get_size() * base.get_n_stream(),
+                   base.get_n_stream(), iswa_->get_swa().get_size() * iswa_->get_swa().get_n_stream());
+    }
+
+    // memory type=hybrid: layer il is an attention layer if il % attn_pattern == attn_pattern - 1, else a
+    // recurrent one with rows of n_embd_r and n_embd_s f32 values
+    void memory_hybrid_line(const keys& k, kv_cache_params p) {
+        const uint32_t n = pattern(k, "attn_pattern", 2);
+        memory_hybrid_params h;
+        h.recr.n_seq_max = p.n_seq_max;
+        const int64_t r = k.get_int("n_embd_r", 8), sz = k.get_int("n_embd_s", 16), rs = k.get_int("n_rs_seq", 0);
+        if (r < 0 || sz < 0 || rs < 0 || r > (1 << 24) || sz > (1 << 24) || rs > (1 << 24))
+            fail("memory: n_embd_r, n_embd_s and n_rs_seq must be in [0, 2^24]");
+        h.recr.n_rs_seq = static_cast<uint32_t>(rs);
+        for (uint32_t il = 0; il < p.layers.size(); ++il) {
+            const bool attn = n != 0 && il % n == n - 1;
+            p.layers[il].has_kv = attn;
+            h.recr.layers.push_back(attn ? recurrent_layer_desc{}
+                                         : recurrent_layer_desc{.n_embd_r = static_cast<uint32_t>(r),
+                                                                .n_embd_s = static_cast<uint32_t>(sz)});
+        }
+        h.attn = std::move(p);
+        try {
+            hyb_ = std::make_unique<memory_hybrid>(std::move(h));
+        } catch (const error& e) {
+            fail(fmt::format("memory: {}", e.what()));
+        }
+        mem_ = hyb_.get();
+        const auto& attn = dynamic_cast<const kv_cache&>(hyb_->get_attn());
+        fmt::print("memory ok size={} streams={} rs_size={}\n", attn.get_size() * attn.get_n_stream(),
+                   attn.get_n_stream(), hyb_->get_recr().get_size());
     }
 
     // memory type=recurrent: n_layer layers, each with an r row of n_embd_r and an s row of n_embd_s f32
@@ -372,43 +435,45 @@ private:
             fmt::print("decode failed no-slot\n");
             return;
         }
-        if (rec_) {
-            auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
-            size_t n_ub = 0;
-            do {
-                rc.apply();
-                ++n_ub;
-                recurrent_ubatch(*rec_, rc, seq_key);
-            } while (rc.next());
-            fmt::print("decode ok ubatches={}\n", n_ub);
-            return;
-        }
-        auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
         size_t n_ub = 0;
         do {
-            kc.apply();
+            ctx->apply();
             ++n_ub;
-            const ubatch& ub = kc.get_ubatch();
-            for (uint32_t il : cache_->layer_ids()) {
-                const uint32_t e_k =
-                    cache_->params().layers[il].n_head_kv * cache_->params().layers[il].n_embd_head_k;
-                const uint32_t e_v =
-                    cache_->params().layers[il].n_head_kv * cache_->params().layers[il].n_embd_head_v;
-                std::vector<float> k(size_t{ub.n_tokens} * e_k), v(size_t{ub.n_tokens} * e_v);
-                for (uint32_t t = 0; t < ub.n_tokens; ++t) {
-                    const uint64_t key = seq_key[static_cast<size_t>(ub.batch_idx[t])];
-                    for (uint32_t d = 0; d < e_k; ++d)
-                        k[t * e_k + d] = synth_value(il, key, ub.pos[t], d, false);
-                    for (uint32_t d = 0; d < e_v; ++d)
-                        v[t * e_v + d] = synth_value(il, key, ub.pos[t], d, true);
-                }
-                kc.cpy_k(il, const_tensor_view::contiguous(
-                                 dtype::f32, reinterpret_cast<const std::byte*>(k.data()), e_k, ub.n_tokens));
-                kc.cpy_v(il, const_tensor_view::contiguous(
-                                 dtype::f32, reinterpret_cast<const std::byte*>(v.data()), e_v, ub.n_tokens));
+            if (rec_) recurrent_ubatch(*rec_, dynamic_cast<memory_recurrent_context&>(*ctx), seq_key);
+            if (cache_) {
+                auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
+                for (uint32_t il : cache_->layer_ids()) write_kv(kc, il, seq_key);
             }
-        } while (kc.next());
+            if (iswa_) {
+                auto& ic = dynamic_cast<kv_cache_iswa_context&>(*ctx);
+                for (const kv_cache* c : {&iswa_->get_base(), &iswa_->get_swa()})
+                    for (uint32_t il : c->layer_ids()) write_kv(ic.for_layer(il), il, seq_key);
+            }
+            if (hyb_) {
+                auto& hc = dynamic_cast<memory_hybrid_context&>(*ctx);
+                recurrent_ubatch(hyb_->get_recr(), hc.get_recr(), seq_key);
+                const auto& attn = dynamic_cast<const kv_cache&>(hyb_->get_attn());
+                for (uint32_t il : attn.layer_ids()) write_kv(hc.attn_for_layer(il), il, seq_key);
+            }
+        } while (ctx->next());
         fmt::print("decode ok ubatches={}\n", n_ub);
+    }
+
+    // the engine side of an attention layer without a model: synthetic K/V rows of the current ubatch
+    static void write_kv(const kv_cache_context& kc, uint32_t il, const std::vector<uint64_t>& seq_key) {
+        const ubatch& ub = kc.get_ubatch();
+        const layer_desc& d = kc.cache().params().layers[il];
+        const uint32_t e_k = d.n_head_kv * d.n_embd_head_k, e_v = d.n_head_kv * d.n_embd_head_v;
+        std::vector<float> k(size_t{ub.n_tokens} * e_k), v(size_t{ub.n_tokens} * e_v);
+        for (uint32_t t = 0; t < ub.n_tokens; ++t) {
+            const uint64_t key = seq_key[static_cast<size_t>(ub.batch_idx[t])];
+            for (uint32_t i = 0; i < e_k; ++i) k[t * e_k + i] = synth_value(il, key, ub.pos[t], i, false);
+            for (uint32_t i = 0; i < e_v; ++i) v[t * e_v + i] = synth_value(il, key, ub.pos[t], i, true);
+        }
+        kc.cpy_k(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(k.data()),
+                                                   e_k, ub.n_tokens));
+        kc.cpy_v(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(v.data()),
+                                                   e_v, ub.n_tokens));
     }
 
     // decode with a model: the real forward pass, then one `out` line per output row in batch order
@@ -512,17 +577,39 @@ private:
         std::string line = "pos";
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq_max_); ++s)
             line += fmt::format(" {}:[{},{}]", s, mem_->seq_pos_min(s), mem_->seq_pos_max(s));
-        uint32_t used = rec_ ? rec_->get_used() : 0;
-        for (uint32_t s = 0; cache_ && s < cache_->get_n_stream(); ++s) used += cache_->cells(s).get_used();
-        fmt::print("{} used={}\n", line, used);
+        const auto kv_used = [](const kv_cache& c) {
+            uint32_t n = 0;
+            for (uint32_t s = 0; s < c.get_n_stream(); ++s) n += c.cells(s).get_used();
+            return n;
+        };
+        if (rec_) line += fmt::format(" used={}", rec_->get_used());
+        if (cache_) line += fmt::format(" used={}", kv_used(*cache_));
+        if (iswa_)
+            line += fmt::format(" used={} used_swa={}", kv_used(iswa_->get_base()), kv_used(iswa_->get_swa()));
+        if (hyb_)
+            line += fmt::format(" used={} used_rs={}", kv_used(dynamic_cast<const kv_cache&>(hyb_->get_attn())),
+                                hyb_->get_recr().get_used());
+        fmt::print("{}\n", line);
     }
+    // cells [STREAM] [part=base|swa|rs]: part chooses the cache of an iswa or hybrid memory
     void cells(const std::vector<std::string_view>& w) {
-        if (w.size() > 2) fail("usage: cells [STREAM]");
-        if (rec_) return recurrent_cells(w);
-        const int64_t stream = w.size() == 2 ? parse_int(w[1], "cells stream") : 0;
-        if (stream < 0 || stream >= cache_->get_n_stream())
-            fail(fmt::format("cells: stream {} not in [0, {})", stream, cache_->get_n_stream()));
-        const kv_cells& c = cache_->cells(static_cast<uint32_t>(stream));
+        std::vector<std::string_view> args(w.begin(), w.end());
+        std::string part = iswa_ ? "base" : rec_ ? "rs" : "kv";
+        if (args.size() > 1 && args.back().substr(0, 5) == "part=") {
+            part = std::string(args.back().substr(5));
+            args.pop_back();
+            const bool ok = (iswa_ && (part == "base" || part == "swa")) || (hyb_ && (part == "kv" || part == "rs"));
+            if (!ok) fail(fmt::format("cells: part={} is not a part of this memory", part));
+        }
+        if (args.size() > 2) fail("usage: cells [STREAM] [part=base|swa|kv|rs]");
+        if (part == "rs") return recurrent_cells(args, rec_ ? *rec_ : hyb_->get_recr());
+        const kv_cache& cache = iswa_ ? (part == "swa" ? iswa_->get_swa() : iswa_->get_base())
+                                : hyb_ ? dynamic_cast<const kv_cache&>(hyb_->get_attn())
+                                       : *cache_;
+        const int64_t stream = args.size() == 2 ? parse_int(args[1], "cells stream") : 0;
+        if (stream < 0 || stream >= cache.get_n_stream())
+            fail(fmt::format("cells: stream {} not in [0, {})", stream, cache.get_n_stream()));
+        const kv_cells& c = cache.cells(static_cast<uint32_t>(stream));
         fmt::print("cells n={}\n", c.get_used());
         std::vector<uint32_t> used;
         c.used_cells(used);
@@ -537,11 +624,11 @@ private:
     }
 
     // cells of a recurrent memory: `<idx> pos=<p> seqs=<a+b> hist=<states kept> rollback=<pending plane>`
-    void recurrent_cells(const std::vector<std::string_view>& w) {
+    static void recurrent_cells(const std::vector<std::string_view>& w, const memory_recurrent& rec) {
         if (w.size() != 1) fail("cells: a recurrent memory has one stream");
-        fmt::print("cells n={}\n", rec_->get_used());
-        for (uint32_t i = 0; i < rec_->get_size(); ++i) {
-            const auto c = rec_->cell(i);
+        fmt::print("cells n={}\n", rec.get_used());
+        for (uint32_t i = 0; i < rec.get_size(); ++i) {
+            const auto c = rec.cell(i);
             if (c.seqs.empty()) continue;
             std::string seqs;
             for (seq_id_t s : c.seqs) seqs += (seqs.empty() ? "" : "+") + std::to_string(s);
@@ -552,42 +639,54 @@ private:
     seq_id_t state_seq(std::string_view w, const char* op) const {
         return parse_i32(w, fmt::format("{} seq", op));
     }
+    // partial=1: state_seq_flag_partial_only (the SWA part of an iswa memory, the recurrent part of a
+    // hybrid one)
+    static state_seq_flags flags_of(const keys& k) {
+        return k.get_bool("partial", false) ? state_seq_flag_partial_only : 0;
+    }
     void size(const std::vector<std::string_view>& w) {
-        arity(w, 2, "size SEQ");
+        if (w.size() != 2 && w.size() != 3) fail("usage: size SEQ [partial=0|1]");
         const seq_id_t s = state_seq(w[1], "size");
-        guarded("size", [&] { fmt::print("size {}\n", state_seq_get_size(*mem_, s)); });
+        const state_seq_flags flags = flags_of(keys(w, 2, {"partial"}, "size"));
+        guarded("size", [&] { fmt::print("size {}\n", state_seq_get_size(*mem_, s, flags)); });
     }
     // save SEQ FILE [format=buffer|session|zstd|ggsq]: llama.cpp's per-sequence buffer by default, else a
     // session file (zstd: compressed) or llama.cpp's 'ggsq' file (no tokens).
     void save(const std::vector<std::string_view>& w) {
-        if (w.size() != 3 && w.size() != 4) fail("usage: save SEQ FILE [format=buffer|session|zstd|ggsq]");
+        if (w.size() < 3 || w.size() > 5)
+            fail("usage: save SEQ FILE [format=buffer|session|zstd|ggsq] [partial=0|1]");
         const seq_id_t s = state_seq(w[1], "save");
         const std::string path(w[2]);
-        const keys k(w, 3, {"format"}, "save");
+        const keys k(w, 3, {"format", "partial"}, "save");
+        const state_seq_flags flags = flags_of(k);
         const std::string format = k.get("format").value_or("buffer");
         if (format != "buffer" && format != "session" && format != "zstd" && format != "ggsq")
             fail(fmt::format("save: format '{}' is not buffer, session, zstd or ggsq", format));
         guarded("save", [&] {
             if (format == "buffer") {
-                const std::vector<uint8_t> bytes = state_seq_get_data(*mem_, s);
+                const std::vector<uint8_t> bytes = state_seq_get_data(*mem_, s, flags);
                 io_file_writer out(path);
                 out.write(bytes.data(), bytes.size());
                 out.close();
                 fmt::print("save {}\n", bytes.size());
             } else if (format == "ggsq") {
+                if (flags) throw error(errc::unsupported, "save: 'ggsq' files hold states without flags");
                 fmt::print("save {}\n", save_llama_seq_file(*mem_, path, s, {}));
             } else {
                 session_save_options o;
+                o.flags = flags;
                 o.compress = format == "zstd";
                 fmt::print("save {}\n", save_file(*mem_, path, s, o));
             }
         });
     }
-    // load SEQ FILE: any file save writes, told apart by its magic.
+    // load SEQ FILE [partial=0|1]: any file save writes, told apart by its magic (session files carry
+    // their flags; partial= applies to buffers).
     void load(const std::vector<std::string_view>& w) {
-        arity(w, 3, "load SEQ FILE");
+        if (w.size() != 3 && w.size() != 4) fail("usage: load SEQ FILE [partial=0|1]");
         const seq_id_t s = state_seq(w[1], "load");
         const std::string path(w[2]);
+        const state_seq_flags flags = flags_of(keys(w, 3, {"partial"}, "load"));
         try {
             const std::vector<uint8_t> bytes = read_file_bytes(path);
             uint32_t magic = 0;
@@ -597,7 +696,7 @@ private:
             else if (magic == llama_seq_file_magic)
                 load_llama_seq_file(*mem_, path, s);
             else
-                state_seq_set_data(*mem_, bytes, s);
+                state_seq_set_data(*mem_, bytes, s, flags);
             fmt::print("load {}\n", bytes.size());
         } catch (const error& e) {
             fmt::print("load failed: {}\n", e.what());
@@ -618,6 +717,8 @@ private:
     std::unique_ptr<model> model_;
     std::unique_ptr<kv_cache> cache_;        // type=kv
     std::unique_ptr<memory_recurrent> rec_;  // type=recurrent
+    std::unique_ptr<kv_cache_iswa> iswa_;    // type=iswa
+    std::unique_ptr<memory_hybrid> hyb_;     // type=hybrid
     memory_i* mem_ = nullptr;                // the one of them in use
     std::unique_ptr<runtime> rt_;            // with a model
     uint32_t n_seq_max_ = 1;

@@ -1,0 +1,139 @@
+/// @file
+/// kv_cache_iswa: interleaved sliding-window attention (llama.cpp's llama_kv_cache_iswa, spec kv-core §8)
+/// for models that mix full-attention layers with sliding-window ones (Gemma 2/3, Cohere 2, Llama 4, ...).
+/// Implements memory_i.
+///
+/// Two kv_caches split by layer: the base cache holds the layers with layer_desc::is_swa false (full
+/// size, no window), the SWA cache those with is_swa true, with the window rule of the parameters and
+/// only as many cells as the window needs:
+/// @verbatim
+///   size_swa = roundup(min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch), 256)   (swa_full: kv_size)
+/// @endverbatim
+/// The SWA cache reuses the cells of keys that slid out of every query's window, so it holds only the
+/// recent past: positions are reported from it (seq_pos_min grows as the window slides), and positions
+/// cannot be shifted unless both caches have the same size (swa_full). Every batch is placed in both
+/// caches or in neither; the context gives each layer the child context of its cache (for_layer).
+/// State: the base cache's then the SWA cache's (kv_cache layout each); state_seq_flag_partial_only
+/// saves and restores the SWA part alone.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <kvcache/kv_cache.h>
+#include <kvcache/memory.h>
+
+namespace kvc {
+
+/// Everything a kv_cache_iswa is made from.
+struct kv_cache_iswa_params {
+    /// Shared by both caches: the layers (is_swa decides the cache), filter, types, V layout, streams,
+    /// padding, positions per token, allocator. kv_size sizes the base cache; n_swa and swa are the rule
+    /// of the SWA layers (swa must not be none).
+    kv_cache_params kv;
+    bool swa_full = true;     ///< size the SWA cache like the base one (shifts and any seq_rm then work)
+    uint32_t n_ubatch = 512;  ///< the largest ubatch the engine places (sizes the SWA cache)
+};
+
+/// The SWA cache's cells per stream for these parameters (the formula in the file comment).
+uint32_t iswa_swa_size(const kv_cache_iswa_params& p);
+
+/// Two KV caches, one for the full-attention layers and one for the sliding-window layers, driven as one
+/// memory. See the file comment.
+class kv_cache_iswa final : public memory_i {
+public:
+    /// Throws kvc::error(invalid_argument) on an invalid configuration: what kv_cache refuses, no
+    /// full-attention layer or no SWA layer kept (use a plain kv_cache), swa none or n_swa 0.
+    explicit kv_cache_iswa(kv_cache_iswa_params params);
+    ~kv_cache_iswa() override;
+    kv_cache_iswa(const kv_cache_iswa&) = delete;
+    kv_cache_iswa& operator=(const kv_cache_iswa&) = delete;
+
+    // -- memory_i --
+    /// Unified: ubatches in batch order (split_simple) if both caches take them, else (and with one stream
+    /// per sequence) equal-length ubatches (split_equal, sequential unless unified) placed in both.
+    memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) override;
+    /// Places the caller's ubatches in the base cache then the SWA cache; failed_prepare if either has no
+    /// room (neither changed).
+    memory_context_ptr init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) override;
+    memory_context_ptr init_full() override;
+    /// Pending work of either cache (status combined: no_update only when neither has any).
+    memory_context_ptr init_update(bool optimize) override;
+    /// Both caches can shift and have the same size (swa_full).
+    bool get_can_shift() const override;
+
+    /// The operations below run on the base cache then the SWA cache.
+    void clear(bool data) override;
+    bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;  ///< both results ANDed
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
+    void seq_keep(seq_id_t seq_id) override;
+    void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;
+    void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;
+    pos_t seq_pos_min(seq_id_t seq_id) const override;  ///< of the SWA cache (the recent past)
+    pos_t seq_pos_max(seq_id_t seq_id) const override;  ///< of the SWA cache
+
+    /// The base cache's state (unless state_seq_flag_partial_only) then the SWA cache's.
+    void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    /// Parses both parts (the same flag rule) before anything changes.
+    state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    /// Commits both parts, or neither when one has no room.
+    void state_commit(state_stage_i& stage) override;
+    bool state_fits(const state_stage_i& stage) override;
+    /// "iswa base={base layout} swa={SWA layout}".
+    std::string state_layout() const override;
+
+    // -- parts --
+    kv_cache& get_base() { return *base_; }              ///< the full-attention layers' cache
+    const kv_cache& get_base() const { return *base_; }  ///< the full-attention layers' cache
+    kv_cache& get_swa() { return *swa_; }                ///< the sliding-window layers' cache
+    const kv_cache& get_swa() const { return *swa_; }    ///< the sliding-window layers' cache
+    const kv_cache_iswa_params& params() const { return params_; }  ///< the configuration
+    size_t size_bytes() const { return base_->size_bytes() + swa_->size_bytes(); }  ///< K/V of both
+
+private:
+    struct staged_state;
+    void check_seq(seq_id_t s, const char* what) const;
+
+    kv_cache_iswa_params params_;
+    std::unique_ptr<kv_cache> base_;
+    std::unique_ptr<kv_cache> swa_;
+};
+
+/// The context kv_cache_iswa returns: a child context per cache over the same ubatches. Engines build the
+/// full-attention layers with get_base() (or for_layer) and the SWA layers with get_swa(): each has its
+/// own slots, n_kv, mask (the SWA one masks keys outside the window) and views.
+class kv_cache_iswa_context final : public memory_context_i {
+public:
+    /// A failed context (no children).
+    explicit kv_cache_iswa_context(memory_status status);
+    /// A context over two children (a batch context with its ubatches and output ids, or full / update
+    /// contexts with empty ones).
+    kv_cache_iswa_context(std::unique_ptr<kv_cache_context> base, std::unique_ptr<kv_cache_context> swa,
+                          std::vector<ubatch> ubatches, std::vector<int32_t> out_ids);
+
+    // -- memory_context_i --
+    bool next() override;   ///< advances both children
+    bool apply() override;  ///< applies the base child then the SWA child
+    memory_status get_status() const override { return status_; }
+    const ubatch& get_ubatch() const override;
+    std::span<const int32_t> out_ids() const override { return out_ids_; }
+
+    // -- children --
+    kv_cache_context& get_base() const;  ///< the base cache's context; throws on a failed context
+    kv_cache_context& get_swa() const;   ///< the SWA cache's context; throws on a failed context
+    /// The child of the cache that holds model layer il; throws kvc::error when neither does.
+    kv_cache_context& for_layer(uint32_t il) const;
+
+private:
+    memory_status status_;
+    std::unique_ptr<kv_cache_context> base_;
+    std::unique_ptr<kv_cache_context> swa_;
+    std::vector<ubatch> ubatches_;
+    std::vector<int32_t> out_ids_;
+    size_t i_cur_ = 0;
+};
+
+}  // namespace kvc

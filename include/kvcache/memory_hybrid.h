@@ -1,0 +1,140 @@
+/// @file
+/// memory_hybrid: an attention KV cache and a recurrent memory driven as one memory (llama.cpp's
+/// llama_memory_hybrid and llama_memory_hybrid_iswa, spec batch-recurrent §5) for models that mix
+/// attention layers with Mamba / RWKV / short-conv layers (Jamba, Falcon-H1, Granite 4, LFM2, Qwen3-Next,
+/// Nemotron-H, ...). Implements memory_i.
+///
+/// Which layers each part keeps comes from the parameters: the attention part keeps the layers with
+/// layer_desc::has_kv (and its filter), the recurrent part those with an r or s row (and its filter); a
+/// layer may be in both (Falcon-H1) or in neither (Nemotron-H's MLP layers). With `iswa` the attention
+/// part is a kv_cache_iswa.
+///
+/// Batches are split once, in equal-length ubatches (the recurrent memory needs them), and placed in the
+/// recurrent part first, then the attention part; if either has no room, neither changes. Removing
+/// tokens is all-or-nothing: the recurrent part decides first (it cannot remove a suffix without
+/// rollback), and when it refuses the attention part is left untouched. Positions combine as the
+/// tokens both parts hold: seq_pos_min is the larger minimum, seq_pos_max the smaller maximum.
+/// State: the attention part's then the recurrent part's; state_seq_flag_partial_only saves and restores
+/// the recurrent part alone. A failed restore changes neither part (upstream clears the destination).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <kvcache/kv_cache.h>
+#include <kvcache/kv_cache_iswa.h>
+#include <kvcache/memory.h>
+#include <kvcache/memory_recurrent.h>
+
+namespace kvc {
+
+/// Everything a memory_hybrid is made from.
+struct memory_hybrid_params {
+    kv_cache_params attn;   ///< the attention part (its layers: those with has_kv that its filter keeps)
+    recurrent_params recr;  ///< the recurrent part (same n_seq_max as attn)
+    bool iswa = false;      ///< the attention part is a kv_cache_iswa (its SWA rule: attn.n_swa, attn.swa)
+    bool swa_full = true;     ///< with iswa: kv_cache_iswa_params::swa_full
+    uint32_t n_ubatch = 512;  ///< with iswa: kv_cache_iswa_params::n_ubatch
+};
+
+/// An attention cache and a recurrent memory as one memory. See the file comment.
+class memory_hybrid final : public memory_i {
+public:
+    /// Throws kvc::error(invalid_argument) on an invalid configuration: what either part refuses, or
+    /// different n_seq_max.
+    explicit memory_hybrid(memory_hybrid_params params);
+    ~memory_hybrid() override;
+    memory_hybrid(const memory_hybrid&) = delete;
+    memory_hybrid& operator=(const memory_hybrid&) = delete;
+
+    // -- memory_i --
+    /// split_equal (sequential unless the attention part has one stream; keeping the last n_rs_seq + 1
+    /// tokens of each sequence together), or split_seq when embd_all; then the recurrent part and the
+    /// attention part. failed_prepare when tokens are left over or either part has no room.
+    memory_context_ptr init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) override;
+    /// The caller's ubatches in the recurrent part then the attention part.
+    memory_context_ptr init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) override;
+    memory_context_ptr init_full() override;
+    /// The attention part's pending work (a recurrent memory has none).
+    memory_context_ptr init_update(bool optimize) override;
+    bool get_can_shift() const override;  ///< the attention part's answer
+
+    void clear(bool data) override;  ///< both parts
+    /// The recurrent part first: if it refuses, false and nothing changed; else the attention part's
+    /// result.
+    bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;
+    /// The attention part then the recurrent part (which shares the whole state, whatever the range).
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
+    void seq_keep(seq_id_t seq_id) override;                                     ///< both parts
+    void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;  ///< both parts
+    void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;        ///< both parts
+    pos_t seq_pos_min(seq_id_t seq_id) const override;  ///< max of the parts' minimums
+    pos_t seq_pos_max(seq_id_t seq_id) const override;  ///< min of the parts' maximums (-1 if one is empty)
+
+    /// The attention part's state (unless state_seq_flag_partial_only) then the recurrent part's.
+    void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    /// Parses both parts (the same flag rule) before anything changes.
+    state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
+    void state_commit(state_stage_i& stage) override;  ///< both parts, or neither when one has no room
+    bool state_fits(const state_stage_i& stage) override;
+    /// "hybrid attn={attention layout} recr={recurrent layout}".
+    std::string state_layout() const override;
+
+    // -- parts --
+    memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)
+    const memory_i& get_attn() const { return *attn_; }  ///< the attention part
+    memory_recurrent& get_recr() { return *recr_; }      ///< the recurrent part
+    const memory_recurrent& get_recr() const { return *recr_; }  ///< the recurrent part
+    /// The attention part's KV cache holding model layer il (the base or SWA cache with iswa); throws
+    /// kvc::error when no attention layer il exists.
+    const kv_cache& attn_cache(uint32_t il) const;
+    const memory_hybrid_params& params() const { return params_; }  ///< the configuration
+    size_t size_bytes() const;                                      ///< K/V and state rows of both parts
+
+private:
+    struct staged_state;
+
+    memory_hybrid_params params_;
+    std::unique_ptr<memory_i> attn_;  // kv_cache or kv_cache_iswa
+    std::unique_ptr<memory_recurrent> recr_;
+};
+
+/// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.
+/// Engines build attention layers with attn_for_layer(il) and recurrent layers with get_recr().
+class memory_hybrid_context final : public memory_context_i {
+public:
+    /// A failed context (no children).
+    explicit memory_hybrid_context(memory_status status);
+    /// A context over two children (a batch context with its ubatches and output ids, or full / update
+    /// contexts with empty ones).
+    memory_hybrid_context(memory_context_ptr attn, std::unique_ptr<memory_recurrent_context> recr,
+                          std::vector<ubatch> ubatches, std::vector<int32_t> out_ids);
+
+    // -- memory_context_i --
+    bool next() override;   ///< advances both children
+    bool apply() override;  ///< applies the attention child then the recurrent child
+    memory_status get_status() const override { return status_; }
+    const ubatch& get_ubatch() const override;
+    std::span<const int32_t> out_ids() const override { return out_ids_; }
+
+    // -- children --
+    /// The attention child (kv_cache_context, or kv_cache_iswa_context with iswa); throws on a failed
+    /// context.
+    memory_context_i& get_attn() const;
+    memory_recurrent_context& get_recr() const;  ///< the recurrent child; throws on a failed context
+    /// The KV cache context of attention layer il (the iSWA child that holds it, with iswa).
+    kv_cache_context& attn_for_layer(uint32_t il) const;
+
+private:
+    memory_status status_;
+    memory_context_ptr attn_;
+    std::unique_ptr<memory_recurrent_context> recr_;
+    std::vector<ubatch> ubatches_;
+    std::vector<int32_t> out_ids_;
+    size_t i_cur_ = 0;
+};
+
+}  // namespace kvc

@@ -1,0 +1,259 @@
+// kv_cache_iswa: a base cache for the full-attention layers and a windowed cache for the SWA layers,
+// driven as one memory (spec kv-core §8).
+#include <numeric>
+
+#include <fmt/format.h>
+#include <kvcache/batch.h>
+#include <kvcache/kv_cache_iswa.h>
+#include <kvcache/state.h>
+
+namespace kvc {
+
+namespace {
+
+std::unique_ptr<kv_cache_context> as_kv(memory_context_ptr ctx) {
+    return std::unique_ptr<kv_cache_context>(&dynamic_cast<kv_cache_context&>(*ctx.release()));
+}
+
+kv_cache_params half(const kv_cache_iswa_params& p, bool swa) {
+    kv_cache_params h = p.kv;
+    const std::vector<layer_desc> layers = p.kv.layers;
+    h.filter = [layers, user = p.kv.filter, swa](uint32_t il) {
+        return layers[il].is_swa == swa && (!user || user(il));
+    };
+    if (!swa) {
+        h.n_swa = 0;
+        h.swa = swa_type::none;
+    } else {
+        h.kv_size = iswa_swa_size(p);
+    }
+    return h;
+}
+
+}  // namespace
+
+uint32_t iswa_swa_size(const kv_cache_iswa_params& p) {
+    const kv_cache_params& k = p.kv;
+    if (p.swa_full) return k.kv_size;
+    const uint64_t seqs = k.unified ? k.n_seq_max : 1;
+    const uint64_t want = std::min<uint64_t>(k.kv_size, uint64_t{k.n_swa} * seqs + p.n_ubatch);
+    const uint64_t pad = std::lcm(uint64_t{256}, uint64_t{std::max(1u, k.n_pad)});
+    return static_cast<uint32_t>(std::min<uint64_t>((want + pad - 1) / pad * pad, UINT32_MAX / pad * pad));
+}
+
+// -- construction --
+
+kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(params)) {
+    const kv_cache_params& k = params_.kv;
+    const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache_iswa: " + msg); };
+    if (k.swa == swa_type::none || k.n_swa == 0)
+        bad("the SWA layers need a window: swa must not be none and n_swa must be positive");
+    if (params_.n_ubatch == 0) bad("n_ubatch must be positive");
+    bool any_full = false, any_swa = false;
+    for (uint32_t il = 0; il < k.layers.size(); ++il) {
+        if (!k.layers[il].has_kv || (k.filter && !k.filter(il))) continue;
+        (k.layers[il].is_swa ? any_swa : any_full) = true;
+    }
+    if (!any_full || !any_swa)
+        bad(fmt::format("the layers kept hold no {} layer; use a plain kv_cache",
+                        any_full ? "sliding-window" : "full-attention"));
+    base_ = std::make_unique<kv_cache>(half(params_, false));
+    swa_ = std::make_unique<kv_cache>(half(params_, true));
+}
+
+kv_cache_iswa::~kv_cache_iswa() = default;
+
+void kv_cache_iswa::check_seq(seq_id_t s, const char* what) const {
+    if (s < 0 || static_cast<uint32_t>(s) >= params_.kv.n_seq_max)
+        throw error(errc::out_of_range,
+                    fmt::format("{}: seq_id {} not in [0, {})", what, s, params_.kv.n_seq_max));
+}
+
+// -- batches --
+
+memory_context_ptr kv_cache_iswa::init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool /*embd_all*/) {
+    for (seq_id_t s : balloc.seq_id_unq()) check_seq(s, "init_batch");
+    const auto split = [&](bool simple) {
+        balloc.split_reset();
+        std::vector<ubatch> ubatches;
+        while (true) {
+            ubatch ub = simple ? balloc.split_simple(n_ubatch) : balloc.split_equal(n_ubatch, !params_.kv.unified);
+            if (ub.empty()) break;
+            ubatches.push_back(std::move(ub));
+        }
+        return ubatches;
+    };
+    if (params_.kv.unified) {  // batch order first: the cheapest split, when both caches take it
+        std::vector<ubatch> ubatches = split(true);
+        if (balloc.get_n_used() == balloc.get_n_tokens()) {
+            memory_context_ptr ctx =
+                init_ubatches(std::move(ubatches), {balloc.out_ids().begin(), balloc.out_ids().end()});
+            if (!is_fail(ctx->get_status())) return ctx;
+        }
+    }
+    std::vector<ubatch> ubatches = split(false);
+    if (balloc.get_n_used() < balloc.get_n_tokens())
+        return std::make_unique<kv_cache_iswa_context>(memory_status::failed_prepare);
+    return init_ubatches(std::move(ubatches), {balloc.out_ids().begin(), balloc.out_ids().end()});
+}
+
+memory_context_ptr kv_cache_iswa::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
+    // each cache's prepare rolls itself back: a failure of the second leaves both unchanged
+    memory_context_ptr base = base_->init_ubatches(ubatches, out_ids);
+    if (is_fail(base->get_status())) return std::make_unique<kv_cache_iswa_context>(base->get_status());
+    memory_context_ptr swa = swa_->init_ubatches(ubatches, out_ids);
+    if (is_fail(swa->get_status())) return std::make_unique<kv_cache_iswa_context>(swa->get_status());
+    return std::make_unique<kv_cache_iswa_context>(as_kv(std::move(base)), as_kv(std::move(swa)),
+                                                   std::move(ubatches), std::move(out_ids));
+}
+
+memory_context_ptr kv_cache_iswa::init_full() {
+    return std::make_unique<kv_cache_iswa_context>(as_kv(base_->init_full()), as_kv(swa_->init_full()),
+                                                   std::vector<ubatch>{}, std::vector<int32_t>{});
+}
+
+memory_context_ptr kv_cache_iswa::init_update(bool optimize) {
+    return std::make_unique<kv_cache_iswa_context>(as_kv(base_->init_update(optimize)),
+                                                   as_kv(swa_->init_update(optimize)), std::vector<ubatch>{},
+                                                   std::vector<int32_t>{});
+}
+
+bool kv_cache_iswa::get_can_shift() const {
+    return base_->get_can_shift() && swa_->get_can_shift() && base_->get_size() == swa_->get_size();
+}
+
+// -- sequences: both caches have the same ids and streams, so a call the base accepts the SWA cache
+// accepts too --
+
+void kv_cache_iswa::clear(bool data) {
+    base_->clear(data);
+    swa_->clear(data);
+}
+
+bool kv_cache_iswa::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    const bool a = base_->seq_rm(seq_id, p0, p1);
+    const bool b = swa_->seq_rm(seq_id, p0, p1);
+    return a && b;
+}
+
+void kv_cache_iswa::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    base_->seq_cp(src, dst, p0, p1);
+    swa_->seq_cp(src, dst, p0, p1);
+}
+
+void kv_cache_iswa::seq_keep(seq_id_t seq_id) {
+    base_->seq_keep(seq_id);
+    swa_->seq_keep(seq_id);
+}
+
+void kv_cache_iswa::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
+    base_->seq_add(seq_id, p0, p1, shift);
+    swa_->seq_add(seq_id, p0, p1, shift);
+}
+
+void kv_cache_iswa::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
+    base_->seq_div(seq_id, p0, p1, d);
+    swa_->seq_div(seq_id, p0, p1, d);
+}
+
+pos_t kv_cache_iswa::seq_pos_min(seq_id_t seq_id) const {
+    return swa_->seq_pos_min(seq_id);
+}
+
+pos_t kv_cache_iswa::seq_pos_max(seq_id_t seq_id) const {
+    return swa_->seq_pos_max(seq_id);
+}
+
+// -- state --
+
+struct kv_cache_iswa::staged_state final : state_stage_i {
+    const kv_cache_iswa* owner = nullptr;
+    state_stage_ptr base;  // null with state_seq_flag_partial_only
+    state_stage_ptr swa;
+};
+
+void kv_cache_iswa::state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const {
+    if (!(flags & state_seq_flag_partial_only)) base_->state_write(io, seq_id, flags);
+    swa_->state_write(io, seq_id, flags);
+}
+
+state_stage_ptr kv_cache_iswa::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const {
+    auto st = std::make_unique<staged_state>();
+    st->owner = this;
+    if (!(flags & state_seq_flag_partial_only)) st->base = base_->state_stage(io, seq_id, flags);
+    st->swa = swa_->state_stage(io, seq_id, flags);
+    return st;
+}
+
+bool kv_cache_iswa::state_fits(const state_stage_i& stage) {
+    const auto* st = dynamic_cast<const staged_state*>(&stage);
+    if (st == nullptr || st->owner != this)
+        throw error(errc::invalid_argument, "state_fits: the stage was made by another memory");
+    return (!st->base || base_->state_fits(*st->base)) && swa_->state_fits(*st->swa);
+}
+
+void kv_cache_iswa::state_commit(state_stage_i& stage) {
+    if (!state_fits(stage))  // both or neither
+        throw error(errc::invalid_state, "state_read: no room for the state's cells in the base or SWA cache");
+    auto& st = static_cast<staged_state&>(stage);
+    if (st.base) base_->state_commit(*st.base);
+    swa_->state_commit(*st.swa);
+}
+
+std::string kv_cache_iswa::state_layout() const {
+    return fmt::format("iswa base={} swa={}", base_->state_layout(), swa_->state_layout());
+}
+
+// -- context --
+
+kv_cache_iswa_context::kv_cache_iswa_context(memory_status status) : status_(status) {}
+
+kv_cache_iswa_context::kv_cache_iswa_context(std::unique_ptr<kv_cache_context> base,
+                                             std::unique_ptr<kv_cache_context> swa,
+                                             std::vector<ubatch> ubatches, std::vector<int32_t> out_ids)
+    : status_(combine(base->get_status(), swa->get_status())),
+      base_(std::move(base)),
+      swa_(std::move(swa)),
+      ubatches_(std::move(ubatches)),
+      out_ids_(std::move(out_ids)) {}
+
+bool kv_cache_iswa_context::next() {
+    if (!base_) return false;
+    base_->next();
+    swa_->next();
+    if (i_cur_ >= ubatches_.size()) return false;
+    return ++i_cur_ < ubatches_.size();
+}
+
+bool kv_cache_iswa_context::apply() {
+    if (is_fail(status_) || !base_)
+        throw error(errc::invalid_state, "memory context: apply() on a failed context");
+    // an update context applies only the children with work
+    bool ok = true;
+    for (kv_cache_context* c : {base_.get(), swa_.get()})
+        if (c->get_status() == memory_status::success) ok = c->apply() && ok;
+    return ok;
+}
+
+const ubatch& kv_cache_iswa_context::get_ubatch() const {
+    if (i_cur_ >= ubatches_.size()) throw error(errc::invalid_state, "memory context: no current ubatch");
+    return ubatches_[i_cur_];
+}
+
+kv_cache_context& kv_cache_iswa_context::get_base() const {
+    if (!base_) throw error(errc::invalid_state, "memory context: a failed context has no children");
+    return *base_;
+}
+
+kv_cache_context& kv_cache_iswa_context::get_swa() const {
+    if (!swa_) throw error(errc::invalid_state, "memory context: a failed context has no children");
+    return *swa_;
+}
+
+kv_cache_context& kv_cache_iswa_context::for_layer(uint32_t il) const {
+    if (get_base().cache().has_layer(il)) return *base_;
+    if (get_swa().cache().has_layer(il)) return *swa_;
+    throw error(errc::out_of_range, fmt::format("memory context: neither cache holds layer {}", il));
+}
+
+}  // namespace kvc

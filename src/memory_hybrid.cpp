@@ -1,0 +1,229 @@
+// memory_hybrid: an attention cache (kv_cache or kv_cache_iswa) and a recurrent memory as one memory
+// (spec batch-recurrent §5).
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <kvcache/batch.h>
+#include <kvcache/memory_hybrid.h>
+#include <kvcache/state.h>
+
+namespace kvc {
+
+namespace {
+
+std::unique_ptr<memory_recurrent_context> as_recr(memory_context_ptr ctx) {
+    return std::unique_ptr<memory_recurrent_context>(&dynamic_cast<memory_recurrent_context&>(*ctx.release()));
+}
+
+}  // namespace
+
+memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(params)) {
+    if (params_.attn.n_seq_max != params_.recr.n_seq_max)
+        throw error(errc::invalid_argument,
+                    fmt::format("memory_hybrid: the attention part has n_seq_max {}, the recurrent part {}",
+                                params_.attn.n_seq_max, params_.recr.n_seq_max));
+    if (params_.iswa)
+        attn_ = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{
+            .kv = params_.attn, .swa_full = params_.swa_full, .n_ubatch = params_.n_ubatch});
+    else
+        attn_ = std::make_unique<kv_cache>(params_.attn);
+    recr_ = std::make_unique<memory_recurrent>(params_.recr);
+}
+
+memory_hybrid::~memory_hybrid() = default;
+
+// -- batches --
+
+memory_context_ptr memory_hybrid::init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) {
+    for (seq_id_t s : balloc.seq_id_unq())
+        if (s < 0 || static_cast<uint32_t>(s) >= params_.attn.n_seq_max)
+            throw error(errc::out_of_range,
+                        fmt::format("init_batch: seq_id {} not in [0, {})", s, params_.attn.n_seq_max));
+    const bool sequential = !params_.attn.unified;  // several streams: consecutive ids per ubatch
+    const uint32_t keep_tail = params_.recr.n_rs_seq ? params_.recr.n_rs_seq + 1 : 0;
+    balloc.split_reset();
+    std::vector<ubatch> ubatches;
+    while (true) {
+        ubatch ub = embd_all ? balloc.split_seq(n_ubatch) : balloc.split_equal(n_ubatch, sequential, keep_tail);
+        if (ub.empty()) break;
+        ubatches.push_back(std::move(ub));
+    }
+    if (balloc.get_n_used() < balloc.get_n_tokens())
+        return std::make_unique<memory_hybrid_context>(memory_status::failed_prepare);
+    return init_ubatches(std::move(ubatches), {balloc.out_ids().begin(), balloc.out_ids().end()});
+}
+
+memory_context_ptr memory_hybrid::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
+    // both are dry runs that restore their part: a failure of either leaves both unchanged
+    memory_context_ptr recr = recr_->init_ubatches(ubatches, out_ids);
+    if (is_fail(recr->get_status())) return std::make_unique<memory_hybrid_context>(recr->get_status());
+    memory_context_ptr attn = attn_->init_ubatches(ubatches, out_ids);
+    if (is_fail(attn->get_status())) return std::make_unique<memory_hybrid_context>(attn->get_status());
+    return std::make_unique<memory_hybrid_context>(std::move(attn), as_recr(std::move(recr)),
+                                                   std::move(ubatches), std::move(out_ids));
+}
+
+memory_context_ptr memory_hybrid::init_full() {
+    return std::make_unique<memory_hybrid_context>(attn_->init_full(), as_recr(recr_->init_full()),
+                                                   std::vector<ubatch>{}, std::vector<int32_t>{});
+}
+
+memory_context_ptr memory_hybrid::init_update(bool optimize) {
+    return std::make_unique<memory_hybrid_context>(attn_->init_update(optimize),
+                                                   as_recr(recr_->init_update(optimize)),
+                                                   std::vector<ubatch>{}, std::vector<int32_t>{});
+}
+
+bool memory_hybrid::get_can_shift() const {
+    return attn_->get_can_shift();
+}
+
+// -- sequences --
+
+void memory_hybrid::clear(bool data) {
+    attn_->clear(data);
+    recr_->clear(data);
+}
+
+bool memory_hybrid::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    if (!recr_->seq_rm(seq_id, p0, p1)) return false;  // all or nothing: attention untouched
+    return attn_->seq_rm(seq_id, p0, p1);
+}
+
+void memory_hybrid::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    attn_->seq_cp(src, dst, p0, p1);
+    recr_->seq_cp(src, dst, p0, p1);
+}
+
+void memory_hybrid::seq_keep(seq_id_t seq_id) {
+    attn_->seq_keep(seq_id);
+    recr_->seq_keep(seq_id);
+}
+
+void memory_hybrid::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
+    attn_->seq_add(seq_id, p0, p1, shift);
+    recr_->seq_add(seq_id, p0, p1, shift);
+}
+
+void memory_hybrid::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
+    attn_->seq_div(seq_id, p0, p1, d);
+    recr_->seq_div(seq_id, p0, p1, d);
+}
+
+pos_t memory_hybrid::seq_pos_min(seq_id_t seq_id) const {
+    return std::max(attn_->seq_pos_min(seq_id), recr_->seq_pos_min(seq_id));
+}
+
+pos_t memory_hybrid::seq_pos_max(seq_id_t seq_id) const {
+    return std::min(attn_->seq_pos_max(seq_id), recr_->seq_pos_max(seq_id));
+}
+
+// -- state --
+
+struct memory_hybrid::staged_state final : state_stage_i {
+    const memory_hybrid* owner = nullptr;
+    state_stage_ptr attn;  // null with state_seq_flag_partial_only
+    state_stage_ptr recr;
+};
+
+void memory_hybrid::state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const {
+    if (!(flags & state_seq_flag_partial_only)) attn_->state_write(io, seq_id, flags);
+    recr_->state_write(io, seq_id, flags);
+}
+
+state_stage_ptr memory_hybrid::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const {
+    auto st = std::make_unique<staged_state>();
+    st->owner = this;
+    if (!(flags & state_seq_flag_partial_only)) st->attn = attn_->state_stage(io, seq_id, flags);
+    st->recr = recr_->state_stage(io, seq_id, flags);
+    return st;
+}
+
+bool memory_hybrid::state_fits(const state_stage_i& stage) {
+    const auto* st = dynamic_cast<const staged_state*>(&stage);
+    if (st == nullptr || st->owner != this)
+        throw error(errc::invalid_argument, "state_fits: the stage was made by another memory");
+    return (!st->attn || attn_->state_fits(*st->attn)) && recr_->state_fits(*st->recr);
+}
+
+void memory_hybrid::state_commit(state_stage_i& stage) {
+    if (!state_fits(stage))  // both or neither
+        throw error(errc::invalid_state, "state_read: no room for the state's cells in the attention part");
+    auto& st = static_cast<staged_state&>(stage);
+    if (st.attn) attn_->state_commit(*st.attn);
+    recr_->state_commit(*st.recr);
+}
+
+std::string memory_hybrid::state_layout() const {
+    return fmt::format("hybrid attn={} recr={}", attn_->state_layout(), recr_->state_layout());
+}
+
+const kv_cache& memory_hybrid::attn_cache(uint32_t il) const {
+    if (const auto* kv = dynamic_cast<const kv_cache*>(attn_.get()); kv && kv->has_layer(il)) return *kv;
+    if (const auto* is = dynamic_cast<const kv_cache_iswa*>(attn_.get())) {
+        if (is->get_base().has_layer(il)) return is->get_base();
+        if (is->get_swa().has_layer(il)) return is->get_swa();
+    }
+    throw error(errc::out_of_range, fmt::format("memory_hybrid: no attention layer {}", il));
+}
+
+size_t memory_hybrid::size_bytes() const {
+    const auto* kv = dynamic_cast<const kv_cache*>(attn_.get());
+    const size_t attn = kv ? kv->size_bytes() : dynamic_cast<const kv_cache_iswa&>(*attn_).size_bytes();
+    return attn + recr_->size_bytes();
+}
+
+// -- context --
+
+memory_hybrid_context::memory_hybrid_context(memory_status status) : status_(status) {}
+
+memory_hybrid_context::memory_hybrid_context(memory_context_ptr attn, std::unique_ptr<memory_recurrent_context> recr,
+                                             std::vector<ubatch> ubatches, std::vector<int32_t> out_ids)
+    : status_(combine(attn->get_status(), recr->get_status())),
+      attn_(std::move(attn)),
+      recr_(std::move(recr)),
+      ubatches_(std::move(ubatches)),
+      out_ids_(std::move(out_ids)) {}
+
+bool memory_hybrid_context::next() {
+    if (!attn_) return false;
+    attn_->next();
+    recr_->next();
+    if (i_cur_ >= ubatches_.size()) return false;
+    return ++i_cur_ < ubatches_.size();
+}
+
+bool memory_hybrid_context::apply() {
+    if (is_fail(status_) || !attn_)
+        throw error(errc::invalid_state, "memory context: apply() on a failed context");
+    bool ok = true;  // both children run; an update context applies only the one with work
+    if (attn_->get_status() == memory_status::success) ok = attn_->apply() && ok;
+    if (recr_->get_status() == memory_status::success) ok = recr_->apply() && ok;
+    return ok;
+}
+
+const ubatch& memory_hybrid_context::get_ubatch() const {
+    if (i_cur_ >= ubatches_.size()) throw error(errc::invalid_state, "memory context: no current ubatch");
+    return ubatches_[i_cur_];
+}
+
+memory_context_i& memory_hybrid_context::get_attn() const {
+    if (!attn_) throw error(errc::invalid_state, "memory context: a failed context has no children");
+    return *attn_;
+}
+
+memory_recurrent_context& memory_hybrid_context::get_recr() const {
+    if (!recr_) throw error(errc::invalid_state, "memory context: a failed context has no children");
+    return *recr_;
+}
+
+kv_cache_context& memory_hybrid_context::attn_for_layer(uint32_t il) const {
+    memory_context_i& a = get_attn();
+    if (auto* is = dynamic_cast<kv_cache_iswa_context*>(&a)) return is->for_layer(il);
+    auto& kv = dynamic_cast<kv_cache_context&>(a);
+    if (!kv.cache().has_layer(il))
+        throw error(errc::out_of_range, fmt::format("memory context: no attention layer {}", il));
+    return kv;
+}
+
+}  // namespace kvc
