@@ -147,11 +147,12 @@ bool memory_hybrid::state_fits(const state_stage_i& stage) {
 }
 
 void memory_hybrid::state_commit(state_stage_i& stage) {
-    if (!state_fits(stage))  // both or neither
-        throw error(errc::invalid_state, "state_read: no room for the state's cells in the attention part");
-    auto& st = static_cast<staged_state&>(stage);
-    if (st.attn) attn_->state_commit(*st.attn);
-    recr_->state_commit(*st.recr);
+    auto* st = dynamic_cast<staged_state*>(&stage);
+    if (st == nullptr || st->owner != this)
+        throw error(errc::invalid_argument, "state_commit: the stage was made by another memory");
+    // the attention part is the only one that can lack room, and then changes nothing: both or neither
+    if (st->attn) attn_->state_commit(*st->attn);
+    recr_->state_commit(*st->recr);
 }
 
 std::string memory_hybrid::state_layout() const {

@@ -1,12 +1,287 @@
-// memory_hybrid: spec batch-recurrent §5 (composition, batches in both parts, all-or-nothing seq_rm,
-// positions combined, state of both parts).
+// memory_hybrid: spec batch-recurrent §5 (composition by layer, batches in both parts or neither,
+// all-or-nothing seq_rm, positions combined, status combination, state of both parts, transactional
+// restores) and the iSWA attention variant.
+#include <cstring>
+#include <vector>
+
 #include <gtest/gtest.h>
+#include <kvcache/batch.h>
 #include <kvcache/memory_hybrid.h>
+#include <kvcache/state.h>
 
 namespace kvc {
 namespace {
 
-TEST(memory_hybrid, placeholder) {}
+// Four layers: 1 and 3 attention, 0 and 2 recurrent (Jamba-like); with both, every layer is both
+// (Falcon-H1-like).
+memory_hybrid_params make_params(uint32_t kv_size, uint32_t n_seq_max, uint32_t n_rs_seq = 0,
+                                 bool both = false) {
+    memory_hybrid_params p;
+    for (uint32_t il = 0; il < 4; ++il) {
+        const bool attn = both || il % 2 == 1, recr = both || il % 2 == 0;
+        p.attn.layers.push_back(
+            layer_desc{.n_head_kv = 1, .n_embd_head_k = 32, .n_embd_head_v = 32, .has_kv = attn});
+        p.recr.layers.push_back(recr ? recurrent_layer_desc{.n_embd_r = 4, .n_embd_s = 8}
+                                     : recurrent_layer_desc{});
+    }
+    p.attn.kv_size = kv_size;
+    p.attn.n_seq_max = n_seq_max;
+    p.attn.v_trans = false;
+    p.recr.n_seq_max = n_seq_max;
+    p.recr.n_rs_seq = n_rs_seq;
+    return p;
+}
+
+// One decode of the groups (sequence, first position, count); every attention layer's rows and every
+// recurrent row written as an engine would (values that depend on the sequence and position).
+memory_status decode(memory_hybrid& m, const std::vector<std::tuple<seq_id_t, pos_t, uint32_t>>& groups,
+                     uint32_t n_ubatch = 512) {
+    uint32_t n = 0;
+    for (const auto& g : groups) n += std::get<2>(g);
+    batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
+    for (const auto& [s, p0, count] : groups)
+        for (uint32_t i = 0; i < count; ++i) {
+            const seq_id_t ids[] = {s};
+            b.add(static_cast<token_t>(i), p0 + static_cast<pos_t>(i), ids, false);
+        }
+    b.set_output(static_cast<int32_t>(n) - 1, true);
+    batch_allocr a;
+    a.init(b.view(), &m, {.n_seq_max = m.params().attn.n_seq_max});
+    memory_context_ptr ctx = m.init_batch(a, n_ubatch, false);
+    if (is_fail(ctx->get_status())) return ctx->get_status();
+    auto& hc = dynamic_cast<memory_hybrid_context&>(*ctx);
+    do {
+        EXPECT_TRUE(hc.apply());
+        const ubatch& ub = hc.get_ubatch();
+        for (uint32_t il = 0; il < 4; ++il) {
+            if (!m.params().attn.layers[il].has_kv) continue;
+            std::vector<float> rows(size_t{32} * ub.n_tokens);
+            for (uint32_t t = 0; t < ub.n_tokens; ++t)
+                for (uint32_t d = 0; d < 32; ++d)
+                    rows[t * 32 + d] = static_cast<float>(ub.primary_seq(t) * 1000 + ub.pos[t] + d);
+            const auto view = const_tensor_view::contiguous(
+                dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 32, ub.n_tokens);
+            hc.attn_for_layer(il).cpy_k(il, view);
+            hc.attn_for_layer(il).cpy_v(il, view);
+        }
+        const memory_recurrent_context& rc = hc.get_recr();
+        for (uint32_t il : m.get_recr().layer_ids())
+            for (const tensor_view& v : {rc.get_r(il), rc.get_s(il)})
+                for (uint32_t i = 0; i < ub.n_seqs; ++i) {  // the block's final state, plane 0
+                    auto* row = reinterpret_cast<float*>(v.data + (rc.get_head() + i) * v.nb[1]);
+                    for (int64_t d = 0; d < v.ne[0]; ++d)
+                        row[d] = static_cast<float>(ub.primary_seq(i * ub.n_seq_tokens) * 1000 +
+                                                    ub.pos[(i + 1) * ub.n_seq_tokens - 1]);
+                }
+    } while (hc.next());
+    return memory_status::success;
+}
+
+std::vector<uint8_t> whole(const memory_i& m) {
+    return state_seq_get_data(m, seq_all);
+}
+
+TEST(memory_hybrid, parts_keep_their_layers) {
+    const memory_hybrid m(make_params(256, 2));
+    const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
+    EXPECT_EQ(std::vector<uint32_t>(kv.layer_ids().begin(), kv.layer_ids().end()), (std::vector<uint32_t>{1, 3}));
+    EXPECT_EQ(std::vector<uint32_t>(m.get_recr().layer_ids().begin(), m.get_recr().layer_ids().end()),
+              (std::vector<uint32_t>{0, 2}));
+    EXPECT_EQ(&m.attn_cache(1), &kv);
+    EXPECT_THROW(m.attn_cache(0), error);
+    EXPECT_EQ(m.size_bytes(), kv.size_bytes() + m.get_recr().size_bytes());
+    EXPECT_EQ(m.state_layout(), "hybrid attn=" + kv.state_layout() + " recr=" + m.get_recr().state_layout());
+    const memory_hybrid both(make_params(256, 2, 0, true));  // a layer may be in both parts
+    EXPECT_EQ(both.get_recr().layer_ids().size(), 4u);
+    EXPECT_TRUE(both.attn_cache(0).has_layer(0));
+}
+
+TEST(memory_hybrid, invalid_configurations_are_refused) {
+    memory_hybrid_params p = make_params(256, 2);
+    p.recr.n_seq_max = 3;
+    EXPECT_THROW(memory_hybrid{p}, error);
+    p = make_params(256, 2);
+    for (recurrent_layer_desc& d : p.recr.layers) d = {};
+    EXPECT_THROW(memory_hybrid{p}, error);  // no recurrent layer
+}
+
+TEST(memory_hybrid, seq_rm_is_all_or_nothing) {
+    memory_hybrid m(make_params(256, 2));
+    ASSERT_EQ(decode(m, {{0, 0, 6}, {1, 0, 4}}), memory_status::success);
+    const std::vector<uint8_t> before = whole(m);
+    // a suffix: the recurrent part cannot remove it, so the attention part is not asked
+    EXPECT_FALSE(m.seq_rm(0, 3, -1));
+    EXPECT_EQ(whole(m), before);
+    EXPECT_EQ(m.get_attn().seq_pos_max(0), 5);
+    // a range after the last position: nothing to do in either part
+    EXPECT_TRUE(m.seq_rm(0, 10, -1));
+    EXPECT_EQ(whole(m), before);
+    // the whole sequence goes from both
+    EXPECT_TRUE(m.seq_rm(0, -1, -1));
+    EXPECT_EQ(m.get_attn().seq_pos_max(0), -1);
+    EXPECT_EQ(m.get_recr().seq_pos_max(0), -1);
+    EXPECT_EQ(m.seq_pos_max(1), 3);
+    EXPECT_THROW(m.seq_rm(2, -1, -1), error);  // out of range, nothing changed
+    EXPECT_EQ(m.seq_pos_max(1), 3);
+}
+
+TEST(memory_hybrid, rollback_removes_a_suffix_from_both_parts) {
+    memory_hybrid m(make_params(256, 1, 2));
+    ASSERT_EQ(decode(m, {{0, 0, 6}}), memory_status::success);
+    ASSERT_EQ(decode(m, {{0, 6, 2}}), memory_status::success);
+    EXPECT_TRUE(m.seq_rm(0, 6, -1));  // two tokens back: within the history
+    EXPECT_EQ(m.get_attn().seq_pos_max(0), 5);
+    EXPECT_EQ(m.get_recr().seq_pos_max(0), 5);
+    ASSERT_EQ(decode(m, {{0, 6, 3}}), memory_status::success);
+    const std::vector<uint8_t> before = whole(m);
+    EXPECT_FALSE(m.seq_rm(0, 6, -1));  // three back: beyond it, nothing changed
+    EXPECT_EQ(whole(m), before);
+}
+
+TEST(memory_hybrid, positions_combine_the_parts) {
+    memory_hybrid m(make_params(256, 2));
+    ASSERT_EQ(decode(m, {{0, 0, 5}}), memory_status::success);
+    EXPECT_EQ(m.get_attn().seq_pos_min(0), 0);
+    EXPECT_EQ(m.get_recr().seq_pos_min(0), 4);
+    EXPECT_EQ(m.seq_pos_min(0), 4);  // max of the minimums
+    EXPECT_EQ(m.seq_pos_max(0), 4);
+    EXPECT_EQ(m.seq_pos_min(1), -1);
+    EXPECT_EQ(m.seq_pos_max(1), -1);
+    m.seq_add(0, 0, -1, 10);  // both parts shift
+    EXPECT_EQ(m.get_attn().seq_pos_max(0), 14);
+    EXPECT_EQ(m.get_recr().seq_pos_max(0), 14);
+    m.seq_div(0, 0, -1, 2);
+    EXPECT_EQ(m.seq_pos_max(0), 7);
+    m.seq_cp(0, 1, -1, -1);
+    EXPECT_EQ(m.seq_pos_max(1), 7);
+    m.seq_keep(1);
+    EXPECT_EQ(m.seq_pos_max(0), -1);
+    EXPECT_TRUE(m.get_can_shift());
+    memory_hybrid_params mrope = make_params(256, 2);
+    mrope.attn.n_pos = 4;
+    EXPECT_EQ(memory_hybrid(mrope).get_can_shift(), kv_cache(mrope.attn).get_can_shift());
+}
+
+TEST(memory_hybrid, a_batch_goes_to_both_parts_or_neither) {
+    memory_hybrid m(make_params(256, 2));
+    ASSERT_EQ(decode(m, {{0, 0, 200}}), memory_status::success);
+    const std::vector<uint8_t> before = whole(m);
+    // the attention part has 56 free cells: 60 more tokens do not fit, and the recurrent part (which
+    // always has a cell) is not changed either
+    EXPECT_EQ(decode(m, {{1, 0, 60}}), memory_status::failed_prepare);
+    EXPECT_EQ(whole(m), before);
+    EXPECT_EQ(m.get_recr().seq_tail(1), -1);
+    EXPECT_EQ(decode(m, {{1, 0, 50}}), memory_status::success);
+}
+
+TEST(memory_hybrid, contexts_combine_their_children) {
+    memory_hybrid m(make_params(256, 2));
+    memory_context_ptr full = m.init_full();
+    auto& hc = dynamic_cast<memory_hybrid_context&>(*full);
+    EXPECT_EQ(hc.get_status(), memory_status::success);
+    EXPECT_TRUE(hc.apply());
+    EXPECT_EQ(hc.get_recr().get_n_rs(), m.get_recr().get_size());
+    EXPECT_EQ(m.init_update(false)->get_status(), memory_status::no_update);  // neither has work
+    ASSERT_EQ(decode(m, {{0, 0, 4}}), memory_status::success);
+    m.seq_add(0, 0, -1, 2);  // a pending K-shift in the attention part
+    memory_context_ptr up = m.init_update(false);
+    EXPECT_EQ(up->get_status(), memory_status::success);
+    EXPECT_TRUE(up->apply());
+    EXPECT_FALSE(dynamic_cast<const kv_cache&>(m.get_attn()).get_has_shift());
+    const memory_hybrid_context failed(memory_status::failed_prepare);
+    EXPECT_THROW(failed.get_attn(), error);
+    EXPECT_THROW(failed.get_recr(), error);
+    // status combination (first failure wins, then success if either has work)
+    using ms = memory_status;
+    EXPECT_EQ(combine(ms::no_update, ms::no_update), ms::no_update);
+    EXPECT_EQ(combine(ms::no_update, ms::success), ms::success);
+    EXPECT_EQ(combine(ms::failed_compute, ms::failed_prepare), ms::failed_compute);
+    EXPECT_EQ(combine(ms::success, ms::failed_prepare), ms::failed_prepare);
+}
+
+TEST(memory_hybrid, state_round_trips_whole_one_sequence_and_partial) {
+    memory_hybrid m(make_params(256, 3));
+    ASSERT_EQ(decode(m, {{0, 0, 7}, {1, 0, 3}}), memory_status::success);
+    const std::vector<uint8_t> all = whole(m);
+    std::vector<uint8_t> attn, recr;
+    io_vector_writer wa(attn), wr(recr);
+    m.get_attn().state_write(wa, seq_all, 0);
+    m.get_recr().state_write(wr, seq_all, 0);
+    attn.insert(attn.end(), recr.begin(), recr.end());
+    EXPECT_EQ(std::vector<uint8_t>(all.begin() + 8, all.end()), attn);  // attention part, then recurrent
+    memory_hybrid fresh(make_params(256, 3));
+    state_seq_set_data(fresh, all, seq_all);
+    EXPECT_EQ(whole(fresh), all);
+
+    const std::vector<uint8_t> seq0 = state_seq_get_data(m, 0);
+    state_seq_set_data(m, seq0, 2);
+    EXPECT_EQ(m.get_attn().seq_pos_min(2), 0);
+    EXPECT_EQ(m.seq_pos_max(2), 6);
+    EXPECT_EQ(m.get_recr().seq_pos_max(2), 6);
+
+    // partial: the recurrent part alone (what upstream's context checkpoints save)
+    const std::vector<uint8_t> part = state_seq_get_data(m, 0, state_seq_flag_partial_only);
+    std::vector<uint8_t> rs;
+    io_vector_writer wrs(rs);
+    m.get_recr().state_write(wrs, 0, 0);
+    EXPECT_EQ(std::vector<uint8_t>(part.begin() + 8, part.end()), rs);
+    state_seq_set_data(m, part, 1, state_seq_flag_partial_only);
+    EXPECT_EQ(m.get_recr().seq_pos_max(1), 6);
+    EXPECT_EQ(m.get_attn().seq_pos_max(1), 2);  // untouched
+}
+
+TEST(memory_hybrid, a_failed_restore_changes_neither_part) {
+    memory_hybrid m(make_params(256, 3));
+    ASSERT_EQ(decode(m, {{0, 0, 7}, {1, 0, 3}}), memory_status::success);
+    const std::vector<uint8_t> good = state_seq_get_data(m, 0);
+    const std::vector<uint8_t> before = whole(m);
+    // the recurrent part is bad (a layer count no memory here has): found before the attention part is
+    // restored; upstream would have restored the attention part and cleared the destination
+    std::vector<uint8_t> bad = good;
+    const size_t recr_at = bad.size() - state_seq_get_size(m.get_recr(), 0) + 8;  // the recurrent payload
+    bad[recr_at + 4 + 8 + 4] ^= 0x40;                                          // its n_layer
+    EXPECT_THROW(state_seq_set_data(m, bad, 2), error);
+    EXPECT_EQ(whole(m), before);
+    for (size_t len = 0; len < good.size(); len += 23) {
+        EXPECT_THROW(state_seq_set_data(m, std::span(good).first(len), 2), error) << len;
+        ASSERT_EQ(whole(m), before) << len;
+    }
+    // the attention part has no room: nothing changes in the recurrent part either
+    memory_hybrid small(make_params(256, 3));
+    ASSERT_EQ(decode(small, {{1, 0, 250}}), memory_status::success);
+    const std::vector<uint8_t> small_before = whole(small);
+    try {
+        state_seq_set_data(small, good, 2);
+        FAIL() << "7 cells into 6 free ones";
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::invalid_state) << e.what();
+    }
+    EXPECT_EQ(whole(small), small_before);
+    EXPECT_EQ(small.get_recr().seq_tail(2), -1);
+}
+
+TEST(memory_hybrid, iswa_attention) {
+    memory_hybrid_params p = make_params(1024, 2);
+    p.iswa = true;
+    p.swa_full = false;
+    p.n_ubatch = 64;
+    p.attn.layers[1].is_swa = true;  // layer 1 slides a window, layer 3 sees everything
+    p.attn.n_swa = 8;
+    p.attn.swa = swa_type::standard;
+    memory_hybrid m(p);
+    const auto& is = dynamic_cast<const kv_cache_iswa&>(m.get_attn());
+    EXPECT_EQ(&m.attn_cache(1), &is.get_swa());
+    EXPECT_EQ(&m.attn_cache(3), &is.get_base());
+    for (pos_t pos = 0; pos < 320; pos += 64) ASSERT_EQ(decode(m, {{0, pos, 64}}, 64), memory_status::success);
+    EXPECT_EQ(is.get_base().seq_pos_min(0), 0);
+    EXPECT_GT(is.get_swa().seq_pos_min(0), 0);
+    EXPECT_EQ(m.seq_pos_max(0), 319);
+    EXPECT_FALSE(m.get_can_shift());
+    const std::vector<uint8_t> all = whole(m);
+    memory_hybrid fresh(p);
+    state_seq_set_data(fresh, all, seq_all);
+    EXPECT_EQ(whole(fresh), all);
+}
 
 }  // namespace
 }  // namespace kvc
