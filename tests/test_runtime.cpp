@@ -294,6 +294,56 @@ TEST(cache_equals_recompute_swa, a_sliding_window_sees_the_same_keys) {
     }
 }
 
+// iSWA: layer 0 slides a window through a 256-cell SWA cache that wraps around (keys that left every
+// window are overwritten), layer 1 attends to everything in the base cache; the reference applies the
+// window to layer 0 only.
+TEST(cache_equals_recompute_iswa, window_layers_and_full_layers_see_the_same_keys) {
+    const model& m = tiny(false);
+    for (const swa_type t : {swa_type::standard, swa_type::chunked})
+        for (const bool unified : {true, false}) {
+            kv_cache_iswa_params p;
+            p.kv = m.cache_params(1024, 2);
+            p.kv.layers[0].is_swa = true;
+            p.kv.unified = unified;
+            p.kv.n_swa = 8;
+            p.kv.swa = t;
+            p.swa_full = false;
+            p.n_ubatch = 32;
+            kv_cache_iswa mem(p);
+            ASSERT_EQ(mem.get_swa().get_size(), 256u);
+            runtime rt(m, mem, runtime_params{.n_threads = 2, .n_ubatch = 32});
+            reference_memory ref(m, 2, 2);
+            ref.set_swa(8, t, {true, false});
+            std::mt19937 rng(7);
+            double worst = 0;
+            const auto step = [&](uint32_t n0, uint32_t n1) {
+                batch_storage b = batch::init(static_cast<int32_t>(n0 + n1), 0, 1);
+                for (const auto& [s, n] : {std::pair<seq_id_t, uint32_t>{0, n0}, {1, n1}}) {
+                    const seq_id_t ids[] = {s};
+                    pos_t pos = mem.seq_pos_max(s) + 1;
+                    for (uint32_t i = 0; i < n; ++i)
+                        b.add(static_cast<token_t>(rng() % m.hparams().n_vocab), pos++, ids, true);
+                }
+                const decode_result a = rt.decode(b.view()), r = ref.decode(b.view());
+                ASSERT_EQ(a.status, memory_status::success);
+                ASSERT_EQ(a.logits.size(), r.logits.size());
+                float scale = 0;
+                for (float x : r.logits) scale = std::max(scale, std::fabs(x));
+                worst = std::max(worst, double{max_abs_diff(a.logits, r.logits)} / scale);
+            };
+            // more than 256 tokens per stream: the SWA cache wraps
+            for (int i = 0; i < (unified ? 7 : 14); ++i) step(20, 20);
+            EXPECT_GT(mem.seq_pos_min(0), 0) << "the window slid";
+            EXPECT_EQ(mem.get_base().seq_pos_min(0), 0);
+            // within the window, removing the last tokens and decoding again sees the same keys
+            const pos_t cut = mem.seq_pos_max(0) - 2;
+            EXPECT_TRUE(mem.seq_rm(0, cut, -1));
+            EXPECT_TRUE(ref.seq_rm(0, cut, -1));
+            for (int i = 0; i < 3; ++i) step(1, 1);
+            EXPECT_LE(worst, logits_tolerance(dtype::f16)) << to_string(t) << " unified " << unified;
+        }
+}
+
 // The tolerances are not vacuous: a cache that loses a key differs from the reference by far more.
 TEST(cache_equals_recompute_oracle, a_missing_key_is_detected) {
     pair_run r(setup{});
@@ -308,6 +358,14 @@ TEST(runtime, rejects_a_cache_of_another_shape_and_invalid_batches) {
     p.layers.pop_back();
     kv_cache wrong(p);
     EXPECT_THROW(runtime(m, wrong), error);
+    kv_cache_iswa_params ip;
+    ip.kv = m.cache_params(64, 2);
+    ip.kv.layers[0].is_swa = true;
+    ip.kv.n_swa = 4;
+    ip.kv.swa = swa_type::standard;
+    ip.kv.layers[1].n_head_kv += 1;  // the full layer's shape is not the model's
+    kv_cache_iswa wrong_iswa(ip);
+    EXPECT_THROW(runtime(m, wrong_iswa), error);
     kv_cache c(m.cache_params(64, 2));
     runtime rt(m, c);
     const token_t bad[1] = {100000};

@@ -19,6 +19,7 @@
 #include <kvcache/batch.h>
 #include <kvcache/dtype.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/kv_cache_iswa.h>
 #include <kvcache/ops.h>
 #include <kvcache/thread_pool.h>
 #include <kvcache/types.h>
@@ -86,13 +87,17 @@ struct runtime_params {
     uint32_t n_ubatch = 512;  ///< tokens per ubatch
 };
 
-/// Decodes batches through a kv_cache, as an engine's llama_decode does: applies the cache's pending
-/// work (K-shift, compaction), validates and splits the batch, places each ubatch, writes its K/V rows
-/// and attends over the cache's views with its KQ mask.
+/// Decodes batches through a kv_cache or a kv_cache_iswa, as an engine's llama_decode does: applies the
+/// memory's pending work (K-shift, compaction), validates and splits the batch, places each ubatch,
+/// writes its K/V rows and attends over the views of the cache holding each layer, with that cache's KQ
+/// mask (an iSWA memory's SWA layers see only their window).
 class runtime {
 public:
     /// Decodes with model m through cache (both borrowed: they outlive the runtime).
     runtime(const model& m, kv_cache& cache, runtime_params params = {});
+    /// Decodes through an iSWA memory: the model's layers with layer_desc::is_swa in its cache params go
+    /// to the SWA cache.
+    runtime(const model& m, kv_cache_iswa& mem, runtime_params params = {});
     ~runtime();  ///< stops the thread pool
 
     /// Throws kvc::error on an invalid batch (memory unchanged); returns failed_prepare when the batch
@@ -100,12 +105,18 @@ public:
     decode_result decode(const batch& b);
 
     const model& get_model() const { return *model_; }  ///< the model
-    kv_cache& cache() { return *cache_; }               ///< the cache
-    thread_pool& pool() { return pool_; }               ///< the worker threads
+    memory_i& memory() { return *mem_; }                 ///< the memory
+    /// The KV cache (the base cache of an iSWA memory).
+    kv_cache& cache() { return *base_; }
+    thread_pool& pool() { return pool_; }  ///< the worker threads
 
 private:
+    void check_layers();
+
     const model* model_;  // borrowed
-    kv_cache* cache_;     // borrowed
+    memory_i* mem_;       // borrowed
+    kv_cache* base_;      // the memory's kv_cache, or its base cache
+    std::vector<kv_cache*> layer_cache_;  // [n_layer] the cache holding each layer
     runtime_params params_;
     thread_pool pool_;
 };
@@ -119,8 +130,9 @@ public:
     reference_memory(const model& m, uint32_t n_seq_max, uint32_t n_threads = 0);
     ~reference_memory();  ///< frees the arrays
 
-    /// A sliding window as a cache's (kv_cache_params n_swa, swa): keys outside it are not attended.
-    void set_swa(uint32_t n_swa, swa_type type);
+    /// A sliding window as a cache's (kv_cache_params n_swa, swa): keys outside it are not attended, in
+    /// every layer or, when swa_layers is not empty, in the layers it marks (as an iSWA model's).
+    void set_swa(uint32_t n_swa, swa_type type, std::vector<bool> swa_layers = {});
 
     /// The same batch rules as a cache (positions filled from the sequences when absent); logits of the
     /// output tokens in batch order.

@@ -22,6 +22,7 @@ struct reference_memory::impl {
     uint32_t n_seq_max;
     uint32_t n_swa = 0;
     swa_type swa = swa_type::none;
+    std::vector<bool> swa_layers;  // empty: every layer
     thread_pool pool;
     std::vector<std::vector<entry>> seqs;
 
@@ -83,11 +84,12 @@ decode_result reference_memory::decode(const batch& b) {
                                          const float* v, float* out) {
             self.k_raw.emplace_back(k_raw, k_raw + e_kv);
             self.v.emplace_back(v, v + e_kv);
+            const bool windowed = p_->swa_layers.empty() || (il < p_->swa_layers.size() && p_->swa_layers[il]);
             // visible: the sequence's entries at or before p, rotated to where they are now, then itself
             keys.clear();
             values.clear();
             for (const entry& e : own) {
-                if (e.pos > p || is_masked_swa(p_->n_swa, p_->swa, e.pos, p)) continue;
+                if (e.pos > p || (windowed && is_masked_swa(p_->n_swa, p_->swa, e.pos, p))) continue;
                 const size_t at = keys.size();
                 keys.insert(keys.end(), e.k_raw[il].begin(), e.k_raw[il].end());
                 ops::rope(std::span(&keys[at], e_kv), hp.n_head_kv, static_cast<uint32_t>(hd), e.pos,
@@ -112,9 +114,10 @@ decode_result reference_memory::decode(const batch& b) {
     return res;
 }
 
-void reference_memory::set_swa(uint32_t n_swa, swa_type type) {
+void reference_memory::set_swa(uint32_t n_swa, swa_type type, std::vector<bool> swa_layers) {
     p_->n_swa = n_swa;
     p_->swa = type;
+    p_->swa_layers = std::move(swa_layers);
 }
 
 void reference_memory::clear() {

@@ -136,20 +136,33 @@ void attend_cache(thread_pool& pool, const model_hparams& hp, const tensor_view&
 }  // namespace
 
 runtime::runtime(const model& m, kv_cache& cache, runtime_params params)
-    : model_(&m), cache_(&cache), params_(params), pool_(params.n_threads) {
-    const model_hparams& hp = m.hparams();
-    const auto& layers = cache.params().layers;
-    if (layers.size() != hp.n_layer || cache.layer_ids().size() != hp.n_layer)
-        throw error(errc::invalid_argument,
-                    fmt::format("runtime: the cache has {} layers with K/V, the model {}",
-                                cache.layer_ids().size(), hp.n_layer));
-    for (uint32_t il = 0; il < hp.n_layer; ++il)
-        if (layers[il].n_head_kv != hp.n_head_kv || layers[il].n_embd_head_k != hp.n_embd_head ||
-            layers[il].n_embd_head_v != hp.n_embd_head)
+    : model_(&m), mem_(&cache), base_(&cache), layer_cache_(m.hparams().n_layer, &cache), params_(params),
+      pool_(params.n_threads) {
+    check_layers();
+}
+
+runtime::runtime(const model& m, kv_cache_iswa& mem, runtime_params params)
+    : model_(&m), mem_(&mem), base_(&mem.get_base()), params_(params), pool_(params.n_threads) {
+    for (uint32_t il = 0; il < m.hparams().n_layer; ++il)
+        layer_cache_.push_back(mem.get_swa().has_layer(il) ? &mem.get_swa() : &mem.get_base());
+    check_layers();
+}
+
+void runtime::check_layers() {
+    const model_hparams& hp = model_->hparams();
+    if (base_->params().layers.size() != hp.n_layer)
+        throw error(errc::invalid_argument, fmt::format("runtime: the memory has {} layers, the model {}",
+                                                        base_->params().layers.size(), hp.n_layer));
+    for (uint32_t il = 0; il < hp.n_layer; ++il) {
+        const kv_cache& c = *layer_cache_[il];
+        if (!c.has_layer(il))
+            throw error(errc::invalid_argument, fmt::format("runtime: the memory keeps no K/V for layer {}", il));
+        const layer_desc& d = c.params().layers[il];
+        if (d.n_head_kv != hp.n_head_kv || d.n_embd_head_k != hp.n_embd_head || d.n_embd_head_v != hp.n_embd_head)
             throw error(errc::invalid_argument,
-                        fmt::format("runtime: cache layer {} is {} heads x {}/{} values, the model's {} x {}",
-                                    il, layers[il].n_head_kv, layers[il].n_embd_head_k,
-                                    layers[il].n_embd_head_v, hp.n_head_kv, hp.n_embd_head));
+                        fmt::format("runtime: cache layer {} is {} heads x {}/{} values, the model's {} x {}", il,
+                                    d.n_head_kv, d.n_embd_head_k, d.n_embd_head_v, hp.n_head_kv, hp.n_embd_head));
+    }
     if (params_.n_ubatch == 0) throw error(errc::invalid_argument, "runtime: n_ubatch must be positive");
 }
 
@@ -158,50 +171,66 @@ runtime::~runtime() = default;
 decode_result runtime::decode(const batch& b) {
     const model::impl& m = model_->get();
     const model_hparams& hp = m.hp;
+    const kv_cache& base = cache();
     // the memory's pending work first (K-shift, compaction), as llama_decode does
-    if (auto up = cache_->init_update(false); up->get_status() == memory_status::success) up->apply();
+    if (auto up = mem_->init_update(false); up->get_status() == memory_status::success) up->apply();
 
     batch_allocr balloc;
-    balloc.init(b, cache_,
-                {.n_seq_max = cache_->params().n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
+    balloc.init(b, mem_, {.n_seq_max = base.params().n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
     decode_result res;
-    auto ctx = cache_->init_batch(balloc, params_.n_ubatch, false);
+    auto ctx = mem_->init_batch(balloc, params_.n_ubatch, false);
     if (is_fail(ctx->get_status())) {
         res.status = ctx->get_status();
         return res;
     }
-    auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
+    // the context of the cache holding each layer, with that cache's mask
+    auto* iswa = dynamic_cast<kv_cache_iswa_context*>(ctx.get());
+    std::vector<kv_cache_context*> children;
+    if (iswa)
+        children = {&iswa->get_base(), &iswa->get_swa()};
+    else
+        children = {&dynamic_cast<kv_cache_context&>(*ctx)};
+    std::vector<kv_cache_context*> layer_ctx(hp.n_layer);
+    for (uint32_t il = 0; il < hp.n_layer; ++il) layer_ctx[il] = iswa ? &iswa->for_layer(il) : children[0];
     const size_t e_kv = size_t{hp.n_head_kv} * hp.n_embd_head;
-    const bool v_trans = cache_->params().v_trans;
+    const bool v_trans = base.params().v_trans;
 
     std::vector<std::pair<int32_t, size_t>> rows;  // (batch index, row in `logits`)
-    std::vector<float> logits, mask;
+    std::vector<float> logits;
+    std::vector<std::vector<float>> masks(children.size());
     do {
-        if (!kc.apply()) throw error(errc::invalid_state, "runtime: the cache could not apply a ubatch");
+        if (!ctx->apply()) throw error(errc::invalid_state, "runtime: the memory could not apply a ubatch");
         ++res.n_ubatches;
-        const ubatch& ub = kc.get_ubatch();
-        const uint32_t n = ub.n_tokens, n_kv = kc.get_n_kv();
-        const slot_info& si = kc.get_sinfo();
-        mask.resize(cache_->kq_mask_elements(ub, n_kv));
-        kc.set_input_kq_mask(
-            tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(mask.data()), n_kv, n), true);
-        std::vector<uint32_t> stream_of(n);  // index of each token's stream in the views
-        for (uint32_t t = 0; t < n; ++t) stream_of[t] = cache_->seq_to_stream(ub.primary_seq(t)) - si.s0;
+        const ubatch& ub = ctx->get_ubatch();
+        const uint32_t n = ub.n_tokens;
+        for (size_t c = 0; c < children.size(); ++c) {
+            const uint32_t n_kv = children[c]->get_n_kv();
+            masks[c].resize(children[c]->cache().kq_mask_elements(ub, n_kv));
+            children[c]->set_input_kq_mask(
+                tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(masks[c].data()), n_kv, n),
+                true);
+        }
+        // index of each token's stream in the views (both caches map sequences to streams alike)
+        const slot_info& si = children[0]->get_sinfo();
+        std::vector<uint32_t> stream_of(n);
+        for (uint32_t t = 0; t < n; ++t) stream_of[t] = base.seq_to_stream(ub.primary_seq(t)) - si.s0;
 
         const rt::attend_fn attend = [&](uint32_t il, const float* q, const float* k, const float*,
                                          const float* v, float* out) {
+            kv_cache_context& kc = *layer_ctx[il];
+            const size_t c = &kc == children[0] ? 0 : 1;
             kc.cpy_k(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(k),
                                                        e_kv, n));
             kc.cpy_v(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(v),
                                                        e_kv, n));
-            attend_cache(pool_, hp, kc.get_k(il), kc.get_v(il), v_trans, n, n_kv, stream_of, mask.data(), q,
-                         out);
+            attend_cache(pool_, hp, kc.get_k(il), kc.get_v(il), v_trans, n, kc.get_n_kv(), stream_of,
+                         masks[c].data(), q, out);
         };
         const size_t before = logits.size() / hp.n_vocab;
         m.forward(pool_, ub.token, std::span(ub.pos).first(n), ub.output, attend, logits);
         for (uint32_t t = 0, r = 0; t < n; ++t)
             if (ub.output[t]) rows.emplace_back(ub.batch_idx[t], before + r++);
-    } while (kc.next());
+    } while (ctx->next());
 
     std::sort(rows.begin(), rows.end());
     res.logits.resize(rows.size() * hp.n_vocab);
