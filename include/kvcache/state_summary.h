@@ -1,12 +1,19 @@
 /// @file
-/// What a KV cache state payload holds, read without a cache (for `kvcache inspect` and tools): streams,
-/// each sequence's positions and cells, bytes per layer and element type. The payload is the layout
-/// kv_cache::state_write writes (spec kv-core §7); it does not say whether cells carry M-RoPE extensions,
-/// so the caller tells (mrope), or summarize_kv_state_any tries both.
+/// What a state payload holds, read without a memory (for `kvcache inspect` and tools).
+///
+/// A KV cache payload (kv_cache::state_write, spec kv-core §7): streams, each sequence's positions and
+/// cells, bytes per layer and element type. It does not say whether cells carry M-RoPE extensions, so the
+/// caller tells (mrope), or summarize_kv_state_any tries both.
+///
+/// A recurrent payload (memory_recurrent::state_write, spec batch-recurrent §4.9): cells with their
+/// position and sequences, then the r tensors and the s tensors of the layers that have them. It does not
+/// say where the r tensors end, so the caller may pass the memory's state_layout() (a session file holds
+/// it); without it the split is known only when every layer has both tensors.
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include <kvcache/dtype.h>
@@ -50,5 +57,56 @@ struct state_summary {
 state_summary summarize_kv_state(std::span<const uint8_t> payload, bool mrope);
 /// Tries without and then with M-RoPE extensions; the first error if neither parses.
 state_summary summarize_kv_state_any(std::span<const uint8_t> payload);
+
+/// What a recurrent memory's state payload holds (summarize_recurrent_state).
+struct recurrent_state_summary {
+    /// One cell of the payload.
+    struct cell {
+        pos_t pos = -1;                ///< position of the last token folded into its state
+        std::vector<seq_id_t> seqs{};  ///< sequences sharing it (payload order); none: a sequence's own state
+    };
+    /// A sequence with a state (whole-memory payloads list them; a sequence's own state does not).
+    struct sequence {
+        seq_id_t seq = 0;   ///< its id
+        uint32_t cell = 0;  ///< index into cells
+        pos_t pos = -1;     ///< the cell's position
+    };
+    /// Which state a tensor holds.
+    enum class kind : uint8_t {
+        r,       ///< conv / token-shift state
+        s,       ///< SSM / WKV state
+        unknown  ///< the payload alone cannot tell (see split)
+    };
+    /// How the r/s split of the tensors was found.
+    enum class split : uint8_t {
+        layout,      ///< from the layout the caller passed
+        all_layers,  ///< 2 x n_layer tensors: every layer has both
+        unknown      ///< neither: every tensor's kind is unknown
+    };
+    /// One tensor: the rows of every cell for one layer.
+    struct tensor {
+        kind k = kind::unknown;   ///< r or s
+        int32_t il = -1;          ///< model layer, -1 when unknown
+        dtype type = dtype::f32;  ///< element type
+        uint64_t row_bytes = 0;   ///< bytes per cell
+        uint64_t bytes = 0;       ///< row_bytes x cells
+    };
+    std::vector<cell> cells;          ///< in payload order (a whole memory's restore compacts them to 0..n-1)
+    std::vector<sequence> seqs;       ///< ascending id
+    uint32_t n_layer = 0;             ///< model layers, with or without state
+    std::vector<tensor> tensors;      ///< payload order: r tensors by ascending layer, then s tensors
+    split rs_split = split::unknown;  ///< how tensors[i].k was found
+    uint64_t bytes = 0;               ///< of the payload
+
+    /// Bytes of r plus s data per element type, e.g. {f32: 123}; a type appears once.
+    std::vector<std::pair<dtype, uint64_t>> bytes_per_type() const;
+};
+
+/// Parses a whole recurrent payload; throws kvc::error(corrupt_data) naming the byte when it is malformed
+/// or has trailing bytes (transposed s rows, s_trans != 0, are not read: no memory writes them). layout:
+/// the writer's state_layout() ("recurrent n_layer=... layers=..."), or empty; when given it names each
+/// tensor's kind and layer, and a payload that disagrees with it is an error.
+recurrent_state_summary summarize_recurrent_state(std::span<const uint8_t> payload,
+                                                  std::string_view layout = {});
 
 }  // namespace kvc

@@ -1,13 +1,16 @@
 // kvcache inspect FILE [--json]: what a saved state holds. Reads kvcache session files, llama.cpp
-// per-sequence files ('ggsq'), per-sequence state buffers (state_seq_get_data) and raw KV payloads.
-// Exit status 0 for a valid file, 1 (with the reason) for anything else.
+// per-sequence files ('ggsq'), per-sequence state buffers (state_seq_get_data) and raw payloads, of KV
+// caches and of recurrent memories. Exit status 0 for a valid file, 1 (with the reason) for anything else.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
@@ -25,14 +28,15 @@ struct inspect_options {
     bool json = false;
 };
 
-// What the file is, whatever its kind; the payload summary when there is a KV payload.
+// What the file is, whatever its kind; the payload summary (KV or recurrent) when there is one.
 struct report {
-    std::string format;  // kvcache-session, llama-seq-file, state-seq-buffer, kv-payload
+    std::string format;  // kvcache-session, llama-seq-file, state-seq-buffer, kv-payload, recurrent-payload
     uint64_t file_bytes = 0;
     std::optional<session_info> session;
     std::optional<seq_id_t> source_seq;
     std::optional<size_t> n_tokens;
     std::optional<state_summary> payload;
+    std::optional<recurrent_state_summary> recurrent;
     std::string payload_note;  // why there is no summary
 };
 
@@ -51,6 +55,27 @@ std::optional<bool> mrope_of(const std::string& layout) {
     return std::atoi(layout.c_str() + at + 7) > 1;
 }
 
+// How far a parser got before it failed: the byte of "at byte N" in state errors, 0 without one.
+uint64_t failed_at(const error& e) {
+    const char* at = std::strstr(e.what(), "at byte ");
+    return at ? std::strtoull(at + 8, nullptr, 10) : 0;
+}
+
+// A payload without a layout: a KV cache's, else a recurrent memory's. When neither parses, the error of
+// the parser that got further (the KV one on a tie) is the likelier explanation.
+void summarize_any(std::span<const uint8_t> payload, report& r) {
+    try {
+        r.payload = summarize_kv_state_any(payload);
+    } catch (const error& kv) {
+        try {
+            r.recurrent = summarize_recurrent_state(payload);
+        } catch (const error& rs) {
+            if (failed_at(rs) > failed_at(kv)) throw;
+            throw kv;
+        }
+    }
+}
+
 report examine(const std::string& path) {
     const std::vector<uint8_t> file = read_file_bytes(path);
     report r;
@@ -63,9 +88,13 @@ report examine(const std::string& path) {
         r.session = read_session(file, &storage);
         r.source_seq = r.session->seq_id;
         r.n_tokens = r.session->tokens.size();
+        if (r.session->layout.rfind("recurrent ", 0) == 0) {
+            r.recurrent = summarize_recurrent_state(storage, r.session->layout);
+            return r;
+        }
         const auto mrope = mrope_of(r.session->layout);
         if (!mrope) {
-            r.payload_note = "not a KV cache payload";
+            r.payload_note = "not a KV cache or recurrent payload";
             return r;
         }
         r.payload = summarize_kv_state(storage, *mrope);
@@ -92,19 +121,41 @@ report examine(const std::string& path) {
         r.source_seq = load_at<int32_t>(file, 4);
         payload = std::span(file).subspan(8);
     } else {
-        r.format = "kv-payload";
         payload = file;
         try {
-            r.payload = summarize_kv_state_any(payload);
+            summarize_any(payload, r);
+            r.format = r.payload ? "kv-payload" : "recurrent-payload";
         } catch (const error& e) {
             throw error(e.code(), fmt::format("not a kvcache session file, llama.cpp sequence file, state "
-                                              "buffer or KV cache payload ({})",
+                                              "buffer or memory payload ({})",
                                               e.what()));
         }
         return r;
     }
-    r.payload = summarize_kv_state_any(payload);
+    summarize_any(payload, r);
     return r;
+}
+
+json to_json(const recurrent_state_summary& p) {
+    static constexpr const char* kinds[] = {"r", "s", "unknown"};
+    static constexpr const char* splits[] = {"layout", "all_layers", "unknown"};
+    json cells = json::array();
+    for (const auto& c : p.cells) cells.push_back({{"pos", c.pos}, {"seqs", c.seqs}});
+    json seqs = json::array();
+    for (const auto& q : p.seqs) seqs.push_back({{"seq", q.seq}, {"cell", q.cell}, {"pos", q.pos}});
+    json tensors = json::array();
+    for (const auto& t : p.tensors)
+        tensors.push_back({{"kind", kinds[static_cast<int>(t.k)]},
+                           {"layer", t.il},
+                           {"type", to_string(t.type)},
+                           {"row_bytes", t.row_bytes},
+                           {"bytes", t.bytes}});
+    json per_type = json::object();
+    for (const auto& [t, n] : p.bytes_per_type()) per_type[to_string(t)] = n;
+    return {{"memory", "recurrent"},         {"bytes", p.bytes},
+            {"cells", std::move(cells)},     {"seqs", std::move(seqs)},
+            {"n_layer", p.n_layer},          {"rs_split", splits[static_cast<int>(p.rs_split)]},
+            {"tensors", std::move(tensors)}, {"bytes_per_type", per_type}};
 }
 
 json to_json(const std::string& path, const report& r) {
@@ -125,6 +176,10 @@ json to_json(const std::string& path, const report& r) {
     }
     if (r.source_seq) j["source_seq"] = *r.source_seq;
     if (r.n_tokens) j["tokens"] = *r.n_tokens;
+    if (r.recurrent) {
+        j["payload"] = to_json(*r.recurrent);
+        return j;
+    }
     if (!r.payload) {
         j["payload"] = {{"note", r.payload_note}};
         return j;
@@ -158,13 +213,53 @@ std::string human_bytes(uint64_t n) {
     return fmt::format("{:.2f} GiB", static_cast<double>(n) / (1 << 30));
 }
 
+void print_text(const recurrent_state_summary& p) {
+    using kind = recurrent_state_summary::kind;
+    fmt::print("payload:  {} bytes, recurrent state\n", p.bytes);
+    fmt::print("cells:    {}\n", p.cells.size());
+    for (size_t c = 0; c < p.cells.size(); ++c) {
+        const auto& cell = p.cells[c];
+        if (cell.seqs.empty())
+            fmt::print("  cell {}: position {}, a sequence's state (no ids)\n", c, cell.pos);
+        else
+            fmt::print("  cell {}: position {}, seq{} {}\n", c, cell.pos, cell.seqs.size() == 1 ? "" : "s",
+                       fmt::join(cell.seqs, " "));
+    }
+    if (p.rs_split == recurrent_state_summary::split::unknown) {
+        fmt::print("layers:   {} ({} tensors; the payload does not say which are r and which s)\n", p.n_layer,
+                   p.tensors.size());
+        for (size_t i = 0; i < p.tensors.size(); ++i) {
+            const auto& t = p.tensors[i];
+            fmt::print("  tensor {}: {} {} ({} B/row)\n", i, to_string(t.type), human_bytes(t.bytes),
+                       t.row_bytes);
+        }
+    } else {
+        const auto n_r =
+            std::count_if(p.tensors.begin(), p.tensors.end(), [](const auto& t) { return t.k == kind::r; });
+        fmt::print("layers:   {} (r in {}, s in {})\n", p.n_layer, n_r,
+                   p.tensors.size() - static_cast<size_t>(n_r));
+        // one line per layer with state: its r and s tensors
+        std::map<int32_t, std::string> lines;
+        for (const auto& t : p.tensors) {
+            std::string& line = lines[t.il];
+            line += fmt::format("{}{} {} {} ({} B/row)", line.empty() ? "" : ", ", t.k == kind::r ? "r" : "s",
+                                to_string(t.type), human_bytes(t.bytes), t.row_bytes);
+        }
+        for (const auto& [il, line] : lines) fmt::print("  {:3}: {}\n", il, line);
+    }
+    fmt::print("by type:");
+    for (const auto& [t, n] : p.bytes_per_type()) fmt::print(" {} {}", to_string(t), human_bytes(n));
+    fmt::print("\n");
+}
+
 void print_text(const std::string& path, const report& r) {
     fmt::print("file:     {} ({} bytes)\n", path, r.file_bytes);
     static constexpr const char* names[][2] = {
         {"kvcache-session", "kvcache session file"},
         {"llama-seq-file", "llama.cpp sequence file ('ggsq', version 2)"},
         {"state-seq-buffer", "per-sequence state buffer (magic 0xaf143cd8)"},
-        {"kv-payload", "raw KV cache state payload"}};
+        {"kv-payload", "raw KV cache state payload"},
+        {"recurrent-payload", "raw recurrent state payload"}};
     for (const auto& [id, name] : names)
         if (r.format == id) fmt::print("format:   {}\n", name);
     if (r.session) {
@@ -187,6 +282,10 @@ void print_text(const std::string& path, const report& r) {
             fmt::print("source:   seq {}\n", *r.source_seq);
     }
     if (r.n_tokens) fmt::print("tokens:   {}\n", *r.n_tokens);
+    if (r.recurrent) {
+        print_text(*r.recurrent);
+        return;
+    }
     if (!r.payload) {
         fmt::print("payload:  {}\n", r.payload_note);
         return;

@@ -1,0 +1,219 @@
+// libFuzzer target: arbitrary bytes as state payloads restored into small memories other than the plain KV
+// cache (fuzz_state covers that): recurrent memories (rollback depth 0 and 2, f32 / f16 / bf16 rows, layers
+// without r or s, a shared cell, a pending rollback) now, iSWA and hybrid memories later, as more rows of
+// `variants`. state_check must agree with state_read. A rejected payload must leave the memory byte for byte
+// as it was: its state, and every cell and raw row (history planes too). An accepted one must save back to
+// bytes that restore into a fresh memory identically; into one sequence, it must save back to itself. The
+// payloads go through kvcache inspect's parser (summarize_recurrent_state) as well.
+// Input: one byte choosing the variant and the destination (seq 0, seq 1 or the whole memory), then the
+// payload (no buffer header).
+#include <string>
+
+#include <kvcache/batch.h>
+#include <kvcache/memory_recurrent.h>
+#include <kvcache/state_summary.h>
+
+#include "fuzz_caches.h"
+
+using namespace kvc;
+using namespace kvc::fuzz;
+
+namespace {
+
+// -- recurrent memories --
+
+// Every row of every plane of every tensor, filled from (layer, tensor, plane, cell, byte): no two rows
+// alike, so a restore that writes the wrong row or plane shows.
+void fill_rows(memory_recurrent& m) {
+    for (uint32_t il : m.layer_ids())
+        for (bool is_s : {false, true}) {
+            if (!(is_s ? m.has_s(il) : m.has_r(il))) continue;
+            const tensor_view v = is_s ? m.get_s(il) : m.get_r(il);
+            for (int64_t p = 0; p < v.ne[2]; ++p)
+                for (int64_t c = 0; c < v.ne[1]; ++c) {
+                    std::byte* row = v.row(c, p);
+                    for (size_t i = 0; i < v.row_bytes(); ++i)
+                        row[i] = static_cast<std::byte>(il * 89 + (is_s ? 53 : 0) + p * 31 + c * 7 + i);
+                }
+        }
+}
+
+// One block of n tokens of s from position p0, placed by find_slot.
+void place(memory_recurrent& m, seq_id_t s, pos_t p0, uint32_t n) {
+    ubatch u;
+    u.equal_seqs = true;
+    u.n_tokens = u.n_seq_tokens = n;
+    u.n_seqs = u.n_seqs_unq = 1;
+    u.seq_id_begin.push_back(0);
+    for (uint32_t i = 0; i < n; ++i) {
+        u.token.push_back(0);
+        u.pos.push_back(p0 + static_cast<pos_t>(i));
+        u.n_seq_id.push_back(1);
+        u.seq_id_data.push_back(s);
+        u.seq_id_begin.push_back(i + 1);
+        u.output.push_back(0);
+        u.batch_idx.push_back(static_cast<int32_t>(i));
+    }
+    u.seq_id_unq = {s};
+    m.find_slot(u);
+}
+
+// One batch (tokens as (seq, pos)) through batch_allocr, init_batch and apply, as an engine decodes it.
+void decode(memory_recurrent& m, const std::vector<std::pair<seq_id_t, pos_t>>& tokens) {
+    batch_storage b = batch::init(static_cast<int32_t>(tokens.size()), 0, 1);
+    for (const auto& [s, p] : tokens) {
+        const seq_id_t ids[] = {s};
+        b.add(1, p, ids, false);
+    }
+    batch_allocr a;
+    a.init(b.view(), &m, {.n_seq_max = m.params().n_seq_max});
+    const auto ctx = m.init_batch(a, 512, false);
+    check(ctx->get_status() == memory_status::success);
+    do {
+        check(ctx->apply());
+    } while (ctx->next());
+}
+
+// Two sequences, f32 rows, no rollback; content placed by find_slot.
+std::unique_ptr<memory_i> recurrent_f32() {
+    recurrent_params p;
+    p.layers = {{.n_embd_r = 4, .n_embd_s = 8}, {.n_embd_r = 4, .n_embd_s = 8}};
+    p.n_seq_max = 2;
+    auto m = std::make_unique<memory_recurrent>(p);
+    place(*m, 0, 0, 2);
+    fill_rows(*m);
+    return m;
+}
+
+// Three sequences, f16 rows, rollback depth 2; decoded, then seq 2 shares seq 1's cell and seq 0 has a
+// pending rollback of one token (its logical state is in plane 1).
+std::unique_ptr<memory_i> recurrent_f16_rollback() {
+    recurrent_params p;
+    p.layers = {{.n_embd_r = 8, .n_embd_s = 4}, {.n_embd_r = 8, .n_embd_s = 4}};
+    p.type_r = p.type_s = dtype::f16;
+    p.n_seq_max = 3;
+    p.n_rs_seq = 2;
+    auto m = std::make_unique<memory_recurrent>(p);
+    decode(*m, {{0, 0}, {0, 1}, {0, 2}, {1, 0}, {1, 1}});
+    m->seq_cp(1, 2, -1, -1);
+    check(m->seq_rm(0, 2, -1));
+    fill_rows(*m);
+    return m;
+}
+
+// Three sequences, rollback depth 2, three model layers: r f32 + s bf16, nothing, s only (so the r/s split
+// of the payload is uneven); content placed by find_slot, seq 1 in two steps.
+std::unique_ptr<memory_i> recurrent_uneven_layers() {
+    recurrent_params p;
+    p.layers = {{.n_embd_r = 4, .n_embd_s = 6}, {}, {.n_embd_r = 0, .n_embd_s = 2}};
+    p.type_s = dtype::bf16;
+    p.n_seq_max = 3;
+    p.n_rs_seq = 2;
+    auto m = std::make_unique<memory_recurrent>(p);
+    place(*m, 1, 0, 3);
+    place(*m, 1, 3, 1);
+    place(*m, 2, 0, 1);
+    fill_rows(*m);
+    return m;
+}
+
+// Everything a restore could change: cells, tails, head, used and every raw row; checks the invariants.
+std::string recurrent_snapshot(const memory_i& mem) {
+    const auto& m = dynamic_cast<const memory_recurrent&>(mem);
+    m.validate();
+    std::string out = m.picture() + " " + std::to_string(m.get_head()) + " " + std::to_string(m.get_used());
+    for (uint32_t c = 0; c < m.get_size(); ++c) {
+        const auto x = m.cell(c);
+        out += " " + std::to_string(x.pos) + "," + std::to_string(x.src) + "," + std::to_string(x.rs_idx) +
+               "," + std::to_string(x.depth);
+    }
+    for (seq_id_t s = 0; s < static_cast<seq_id_t>(m.get_size()); ++s)
+        out += " " + std::to_string(m.seq_tail(s));
+    for (uint32_t il : m.layer_ids())
+        for (bool is_s : {false, true}) {
+            if (!(is_s ? m.has_s(il) : m.has_r(il))) continue;
+            const const_tensor_view v = is_s ? m.get_s(il) : m.get_r(il);
+            for (int64_t p = 0; p < v.ne[2]; ++p)
+                for (int64_t c = 0; c < v.ne[1]; ++c)
+                    out.append(reinterpret_cast<const char*>(v.row(c, p)), v.row_bytes());
+        }
+    return out;
+}
+
+// -- the table --
+
+// A memory to restore into: a factory (the memory with content) and everything a restore may change.
+struct variant {
+    std::unique_ptr<memory_i> (*make)();
+    std::string (*snapshot)(const memory_i&);
+};
+
+const variant variants[] = {
+    {recurrent_f32, recurrent_snapshot},
+    {recurrent_f16_rollback, recurrent_snapshot},
+    {recurrent_uneven_layers, recurrent_snapshot},
+};
+constexpr int n_memory_variants = static_cast<int>(std::size(variants));
+constexpr seq_id_t dests[] = {0, 1, seq_all};
+
+std::vector<uint8_t> payload_of(const memory_i& m, seq_id_t s) {
+    std::vector<uint8_t> out;
+    io_vector_writer w(out);
+    m.state_write(w, s, 0);
+    return out;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+    std::vector<std::vector<uint8_t>> seeds;
+    for (int v = 0; v < n_memory_variants; ++v)
+        for (int d = 0; d < 3; ++d) {
+            std::vector<uint8_t> seed = {static_cast<uint8_t>(v + n_memory_variants * d)};
+            const auto bytes = payload_of(*variants[v].make(), dests[d]);
+            seed.insert(seed.end(), bytes.begin(), bytes.end());
+            seeds.push_back(std::move(seed));
+        }
+    write_seeds(seeds);
+    return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+    if (size < 1) return 0;
+    const variant& v = variants[data[0] % n_memory_variants];
+    const seq_id_t dest = dests[data[0] / n_memory_variants % 3];
+    const std::span<const uint8_t> payload(data + 1, size - 1);
+    try {  // kvcache inspect's parser never crashes either
+        (void)summarize_recurrent_state(payload);
+    } catch (const error&) {}
+    auto mem = v.make();
+    const std::vector<uint8_t> before = state_seq_get_data(*mem, seq_all);
+    const std::string raw_before = v.snapshot(*mem);
+    bool check_ok = true;
+    try {
+        io_span_reader r(payload, true);
+        mem->state_check(r, dest, 0);
+    } catch (const error&) {
+        check_ok = false;
+    }
+    try {
+        state_set_payload(*mem, payload, dest);
+    } catch (const error&) {
+        check(!check_ok);
+        check(state_seq_get_data(*mem, seq_all) == before);
+        check(v.snapshot(*mem) == raw_before);
+        return 0;
+    }
+    check(check_ok);
+    (void)v.snapshot(*mem);  // the invariants hold
+    // kvcache inspect reads what a recurrent memory accepts (given its layout, as a session file holds it)
+    if (const std::string layout = mem->state_layout(); layout.starts_with("recurrent "))
+        check(summarize_recurrent_state(payload, layout).bytes == payload.size());
+    if (dest != seq_all)
+        check(payload_of(*mem, dest) == std::vector<uint8_t>(payload.begin(), payload.end()));
+    const std::vector<uint8_t> saved = state_seq_get_data(*mem, seq_all);
+    auto fresh = v.make();
+    state_seq_set_data(*fresh, saved, seq_all);  // must not throw
+    check(state_seq_get_data(*fresh, seq_all) == saved);
+    return 0;
+}
