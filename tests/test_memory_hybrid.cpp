@@ -1,7 +1,9 @@
 // memory_hybrid: spec batch-recurrent §5 (composition by layer, batches in both parts or neither,
 // all-or-nothing seq_rm, positions combined, status combination, state of both parts, transactional
 // restores) and the iSWA attention variant.
+#include <algorithm>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -281,6 +283,158 @@ TEST(memory_hybrid, iswa_attention) {
     memory_hybrid fresh(p);
     state_seq_set_data(fresh, all, seq_all);
     EXPECT_EQ(whole(fresh), all);
+}
+
+// -- property: the memory against an oracle of per-sequence token lists --
+
+uint64_t mix(uint64_t h, seq_id_t s, pos_t p) {
+    uint64_t x = h ^ (uint64_t{static_cast<uint32_t>(s)} << 32 | static_cast<uint32_t>(p));
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return (x ^ (x >> 31)) | 1;  // never 0, the fresh state
+}
+
+// The recurrent engine contract (memory_recurrent.h) with states as hash chains of (sequence, position)
+// in the first 8 bytes of every row: a wrong source row, plane or copy changes the chain.
+void recurrent_step(memory_recurrent& m, const memory_recurrent_context& rc, const ubatch& ub) {
+    const uint32_t T = ub.n_seq_tokens, k = m.get_n_rs_seq();
+    for (uint32_t il : m.layer_ids())
+        for (const tensor_view& v : {rc.get_r(il), rc.get_s(il)}) {
+            const auto at = [&](int64_t row) { return v.data + row * v.nb[1]; };
+            const auto get = [&](int64_t row) {
+                uint64_t h = 0;
+                std::memcpy(&h, at(row), 8);
+                return h;
+            };
+            const auto put = [&](int64_t row, uint64_t h) { std::memcpy(at(row), &h, 8); };
+            if (rc.get_rs_z() >= 0) std::memset(at(rc.get_rs_z()), 0, v.row_bytes());
+            std::vector<uint64_t> g(rc.get_n_rs()), hist;
+            for (uint32_t i = 0; i < rc.get_n_rs(); ++i) g[i] = get(rc.s_copy(i));
+            for (const rs_copy& c : rc.hist_copies()) hist.push_back(get(c.src));
+            for (uint32_t i = ub.n_seqs; i < rc.get_n_rs(); ++i) put(rc.get_head() + i, g[i]);
+            for (uint32_t b = 0; b < ub.n_seqs; ++b) {
+                uint64_t h = g[b];
+                for (uint32_t t = 0; t < T; ++t) {
+                    h = mix(h, ub.primary_seq(b * T + t), ub.pos[b * T + t]);
+                    const uint32_t back = T - 1 - t;
+                    if (back <= k) put(int64_t{back} * m.get_size() + rc.get_head() + b, h);
+                }
+            }
+            for (size_t j = 0; j < hist.size(); ++j) put(rc.hist_copies()[j].dst, hist[j]);
+        }
+}
+
+// What a sequence holds: its tokens' positions and the state after each of them.
+struct oracle_seq {
+    std::vector<pos_t> pos;
+    std::vector<uint64_t> states;  // states[i]: after pos[i]
+};
+
+TEST(memory_hybrid_property, parts_stay_in_step_with_an_oracle_of_token_lists) {
+    for (uint32_t seed = 1; seed <= 6; ++seed) {
+        std::mt19937 rng(seed);
+        const uint32_t n_seq = 3;
+        memory_hybrid m(make_params(256, n_seq, seed % 3));  // rollback depth 0, 1 or 2
+        const auto& attn = dynamic_cast<const kv_cache&>(m.get_attn());
+        std::vector<oracle_seq> o(n_seq);
+        size_t n_rm_true = 0, n_rm_false = 0;
+        const auto verify = [&](const char* op, int step) {
+            for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s) {
+                const oracle_seq& x = o[static_cast<size_t>(s)];
+                std::vector<uint32_t> cells;
+                attn.cells(0).seq_cells(s, -1, -1, cells);
+                std::vector<pos_t> got;
+                for (uint32_t c : cells) got.push_back(attn.cells(0).pos_get(c));
+                std::sort(got.begin(), got.end());
+                ASSERT_EQ(got, x.pos) << op << " step " << step << " seq " << s;
+                const int32_t tail = m.get_recr().seq_tail(s);
+                ASSERT_EQ(tail >= 0, !x.pos.empty()) << op << " step " << step << " seq " << s;
+                if (tail < 0) continue;
+                const auto info = m.get_recr().cell(static_cast<uint32_t>(tail));
+                EXPECT_EQ(info.pos, x.pos.back());
+                uint64_t h = 0;
+                const tensor_view v = m.get_recr().get_s(0);
+                std::memcpy(&h, v.data + (int64_t{info.rs_idx} * m.get_recr().get_size() + tail) * v.nb[1], 8);
+                ASSERT_EQ(h, x.states.back()) << op << " step " << step << " seq " << s;
+                EXPECT_EQ(m.seq_pos_max(s), x.pos.back());
+            }
+        };
+        for (int step = 0; step < 300; ++step) {
+            const auto s = static_cast<seq_id_t>(rng() % n_seq);
+            oracle_seq& x = o[static_cast<size_t>(s)];
+            const uint32_t op = rng() % 10;
+            if (op < 5) {  // decode 1-4 tokens of one or two sequences
+                std::vector<std::pair<seq_id_t, uint32_t>> groups = {{s, 1 + rng() % 4}};
+                const auto s2 = static_cast<seq_id_t>(rng() % n_seq);
+                if (s2 != s && rng() % 2) groups.emplace_back(s2, 1 + rng() % 4);
+                uint32_t n = 0;
+                for (const auto& g : groups) n += g.second;
+                if (attn.cells(0).get_used() + n > 250) {
+                    m.clear(false);
+                    o.assign(n_seq, oracle_seq{});
+                    continue;
+                }
+                batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
+                for (const auto& [q, count] : groups) {
+                    const seq_id_t ids[] = {q};
+                    oracle_seq& y = o[static_cast<size_t>(q)];
+                    for (uint32_t i = 0; i < count; ++i) {
+                        const pos_t p = y.pos.empty() ? 0 : y.pos.back() + 1;
+                        b.add(1, p, ids, false);
+                        y.states.push_back(mix(y.states.empty() ? 0 : y.states.back(), q, p));
+                        y.pos.push_back(p);
+                    }
+                }
+                batch_allocr a;
+                a.init(b.view(), &m, {.n_seq_max = n_seq});
+                memory_context_ptr ctx = m.init_batch(a, 3, false);  // small ubatches: several per batch
+                ASSERT_EQ(ctx->get_status(), memory_status::success);
+                auto& hc = dynamic_cast<memory_hybrid_context&>(*ctx);
+                do {
+                    ASSERT_TRUE(hc.apply());
+                    recurrent_step(m.get_recr(), hc.get_recr(), hc.get_ubatch());
+                } while (hc.next());
+                verify("decode", step);
+            } else if (op < 8) {  // remove a suffix (a rollback when the depth allows) or everything
+                const auto r = static_cast<pos_t>(rng() % 4);
+                const pos_t p0 = x.pos.empty() || r == 3 ? -1 : x.pos.back() - r;
+                const std::vector<uint8_t> before = state_seq_get_data(m, seq_all);
+                if (m.seq_rm(s, p0, -1)) {
+                    ++n_rm_true;
+                    while (!x.pos.empty() && (p0 < 0 || x.pos.back() >= p0)) {
+                        x.pos.pop_back();
+                        x.states.pop_back();
+                    }
+                } else {
+                    ++n_rm_false;
+                    ASSERT_EQ(state_seq_get_data(m, seq_all), before) << "a refused seq_rm changed something";
+                }
+                verify("rm", step);
+            } else if (op == 8) {  // share a whole sequence
+                const auto d = static_cast<seq_id_t>(rng() % n_seq);
+                if (d == s) continue;
+                m.seq_rm(d, -1, -1);  // the attention part keeps cp's target free of old cells
+                m.seq_cp(s, d, -1, -1);
+                o[static_cast<size_t>(d)] = x;
+                verify("cp", step);
+            } else {  // restore a sequence's state into another
+                const auto d = static_cast<seq_id_t>(rng() % n_seq);
+                const std::vector<uint8_t> before = state_seq_get_data(m, seq_all);
+                try {
+                    state_seq_set_data(m, state_seq_get_data(m, s), d);
+                    o[static_cast<size_t>(d)] = o[static_cast<size_t>(s)];
+                } catch (const error& e) {  // no room in the attention part: nothing changed in either
+                    ASSERT_EQ(e.code(), errc::invalid_state) << e.what();
+                    ASSERT_EQ(state_seq_get_data(m, seq_all), before);
+                }
+                verify("restore", step);
+            }
+        }
+        EXPECT_GT(n_rm_true, 10u) << "seed " << seed;
+        if (seed % 3 == 0) {
+            EXPECT_GT(n_rm_false, 5u) << "seed " << seed;
+        }
+    }
 }
 
 }  // namespace
