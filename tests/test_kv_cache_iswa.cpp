@@ -1,5 +1,6 @@
 // kv_cache_iswa: spec kv-core §8 (split by layer, SWA size, batches in both caches or neither, combined
 // context, positions and shifting from the SWA cache, state of both parts, transactional restores).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -298,6 +299,81 @@ TEST(kv_cache_iswa, a_failed_restore_changes_neither_cache) {
         EXPECT_THROW(state_seq_set_data(m, std::span(good).first(len), 0), error) << len;
         ASSERT_EQ(whole(m), before) << len;
     }
+}
+
+// -- property: the caches against an oracle of per-sequence positions --
+
+// Random decodes, suffix removals, shares and restores into a memory whose SWA cache (256 cells) is much
+// smaller than what the sequences hold. After every operation: the base cache holds exactly each
+// sequence's positions; the SWA cache holds a subset of them that includes every key a token after the
+// highest position the sequence ever reached would see. (Not every key its next token sees: a removed
+// suffix re-exposes keys that had slid out and may have been overwritten, as upstream; engines that
+// roll back further than n_ubatch tokens on SWA models use swa_full.)
+TEST(kv_cache_iswa_property, the_swa_cache_keeps_every_key_a_window_can_see) {
+    for (const swa_type type : {swa_type::standard, swa_type::chunked})
+        for (uint32_t seed = 1; seed <= 3; ++seed) {
+            std::mt19937 rng(seed);
+            const uint32_t n_seq = 3;
+            kv_cache_iswa_params p = make_params(2048, 16, n_seq, false, 16);
+            p.kv.swa = type;
+            kv_cache_iswa m(p);
+            ASSERT_EQ(m.get_swa().get_size(), 256u);
+            std::vector<std::vector<pos_t>> o(n_seq);
+            std::vector<pos_t> high(n_seq, 0);  // the highest position + 1 each sequence reached
+            const auto cells_of = [](const kv_cache& c, seq_id_t s) {
+                std::vector<uint32_t> idx;
+                c.cells(0).seq_cells(s, -1, -1, idx);
+                std::vector<pos_t> pos;
+                for (uint32_t i : idx) pos.push_back(c.cells(0).pos_get(i));
+                std::sort(pos.begin(), pos.end());
+                return pos;
+            };
+            for (int step = 0; step < 200; ++step) {
+                const auto s = static_cast<seq_id_t>(rng() % n_seq);
+                std::vector<pos_t>& x = o[static_cast<size_t>(s)];
+                const uint32_t op = rng() % 8;
+                if (op < 5) {
+                    const uint32_t n = 1 + rng() % 40;
+                    if (m.get_base().cells(0).get_used() + n > 2000) break;
+                    const pos_t p0 = x.empty() ? 0 : x.back() + 1;
+                    ASSERT_EQ(decode(m, {{s, p0, n}}, 16), memory_status::success) << "step " << step;
+                    for (uint32_t i = 0; i < n; ++i) x.push_back(p0 + static_cast<pos_t>(i));
+                    high[static_cast<size_t>(s)] = std::max(high[static_cast<size_t>(s)], x.back() + 1);
+                } else if (op < 7) {  // the last few tokens, within the window
+                    if (x.empty()) continue;
+                    const pos_t cut = x.back() - static_cast<pos_t>(rng() % 4);
+                    EXPECT_TRUE(m.seq_rm(s, cut, -1));
+                    while (!x.empty() && x.back() >= cut) x.pop_back();
+                } else {  // a share, or a restore into another sequence
+                    const auto d = static_cast<seq_id_t>(rng() % n_seq);
+                    if (d == s) continue;
+                    if (rng() % 2) {
+                        m.seq_rm(d, -1, -1);
+                        m.seq_cp(s, d, -1, -1);
+                    } else {
+                        state_seq_set_data(m, state_seq_get_data(m, s), d);
+                    }
+                    o[static_cast<size_t>(d)] = x;  // a restored SWA part holds the source's window
+                    high[static_cast<size_t>(d)] = high[static_cast<size_t>(s)];
+                }
+                for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq); ++q) {
+                    const std::vector<pos_t>& want = o[static_cast<size_t>(q)];
+                    ASSERT_EQ(cells_of(m.get_base(), q), want) << "step " << step << " seq " << q;
+                    const std::vector<pos_t> swa = cells_of(m.get_swa(), q);
+                    ASSERT_TRUE(std::includes(want.begin(), want.end(), swa.begin(), swa.end()))
+                        << "step " << step << " seq " << q;
+                    if (want.empty()) continue;
+                    for (pos_t pos : want) {
+                        if (!is_masked_swa(16, type, pos, high[static_cast<size_t>(q)])) {
+                            ASSERT_TRUE(std::binary_search(swa.begin(), swa.end(), pos))
+                                << "step " << step << " seq " << q << " lost key " << pos;
+                        }
+                    }
+                    // positions come from the SWA cache: rolled back past its window, it has none left
+                    EXPECT_EQ(m.seq_pos_max(q), swa.empty() ? -1 : want.back()) << "step " << step;
+                }
+            }
+        }
 }
 
 }  // namespace
