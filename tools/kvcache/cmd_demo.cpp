@@ -36,6 +36,7 @@ struct demo_options {
     uint32_t threads = 0;
     bool v_trans = true;
     bool unified = true;
+    uint32_t swa = 0;  // > 0: every other layer slides a window of this many positions (iSWA memory)
     std::string plot;
 };
 
@@ -55,8 +56,25 @@ public:
         p.type_v = parse_dtype(o.type_v);
         p.v_trans = o.v_trans;
         p.unified = o.unified;
-        cache_ = std::make_unique<kv_cache>(p);
-        rt_ = std::make_unique<runtime>(m, *cache_, runtime_params{.n_threads = o.threads, .n_ubatch = 512});
+        const runtime_params rp{.n_threads = o.threads, .n_ubatch = 512};
+        if (o.swa > 0) {  // even layers slide a window (Gemma-style), odd ones see everything
+            std::vector<bool> windowed;
+            for (uint32_t il = 0; il < p.layers.size(); ++il) {
+                p.layers[il].is_swa = il % 2 == 0;
+                windowed.push_back(p.layers[il].is_swa);
+            }
+            p.n_swa = o.swa;
+            p.swa = swa_type::standard;
+            iswa_ = std::make_unique<kv_cache_iswa>(
+                kv_cache_iswa_params{.kv = p, .swa_full = false, .n_ubatch = rp.n_ubatch});
+            rt_ = std::make_unique<runtime>(m, *iswa_, rp);
+            ref_.set_swa(o.swa, swa_type::standard, windowed);
+            mem_ = iswa_.get();
+        } else {
+            cache_ = std::make_unique<kv_cache>(p);
+            rt_ = std::make_unique<runtime>(m, *cache_, rp);
+            mem_ = cache_.get();
+        }
         limit_ = std::max(logits_tolerance(p.type_k), logits_tolerance(p.type_v));
     }
 
@@ -67,10 +85,18 @@ public:
         fmt::print("model   {}: {} layers, {} dims, {} heads / {} KV heads of {}, vocab {}, weights {}\n",
                    hp.name.empty() ? "(unnamed)" : hp.name, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv,
                    hp.n_embd_head, hp.n_vocab, to_string(hp.weight_type));
-        fmt::print("cache   {} cells{}, K {}, V {}{}, {} sequences, {:.1f} KiB of K/V; {} threads\n",
-                   cache_->get_size(), o_.unified ? "" : fmt::format(" x {} streams", cache_->get_n_stream()),
-                   o_.type_k, o_.type_v, o_.v_trans ? " (transposed)" : "", o_.seqs,
-                   static_cast<double>(cache_->size_bytes()) / 1024, rt_->pool().size());
+        const kv_cache& c = base();
+        const size_t kv_bytes = iswa_ ? iswa_->size_bytes() : c.size_bytes();
+        fmt::print("cache   {} cells{}, K {}, V {}{}, {} sequences, {:.1f} KiB of K/V; {} threads\n", c.get_size(),
+                   o_.unified ? "" : fmt::format(" x {} streams", c.get_n_stream()), o_.type_k, o_.type_v,
+                   o_.v_trans ? " (transposed)" : "", o_.seqs, static_cast<double>(kv_bytes) / 1024,
+                   rt_->pool().size());
+        if (iswa_)
+            fmt::print("iSWA    layers 0, 2, ... see a window of {} positions through a cache of {} cells per stream "
+                       "(a full-size one would hold {:.1f} KiB more)\n",
+                       o_.swa, iswa_->get_swa().get_size(),
+                       static_cast<double>(iswa_->get_swa().size_bytes()) *
+                           (static_cast<double>(c.get_size()) / iswa_->get_swa().get_size() - 1) / 1024);
         fmt::print("cells   one character per {} cells: the sequence holding them, + several, . empty\n\n",
                    cells_per_char());
 
@@ -96,11 +122,17 @@ public:
         //    every sequence that holds it)
         phase("context shift", [&] {
             const pos_t keep = 48, drop = 12;
-            cache_->seq_rm(0, keep, keep + drop);
+            mem_->seq_rm(0, keep, keep + drop);
             ref_.seq_rm(0, keep, keep + drop);
-            cache_->seq_add(0, keep + drop, -1, -drop);
+            if (!mem_->get_can_shift()) {  // iSWA without swa_full: the positions stay where they are
+                generate(8, "decode");
+                return fmt::format("seq 0: rm [{}, {}); no shift (an iSWA memory whose SWA cache is smaller "
+                                   "cannot shift positions)",
+                                   keep, keep + drop);
+            }
+            mem_->seq_add(0, keep + drop, -1, -drop);
             ref_.seq_add(0, keep + drop, -1, -drop);
-            const bool pending = cache_->get_has_shift();
+            const bool pending = base().get_has_shift();
             generate(8, "decode");
             return fmt::format("seq 0: rm [{}, {}), add {} to the rest ({}K-shift on the next decode)", keep,
                                keep + drop, -drop, pending ? "" : "no ");
@@ -110,9 +142,9 @@ public:
             const fs::path file = fs::temp_directory_path() / fmt::format("kvcache-demo-{}.kvc", ::getpid());
             session_save_options so;
             so.compress = true;
-            const uint64_t bytes = save_file(*cache_, file.string(), 1, so);
+            const uint64_t bytes = save_file(*mem_, file.string(), 1, so);
             const seq_id_t last = static_cast<seq_id_t>(n) - 1;
-            load_file(*cache_, file.string(), last);
+            load_file(*mem_, file.string(), last);
             fs::remove(file);
             ref_.seq_rm(last, -1, -1);
             ref_.seq_cp(1, last, -1, -1);
@@ -122,13 +154,14 @@ public:
         // 5. a finished request frees its cells; compaction closes the holes
         phase("compaction", [&] {
             const seq_id_t done = n > 2 ? 2 : 0;
-            cache_->seq_rm(done, -1, -1);
+            mem_->seq_rm(done, -1, -1);
             ref_.seq_rm(done, -1, -1);
-            const float before = cache_->fragmentation();
-            const uint32_t moved = cache_->compact();
+            const float before = base().fragmentation();
+            if (auto up = mem_->init_update(true); up->get_status() == memory_status::success) up->apply();
+            const float after = base().fragmentation();
             generate(8, "decode");
-            return fmt::format("seq {} done; {} cells moved (fragmentation {:.0f}% -> {:.0f}%)", done, moved,
-                               100 * before, 100 * cache_->fragmentation());
+            return fmt::format("seq {} done; compacted (fragmentation {:.0f}% -> {:.0f}%)", done, 100 * before,
+                               100 * after);
         });
 
         fmt::print(
@@ -153,7 +186,7 @@ private:
     }
 
     void both_cp(seq_id_t src, seq_id_t dst) {
-        cache_->seq_cp(src, dst, -1, -1);
+        mem_->seq_cp(src, dst, -1, -1);
         ref_.seq_cp(src, dst, -1, -1);
     }
 
@@ -164,7 +197,7 @@ private:
         batch_storage b = batch::init(static_cast<int32_t>(count), 0, 1);
         std::vector<size_t> last;  // output row of each group's last token
         for (const auto& [s, toks] : groups) {
-            pos_t p = cache_->seq_pos_max(s) + 1;
+            pos_t p = mem_->seq_pos_max(s) + 1;
             const seq_id_t ids[1] = {s};
             for (token_t t : toks) b.add(t, p++, ids, true);
             last.push_back(static_cast<size_t>(b.view().n_tokens) - 1);
@@ -193,7 +226,7 @@ private:
     void generate(int steps, const char* what) {
         std::vector<seq_id_t> live;
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(o_.seqs); ++s)
-            if (cache_->seq_pos_max(s) >= 0) live.push_back(s);
+            if (mem_->seq_pos_max(s) >= 0) live.push_back(s);
         std::vector<token_t> next_tok(live.size(), 1);
         for (int i = 0; i < steps; ++i) {
             std::vector<std::pair<seq_id_t, std::vector<token_t>>> groups;
@@ -220,26 +253,35 @@ private:
         const std::string what = body();
         worst_ = std::max(worst_, phase_worst_);
         const bool ok = phase_worst_ <= limit_;
-        uint32_t used = 0;
-        for (uint32_t s = 0; s < cache_->get_n_stream(); ++s) used += cache_->cells(s).get_used();
+        const auto used = [](const kv_cache& c) {
+            uint32_t n = 0;
+            for (uint32_t s = 0; s < c.get_n_stream(); ++s) n += c.cells(s).get_used();
+            return n;
+        };
         fmt::print("{}. {:<22} {}\n", n_phase_, name, what);
-        fmt::print("   cells {:>5}/{:<5} {}  max|diff| {:.2e} {} {:.0e}  {}\n", used,
-                   cache_->get_size() * cache_->get_n_stream(), occupancy(), phase_worst_, ok ? "<=" : ">",
+        fmt::print("   cells {:>5}/{:<5} {}  max|diff| {:.2e} {} {:.0e}  {}\n", used(base()),
+                   base().get_size() * base().get_n_stream(), occupancy(base()), phase_worst_, ok ? "<=" : ">",
                    limit_, ok ? "ok" : "MISMATCH");
+        if (iswa_)
+            fmt::print("   swa   {:>5}/{:<5} {}\n", used(iswa_->get_swa()),
+                       iswa_->get_swa().get_size() * iswa_->get_swa().get_n_stream(), occupancy(iswa_->get_swa()));
         if (!o_.plot.empty()) plot(name);
     }
 
+    // The memory's KV cache (the base cache of an iSWA memory).
+    const kv_cache& base() const { return iswa_ ? iswa_->get_base() : *cache_; }
+
     uint32_t cells_per_char() const {
-        const uint32_t width = 64 / cache_->get_n_stream();
-        return std::max(1u, (cache_->get_size() + width - 1) / width);
+        const uint32_t width = 64 / base().get_n_stream();
+        return std::max(1u, (base().get_size() + width - 1) / width);
     }
 
     // One character per group of cells: '.' empty, the digit of the only sequence holding them, '+' several.
-    std::string occupancy() const {
+    std::string occupancy(const kv_cache& cache) const {
         const uint32_t per = cells_per_char();
         std::string out;
-        for (uint32_t st = 0; st < cache_->get_n_stream(); ++st) {
-            const kv_cells& c = cache_->cells(st);
+        for (uint32_t st = 0; st < cache.get_n_stream(); ++st) {
+            const kv_cells& c = cache.cells(st);
             if (st) out += '|';
             for (uint32_t i = 0; i < c.size(); i += per) {
                 char ch = '.';
@@ -261,8 +303,8 @@ private:
         std::string svg;
         uint32_t y = 30;
         std::string body;
-        for (uint32_t st = 0; st < cache_->get_n_stream(); ++st) {
-            const kv_cells& c = cache_->cells(st);
+        for (uint32_t st = 0; st < base().get_n_stream(); ++st) {
+            const kv_cells& c = base().cells(st);
             body += fmt::format(
                 "<text x='4' y='{}' font-size='11' font-family='sans-serif'>stream {}</text>\n", y + 10, st);
             y += 16;
@@ -287,7 +329,9 @@ private:
 
     demo_options o_;
     const model& m_;
-    std::unique_ptr<kv_cache> cache_;
+    std::unique_ptr<kv_cache> cache_;       // the memory: a KV cache,
+    std::unique_ptr<kv_cache_iswa> iswa_;   // or an iSWA memory (--swa)
+    memory_i* mem_ = nullptr;               // the one in use
     std::unique_ptr<runtime> rt_;
     reference_memory ref_;
     uint64_t rng_state_;
@@ -340,6 +384,10 @@ void add_demo_command(CLI::App& app, int& exit_code) {
     cmd->add_option("--v-trans", opt->v_trans, "store V transposed (1) or as rows (0)")
         ->capture_default_str();
     cmd->add_option("--unified", opt->unified, "one stream for all sequences (1) or one per sequence (0)")
+        ->capture_default_str();
+    cmd->add_option("--swa", opt->swa,
+                    "> 0: even layers slide a window of this many positions, through an iSWA memory whose SWA "
+                    "cache is sized for the window")
         ->capture_default_str();
     cmd->add_option("--plot", opt->plot, "write an SVG picture of the cells after each phase to DIR");
     cmd->callback([opt, &exit_code] { exit_code = run_demo(*opt); });
