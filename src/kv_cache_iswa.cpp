@@ -45,7 +45,9 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p) {
 
 kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(params)) {
     const kv_cache_params& k = params_.kv;
-    const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache_iswa: " + msg); };
+    const auto bad = [](const std::string& msg) {
+        throw error(errc::invalid_argument, "kv_cache_iswa: " + msg);
+    };
     if (k.swa == swa_type::none || k.n_swa == 0)
         bad("the SWA layers need a window: swa must not be none and n_swa must be positive");
     if (params_.n_ubatch == 0) bad("n_ubatch must be positive");
@@ -77,7 +79,8 @@ memory_context_ptr kv_cache_iswa::init_batch(batch_allocr& balloc, uint32_t n_ub
         balloc.split_reset();
         std::vector<ubatch> ubatches;
         while (true) {
-            ubatch ub = simple ? balloc.split_simple(n_ubatch) : balloc.split_equal(n_ubatch, !params_.kv.unified);
+            ubatch ub =
+                simple ? balloc.split_simple(n_ubatch) : balloc.split_equal(n_ubatch, !params_.kv.unified);
             if (ub.empty()) break;
             ubatches.push_back(std::move(ub));
         }
@@ -194,7 +197,8 @@ bool kv_cache_iswa::state_fits(const state_stage_i& stage) {
 
 void kv_cache_iswa::state_commit(state_stage_i& stage) {
     if (!state_fits(stage))  // both or neither
-        throw error(errc::invalid_state, "state_read: no room for the state's cells in the base or SWA cache");
+        throw error(errc::invalid_state,
+                    "state_read: no room for the state's cells in the base or SWA cache");
     auto& st = static_cast<staged_state&>(stage);
     if (st.base) base_->state_commit(*st.base);
     swa_->state_commit(*st.swa);

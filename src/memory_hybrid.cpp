@@ -12,7 +12,8 @@ namespace kvc {
 namespace {
 
 std::unique_ptr<memory_recurrent_context> as_recr(memory_context_ptr ctx) {
-    return std::unique_ptr<memory_recurrent_context>(&dynamic_cast<memory_recurrent_context&>(*ctx.release()));
+    return std::unique_ptr<memory_recurrent_context>(
+        &dynamic_cast<memory_recurrent_context&>(*ctx.release()));
 }
 
 }  // namespace
@@ -44,7 +45,8 @@ memory_context_ptr memory_hybrid::init_batch(batch_allocr& balloc, uint32_t n_ub
     balloc.split_reset();
     std::vector<ubatch> ubatches;
     while (true) {
-        ubatch ub = embd_all ? balloc.split_seq(n_ubatch) : balloc.split_equal(n_ubatch, sequential, keep_tail);
+        ubatch ub =
+            embd_all ? balloc.split_seq(n_ubatch) : balloc.split_equal(n_ubatch, sequential, keep_tail);
         if (ub.empty()) break;
         ubatches.push_back(std::move(ub));
     }
@@ -178,7 +180,8 @@ size_t memory_hybrid::size_bytes() const {
 
 memory_hybrid_context::memory_hybrid_context(memory_status status) : status_(status) {}
 
-memory_hybrid_context::memory_hybrid_context(memory_context_ptr attn, std::unique_ptr<memory_recurrent_context> recr,
+memory_hybrid_context::memory_hybrid_context(memory_context_ptr attn,
+                                             std::unique_ptr<memory_recurrent_context> recr,
                                              std::vector<ubatch> ubatches, std::vector<int32_t> out_ids)
     : status_(combine(attn->get_status(), recr->get_status())),
       attn_(std::move(attn)),

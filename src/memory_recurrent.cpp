@@ -397,7 +397,8 @@ memory_context_ptr memory_recurrent::init_batch(batch_allocr& balloc, uint32_t n
     return init_ubatches(std::move(ubatches), {balloc.out_ids().begin(), balloc.out_ids().end()});
 }
 
-memory_context_ptr memory_recurrent::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
+memory_context_ptr memory_recurrent::init_ubatches(std::vector<ubatch> ubatches,
+                                                   std::vector<int32_t> out_ids) {
     prepare(ubatches);
     return std::make_unique<memory_recurrent_context>(*this, std::move(ubatches), std::move(out_ids));
 }

@@ -86,7 +86,8 @@ std::vector<uint8_t> whole(const memory_i& m) {
 TEST(memory_hybrid, parts_keep_their_layers) {
     const memory_hybrid m(make_params(256, 2));
     const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
-    EXPECT_EQ(std::vector<uint32_t>(kv.layer_ids().begin(), kv.layer_ids().end()), (std::vector<uint32_t>{1, 3}));
+    EXPECT_EQ(std::vector<uint32_t>(kv.layer_ids().begin(), kv.layer_ids().end()),
+              (std::vector<uint32_t>{1, 3}));
     EXPECT_EQ(std::vector<uint32_t>(m.get_recr().layer_ids().begin(), m.get_recr().layer_ids().end()),
               (std::vector<uint32_t>{0, 2}));
     EXPECT_EQ(&m.attn_cache(1), &kv);
@@ -241,7 +242,7 @@ TEST(memory_hybrid, a_failed_restore_changes_neither_part) {
     // restored; upstream would have restored the attention part and cleared the destination
     std::vector<uint8_t> bad = good;
     const size_t recr_at = bad.size() - state_seq_get_size(m.get_recr(), 0) + 8;  // the recurrent payload
-    bad[recr_at + 4 + 8 + 4] ^= 0x40;                                          // its n_layer
+    bad[recr_at + 4 + 8 + 4] ^= 0x40;                                             // its n_layer
     EXPECT_THROW(state_seq_set_data(m, bad, 2), error);
     EXPECT_EQ(whole(m), before);
     for (size_t len = 0; len < good.size(); len += 23) {
@@ -274,7 +275,8 @@ TEST(memory_hybrid, iswa_attention) {
     const auto& is = dynamic_cast<const kv_cache_iswa&>(m.get_attn());
     EXPECT_EQ(&m.attn_cache(1), &is.get_swa());
     EXPECT_EQ(&m.attn_cache(3), &is.get_base());
-    for (pos_t pos = 0; pos < 320; pos += 64) ASSERT_EQ(decode(m, {{0, pos, 64}}, 64), memory_status::success);
+    for (pos_t pos = 0; pos < 320; pos += 64)
+        ASSERT_EQ(decode(m, {{0, pos, 64}}, 64), memory_status::success);
     EXPECT_EQ(is.get_base().seq_pos_min(0), 0);
     EXPECT_GT(is.get_swa().seq_pos_min(0), 0);
     EXPECT_EQ(m.seq_pos_max(0), 319);
@@ -354,7 +356,8 @@ TEST(memory_hybrid_property, parts_stay_in_step_with_an_oracle_of_token_lists) {
                 EXPECT_EQ(info.pos, x.pos.back());
                 uint64_t h = 0;
                 const tensor_view v = m.get_recr().get_s(0);
-                std::memcpy(&h, v.data + (int64_t{info.rs_idx} * m.get_recr().get_size() + tail) * v.nb[1], 8);
+                std::memcpy(&h, v.data + (int64_t{info.rs_idx} * m.get_recr().get_size() + tail) * v.nb[1],
+                            8);
                 ASSERT_EQ(h, x.states.back()) << op << " step " << step << " seq " << s;
                 EXPECT_EQ(m.seq_pos_max(s), x.pos.back());
             }

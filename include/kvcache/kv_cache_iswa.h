@@ -7,7 +7,8 @@
 /// size, no window), the SWA cache those with is_swa true, with the window rule of the parameters and
 /// only as many cells as the window needs:
 /// @verbatim
-///   size_swa = roundup(min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch), 256)   (swa_full: kv_size)
+///   size_swa = roundup(min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch), 256)   (swa_full:
+///   kv_size)
 /// @endverbatim
 /// The SWA cache reuses the cells of keys that slid out of every query's window, so it holds only the
 /// recent past: positions are reported from it (seq_pos_min grows as the window slides), and positions
@@ -86,10 +87,10 @@ public:
     std::string state_layout() const override;
 
     // -- parts --
-    kv_cache& get_base() { return *base_; }              ///< the full-attention layers' cache
-    const kv_cache& get_base() const { return *base_; }  ///< the full-attention layers' cache
-    kv_cache& get_swa() { return *swa_; }                ///< the sliding-window layers' cache
-    const kv_cache& get_swa() const { return *swa_; }    ///< the sliding-window layers' cache
+    kv_cache& get_base() { return *base_; }                         ///< the full-attention layers' cache
+    const kv_cache& get_base() const { return *base_; }             ///< the full-attention layers' cache
+    kv_cache& get_swa() { return *swa_; }                           ///< the sliding-window layers' cache
+    const kv_cache& get_swa() const { return *swa_; }               ///< the sliding-window layers' cache
     const kv_cache_iswa_params& params() const { return params_; }  ///< the configuration
     size_t size_bytes() const { return base_->size_bytes() + swa_->size_bytes(); }  ///< K/V of both
 

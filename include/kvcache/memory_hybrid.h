@@ -33,9 +33,9 @@ namespace kvc {
 
 /// Everything a memory_hybrid is made from.
 struct memory_hybrid_params {
-    kv_cache_params attn;   ///< the attention part (its layers: those with has_kv that its filter keeps)
-    recurrent_params recr;  ///< the recurrent part (same n_seq_max as attn)
-    bool iswa = false;      ///< the attention part is a kv_cache_iswa (its SWA rule: attn.n_swa, attn.swa)
+    kv_cache_params attn;     ///< the attention part (its layers: those with has_kv that its filter keeps)
+    recurrent_params recr;    ///< the recurrent part (same n_seq_max as attn)
+    bool iswa = false;        ///< the attention part is a kv_cache_iswa (its SWA rule: attn.n_swa, attn.swa)
     bool swa_full = true;     ///< with iswa: kv_cache_iswa_params::swa_full
     uint32_t n_ubatch = 512;  ///< with iswa: kv_cache_iswa_params::n_ubatch
 };
@@ -68,10 +68,10 @@ public:
     bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;
     /// The attention part then the recurrent part (which shares the whole state, whatever the range).
     void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
-    void seq_keep(seq_id_t seq_id) override;                                     ///< both parts
+    void seq_keep(seq_id_t seq_id) override;                                  ///< both parts
     void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;  ///< both parts
     void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;        ///< both parts
-    pos_t seq_pos_min(seq_id_t seq_id) const override;  ///< max of the parts' minimums
+    pos_t seq_pos_min(seq_id_t seq_id) const override;                        ///< max of the parts' minimums
     pos_t seq_pos_max(seq_id_t seq_id) const override;  ///< min of the parts' maximums (-1 if one is empty)
 
     /// The attention part's state (unless state_seq_flag_partial_only) then the recurrent part's.

@@ -105,7 +105,7 @@ public:
     decode_result decode(const batch& b);
 
     const model& get_model() const { return *model_; }  ///< the model
-    memory_i& memory() { return *mem_; }                 ///< the memory
+    memory_i& memory() { return *mem_; }                ///< the memory
     /// The KV cache (the base cache of an iSWA memory).
     kv_cache& cache() { return *base_; }
     thread_pool& pool() { return pool_; }  ///< the worker threads
@@ -113,9 +113,9 @@ public:
 private:
     void check_layers();
 
-    const model* model_;  // borrowed
-    memory_i* mem_;       // borrowed
-    kv_cache* base_;      // the memory's kv_cache, or its base cache
+    const model* model_;                  // borrowed
+    memory_i* mem_;                       // borrowed
+    kv_cache* base_;                      // the memory's kv_cache, or its base cache
     std::vector<kv_cache*> layer_cache_;  // [n_layer] the cache holding each layer
     runtime_params params_;
     thread_pool pool_;

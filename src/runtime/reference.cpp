@@ -84,7 +84,8 @@ decode_result reference_memory::decode(const batch& b) {
                                          const float* v, float* out) {
             self.k_raw.emplace_back(k_raw, k_raw + e_kv);
             self.v.emplace_back(v, v + e_kv);
-            const bool windowed = p_->swa_layers.empty() || (il < p_->swa_layers.size() && p_->swa_layers[il]);
+            const bool windowed =
+                p_->swa_layers.empty() || (il < p_->swa_layers.size() && p_->swa_layers[il]);
             // visible: the sequence's entries at or before p, rotated to where they are now, then itself
             keys.clear();
             values.clear();

@@ -136,7 +136,11 @@ void attend_cache(thread_pool& pool, const model_hparams& hp, const tensor_view&
 }  // namespace
 
 runtime::runtime(const model& m, kv_cache& cache, runtime_params params)
-    : model_(&m), mem_(&cache), base_(&cache), layer_cache_(m.hparams().n_layer, &cache), params_(params),
+    : model_(&m),
+      mem_(&cache),
+      base_(&cache),
+      layer_cache_(m.hparams().n_layer, &cache),
+      params_(params),
       pool_(params.n_threads) {
     check_layers();
 }
@@ -156,12 +160,15 @@ void runtime::check_layers() {
     for (uint32_t il = 0; il < hp.n_layer; ++il) {
         const kv_cache& c = *layer_cache_[il];
         if (!c.has_layer(il))
-            throw error(errc::invalid_argument, fmt::format("runtime: the memory keeps no K/V for layer {}", il));
-        const layer_desc& d = c.params().layers[il];
-        if (d.n_head_kv != hp.n_head_kv || d.n_embd_head_k != hp.n_embd_head || d.n_embd_head_v != hp.n_embd_head)
             throw error(errc::invalid_argument,
-                        fmt::format("runtime: cache layer {} is {} heads x {}/{} values, the model's {} x {}", il,
-                                    d.n_head_kv, d.n_embd_head_k, d.n_embd_head_v, hp.n_head_kv, hp.n_embd_head));
+                        fmt::format("runtime: the memory keeps no K/V for layer {}", il));
+        const layer_desc& d = c.params().layers[il];
+        if (d.n_head_kv != hp.n_head_kv || d.n_embd_head_k != hp.n_embd_head ||
+            d.n_embd_head_v != hp.n_embd_head)
+            throw error(
+                errc::invalid_argument,
+                fmt::format("runtime: cache layer {} is {} heads x {}/{} values, the model's {} x {}", il,
+                            d.n_head_kv, d.n_embd_head_k, d.n_embd_head_v, hp.n_head_kv, hp.n_embd_head));
     }
     if (params_.n_ubatch == 0) throw error(errc::invalid_argument, "runtime: n_ubatch must be positive");
 }

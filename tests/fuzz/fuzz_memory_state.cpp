@@ -247,9 +247,12 @@ struct variant {
 };
 
 const variant variants[] = {
-    {recurrent_f32, recurrent_snapshot, true},      {recurrent_f16_rollback, recurrent_snapshot, true},
-    {recurrent_uneven_layers, recurrent_snapshot, true}, {iswa_full, iswa_snapshot, false},
-    {iswa_windowed, iswa_snapshot, false},          {hybrid_plain, hybrid_snapshot, false},
+    {recurrent_f32, recurrent_snapshot, true},
+    {recurrent_f16_rollback, recurrent_snapshot, true},
+    {recurrent_uneven_layers, recurrent_snapshot, true},
+    {iswa_full, iswa_snapshot, false},
+    {iswa_windowed, iswa_snapshot, false},
+    {hybrid_plain, hybrid_snapshot, false},
     {hybrid_iswa, hybrid_snapshot, false},
 };
 constexpr int n_memory_variants = static_cast<int>(std::size(variants));

@@ -87,16 +87,18 @@ public:
                    hp.n_embd_head, hp.n_vocab, to_string(hp.weight_type));
         const kv_cache& c = base();
         const size_t kv_bytes = iswa_ ? iswa_->size_bytes() : c.size_bytes();
-        fmt::print("cache   {} cells{}, K {}, V {}{}, {} sequences, {:.1f} KiB of K/V; {} threads\n", c.get_size(),
-                   o_.unified ? "" : fmt::format(" x {} streams", c.get_n_stream()), o_.type_k, o_.type_v,
-                   o_.v_trans ? " (transposed)" : "", o_.seqs, static_cast<double>(kv_bytes) / 1024,
-                   rt_->pool().size());
+        fmt::print("cache   {} cells{}, K {}, V {}{}, {} sequences, {:.1f} KiB of K/V; {} threads\n",
+                   c.get_size(), o_.unified ? "" : fmt::format(" x {} streams", c.get_n_stream()), o_.type_k,
+                   o_.type_v, o_.v_trans ? " (transposed)" : "", o_.seqs,
+                   static_cast<double>(kv_bytes) / 1024, rt_->pool().size());
         if (iswa_)
-            fmt::print("iSWA    layers 0, 2, ... see a window of {} positions through a cache of {} cells per stream "
-                       "(a full-size one would hold {:.1f} KiB more)\n",
-                       o_.swa, iswa_->get_swa().get_size(),
-                       static_cast<double>(iswa_->get_swa().size_bytes()) *
-                           (static_cast<double>(c.get_size()) / iswa_->get_swa().get_size() - 1) / 1024);
+            fmt::print(
+                "iSWA    layers 0, 2, ... see a window of {} positions through a cache of {} cells per "
+                "stream "
+                "(a full-size one would hold {:.1f} KiB more)\n",
+                o_.swa, iswa_->get_swa().get_size(),
+                static_cast<double>(iswa_->get_swa().size_bytes()) *
+                    (static_cast<double>(c.get_size()) / iswa_->get_swa().get_size() - 1) / 1024);
         fmt::print("cells   one character per {} cells: the sequence holding them, + several, . empty\n\n",
                    cells_per_char());
 
@@ -126,9 +128,10 @@ public:
             ref_.seq_rm(0, keep, keep + drop);
             if (!mem_->get_can_shift()) {  // iSWA without swa_full: the positions stay where they are
                 generate(8, "decode");
-                return fmt::format("seq 0: rm [{}, {}); no shift (an iSWA memory whose SWA cache is smaller "
-                                   "cannot shift positions)",
-                                   keep, keep + drop);
+                return fmt::format(
+                    "seq 0: rm [{}, {}); no shift (an iSWA memory whose SWA cache is smaller "
+                    "cannot shift positions)",
+                    keep, keep + drop);
             }
             mem_->seq_add(0, keep + drop, -1, -drop);
             ref_.seq_add(0, keep + drop, -1, -drop);
@@ -160,8 +163,8 @@ public:
             if (auto up = mem_->init_update(true); up->get_status() == memory_status::success) up->apply();
             const float after = base().fragmentation();
             generate(8, "decode");
-            return fmt::format("seq {} done; compacted (fragmentation {:.0f}% -> {:.0f}%)", done, 100 * before,
-                               100 * after);
+            return fmt::format("seq {} done; compacted (fragmentation {:.0f}% -> {:.0f}%)", done,
+                               100 * before, 100 * after);
         });
 
         fmt::print(
@@ -260,11 +263,12 @@ private:
         };
         fmt::print("{}. {:<22} {}\n", n_phase_, name, what);
         fmt::print("   cells {:>5}/{:<5} {}  max|diff| {:.2e} {} {:.0e}  {}\n", used(base()),
-                   base().get_size() * base().get_n_stream(), occupancy(base()), phase_worst_, ok ? "<=" : ">",
-                   limit_, ok ? "ok" : "MISMATCH");
+                   base().get_size() * base().get_n_stream(), occupancy(base()), phase_worst_,
+                   ok ? "<=" : ">", limit_, ok ? "ok" : "MISMATCH");
         if (iswa_)
             fmt::print("   swa   {:>5}/{:<5} {}\n", used(iswa_->get_swa()),
-                       iswa_->get_swa().get_size() * iswa_->get_swa().get_n_stream(), occupancy(iswa_->get_swa()));
+                       iswa_->get_swa().get_size() * iswa_->get_swa().get_n_stream(),
+                       occupancy(iswa_->get_swa()));
         if (!o_.plot.empty()) plot(name);
     }
 
@@ -329,9 +333,9 @@ private:
 
     demo_options o_;
     const model& m_;
-    std::unique_ptr<kv_cache> cache_;       // the memory: a KV cache,
-    std::unique_ptr<kv_cache_iswa> iswa_;   // or an iSWA memory (--swa)
-    memory_i* mem_ = nullptr;               // the one in use
+    std::unique_ptr<kv_cache> cache_;      // the memory: a KV cache,
+    std::unique_ptr<kv_cache_iswa> iswa_;  // or an iSWA memory (--swa)
+    memory_i* mem_ = nullptr;              // the one in use
     std::unique_ptr<runtime> rt_;
     reference_memory ref_;
     uint64_t rng_state_;
@@ -385,9 +389,10 @@ void add_demo_command(CLI::App& app, int& exit_code) {
         ->capture_default_str();
     cmd->add_option("--unified", opt->unified, "one stream for all sequences (1) or one per sequence (0)")
         ->capture_default_str();
-    cmd->add_option("--swa", opt->swa,
-                    "> 0: even layers slide a window of this many positions, through an iSWA memory whose SWA "
-                    "cache is sized for the window")
+    cmd->add_option(
+           "--swa", opt->swa,
+           "> 0: even layers slide a window of this many positions, through an iSWA memory whose SWA "
+           "cache is sized for the window")
         ->capture_default_str();
     cmd->add_option("--plot", opt->plot, "write an SVG picture of the cells after each phase to DIR");
     cmd->callback([opt, &exit_code] { exit_code = run_demo(*opt); });

@@ -209,13 +209,15 @@ private:
         std::string type = "kv";
         for (size_t i = 1; i < w.size(); ++i)
             if (w[i].substr(0, 5) == "type=") type = std::string(w[i].substr(5));
-        if (type != "kv" && type != "iswa" && type != "hybrid") fail(fmt::format("memory: unknown type '{}'", type));
-        std::vector<const char*> allowed = {"type",     "n_ctx",  "n_seq_max", "unified",  "n_ubatch",
-                                            "type_k",   "type_v", "v_trans",   "swa_type", "n_swa",
-                                            "n_layer",  "n_embd_k", "n_embd_v", "n_head_kv"};
+        if (type != "kv" && type != "iswa" && type != "hybrid")
+            fail(fmt::format("memory: unknown type '{}'", type));
+        std::vector<const char*> allowed = {"type",    "n_ctx",    "n_seq_max", "unified",  "n_ubatch",
+                                            "type_k",  "type_v",   "v_trans",   "swa_type", "n_swa",
+                                            "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv"};
         if (type == "kv") allowed.push_back("model");
         if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
-        if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
+        if (type == "hybrid")
+            allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
         const keys k(w, 1, allowed, "memory");
         const auto positive = [&](const char* name, int64_t def) {
             const int64_t v = k.get_int(name, def);
@@ -313,7 +315,8 @@ private:
         const uint32_t n = pattern(k, "attn_pattern", 2);
         memory_hybrid_params h;
         h.recr.n_seq_max = p.n_seq_max;
-        const int64_t r = k.get_int("n_embd_r", 8), sz = k.get_int("n_embd_s", 16), rs = k.get_int("n_rs_seq", 0);
+        const int64_t r = k.get_int("n_embd_r", 8), sz = k.get_int("n_embd_s", 16),
+                      rs = k.get_int("n_rs_seq", 0);
         if (r < 0 || sz < 0 || rs < 0 || r > (1 << 24) || sz > (1 << 24) || rs > (1 << 24))
             fail("memory: n_embd_r, n_embd_s and n_rs_seq must be in [0, 2^24]");
         h.recr.n_rs_seq = static_cast<uint32_t>(rs);
@@ -585,10 +588,12 @@ private:
         if (rec_) line += fmt::format(" used={}", rec_->get_used());
         if (cache_) line += fmt::format(" used={}", kv_used(*cache_));
         if (iswa_)
-            line += fmt::format(" used={} used_swa={}", kv_used(iswa_->get_base()), kv_used(iswa_->get_swa()));
+            line +=
+                fmt::format(" used={} used_swa={}", kv_used(iswa_->get_base()), kv_used(iswa_->get_swa()));
         if (hyb_)
-            line += fmt::format(" used={} used_rs={}", kv_used(dynamic_cast<const kv_cache&>(hyb_->get_attn())),
-                                hyb_->get_recr().get_used());
+            line +=
+                fmt::format(" used={} used_rs={}", kv_used(dynamic_cast<const kv_cache&>(hyb_->get_attn())),
+                            hyb_->get_recr().get_used());
         fmt::print("{}\n", line);
     }
     // cells [STREAM] [part=base|swa|rs]: part chooses the cache of an iswa or hybrid memory
@@ -598,12 +603,13 @@ private:
         if (args.size() > 1 && args.back().substr(0, 5) == "part=") {
             part = std::string(args.back().substr(5));
             args.pop_back();
-            const bool ok = (iswa_ && (part == "base" || part == "swa")) || (hyb_ && (part == "kv" || part == "rs"));
+            const bool ok =
+                (iswa_ && (part == "base" || part == "swa")) || (hyb_ && (part == "kv" || part == "rs"));
             if (!ok) fail(fmt::format("cells: part={} is not a part of this memory", part));
         }
         if (args.size() > 2) fail("usage: cells [STREAM] [part=base|swa|kv|rs]");
         if (part == "rs") return recurrent_cells(args, rec_ ? *rec_ : hyb_->get_recr());
-        const kv_cache& cache = iswa_ ? (part == "swa" ? iswa_->get_swa() : iswa_->get_base())
+        const kv_cache& cache = iswa_  ? (part == "swa" ? iswa_->get_swa() : iswa_->get_base())
                                 : hyb_ ? dynamic_cast<const kv_cache&>(hyb_->get_attn())
                                        : *cache_;
         const int64_t stream = args.size() == 2 ? parse_int(args[1], "cells stream") : 0;
