@@ -36,9 +36,10 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p) {
     const kv_cache_params& k = p.kv;
     if (p.swa_full) return k.kv_size;
     const uint64_t seqs = k.unified ? k.n_seq_max : 1;
-    const uint64_t want = std::min<uint64_t>(k.kv_size, uint64_t{k.n_swa} * seqs + p.n_ubatch);
+    const uint64_t want = uint64_t{k.n_swa} * seqs + p.n_ubatch;
     const uint64_t pad = std::lcm(uint64_t{256}, uint64_t{std::max(1u, k.n_pad)});
-    return static_cast<uint32_t>(std::min<uint64_t>((want + pad - 1) / pad * pad, UINT32_MAX / pad * pad));
+    // never more than the base cache (kv_size is a multiple of n_pad; llama.cpp's is of 256 too)
+    return static_cast<uint32_t>(std::min<uint64_t>(k.kv_size, (want + pad - 1) / pad * pad));
 }
 
 // -- construction --

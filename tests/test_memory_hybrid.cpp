@@ -126,6 +126,14 @@ TEST(memory_hybrid, seq_rm_is_all_or_nothing) {
     EXPECT_EQ(m.seq_pos_max(1), 3);
     EXPECT_THROW(m.seq_rm(2, -1, -1), error);  // out of range, nothing changed
     EXPECT_EQ(m.seq_pos_max(1), 3);
+    // a range before the last position: the recurrent part keeps its state (it cannot forget the middle of
+    // a history) and says true, so the attention part removes the range, as upstream; the state still
+    // reflects the removed tokens
+    EXPECT_TRUE(m.seq_rm(1, 1, 3));
+    EXPECT_EQ(m.get_recr().seq_pos_max(1), 3);
+    std::vector<uint32_t> cells;
+    dynamic_cast<const kv_cache&>(m.get_attn()).cells(0).seq_cells(1, -1, -1, cells);
+    EXPECT_EQ(cells.size(), 2u);  // positions 0 and 3
 }
 
 TEST(memory_hybrid, rollback_removes_a_suffix_from_both_parts) {

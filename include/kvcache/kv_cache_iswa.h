@@ -7,8 +7,8 @@
 /// size, no window), the SWA cache those with is_swa true, with the window rule of the parameters and
 /// only as many cells as the window needs:
 /// @verbatim
-///   size_swa = roundup(min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch), 256)   (swa_full:
-///   kv_size)
+///   size_swa = min(kv_size, roundup(n_swa * (unified ? n_seq_max : 1) + n_ubatch, 256))
+///   size_swa = kv_size with swa_full
 /// @endverbatim
 /// The SWA cache reuses the cells of keys that slid out of every query's window, so it holds only the
 /// recent past: positions are reported from it (seq_pos_min grows as the window slides), and positions
