@@ -1,7 +1,7 @@
-/* The C API (include/kvcache/kvcache.h), compiled as C11: every function, its error paths (NULL handles,
- * bad ids, small buffers, bad state bytes with the memory unchanged, a batch that does not fit), a full
- * decode loop with the values read back, session files, and kvc_last_error. A small runner: CHECK counts
- * failures, main returns non-zero if any. */
+/* The C API (include/kvcache/kvcache.h) over a KV cache, compiled as C11: every function, its error paths
+ * (NULL handles, bad ids, small buffers, bad state bytes with the memory unchanged, a batch that does not
+ * fit), a full decode loop with the values read back, session files, and kvc_last_error. The runner and
+ * fixtures are in capi_test.h; the other memories are in test_capi_memories.c. */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -12,141 +12,7 @@
 #include <kvcache/kvcache.h>
 #include <kvcache/version.h>
 
-static int g_checks = 0;
-static int g_failures = 0;
-
-#define CHECK(cond)                                                                                     \
-    do {                                                                                                \
-        ++g_checks;                                                                                     \
-        if (!(cond)) {                                                                                  \
-            ++g_failures;                                                                               \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: \"%s\"\n", __FILE__, __LINE__, #cond, \
-                    kvc_last_error());                                                                  \
-        }                                                                                               \
-    } while (0)
-
-/* The call succeeds. */
-#define CHECK_OK(call)                                                                \
-    do {                                                                              \
-        const kvc_status st_ok_ = (call);                                             \
-        ++g_checks;                                                                   \
-        if (st_ok_ != KVC_OK) {                                                       \
-            ++g_failures;                                                             \
-            fprintf(stderr, "%s:%d: %s returned %s: %s\n", __FILE__, __LINE__, #call, \
-                    kvc_status_string(st_ok_), kvc_last_error());                     \
-        }                                                                             \
-    } while (0)
-
-/* The call fails with `code` and this thread's message contains `text`. */
-#define CHECK_ERR(call, code, text)                                                                          \
-    do {                                                                                                     \
-        const kvc_status st_err_ = (call);                                                                   \
-        ++g_checks;                                                                                          \
-        if (st_err_ != (code) || strstr(kvc_last_error(), (text)) == NULL) {                                 \
-            ++g_failures;                                                                                    \
-            fprintf(stderr, "%s:%d: %s returned %s (\"%s\"), expected %s with \"%s\"\n", __FILE__, __LINE__, \
-                    #call, kvc_status_string(st_err_), kvc_last_error(), kvc_status_string(code), (text));   \
-        }                                                                                                    \
-    } while (0)
-
-/* The last error contains `text`. */
-#define CHECK_MSG(text) CHECK(strstr(kvc_last_error(), (text)) != NULL)
-
-/* -- fixtures -- */
-
-enum { E = 8 }; /* values per token of K and V rows: 2 heads of 4 */
-
-static kvc_layer_desc g_layers[2];
-
-/* Two layers of 2 KV heads of 4 values, f32 K and V (transposed V), no RoPE padding surprises. */
-static kvc_kv_cache_params small_params(uint32_t kv_size, uint32_t n_seq_max) {
-    kvc_kv_cache_params p = kvc_kv_cache_default_params();
-    for (int il = 0; il < 2; ++il) {
-        g_layers[il] = kvc_layer_desc_default();
-        g_layers[il].n_head_kv = 2;
-        g_layers[il].n_embd_head_k = 4;
-        g_layers[il].n_embd_head_v = 4;
-    }
-    p.layers = g_layers;
-    p.n_layers = 2;
-    p.type_k = KVC_TYPE_F32;
-    p.type_v = KVC_TYPE_F32;
-    p.kv_size = kv_size;
-    p.n_seq_max = n_seq_max;
-    p.n_kv_pad = 4;
-    return p;
-}
-
-static kvc_memory* small_cache(uint32_t kv_size, uint32_t n_seq_max) {
-    const kvc_kv_cache_params p = small_params(kv_size, n_seq_max);
-    kvc_memory* mem = NULL;
-    CHECK_OK(kvc_kv_cache_create(&p, &mem));
-    return mem;
-}
-
-/* The value written for layer il, position pos, channel e (K; V adds 0.5). */
-static float kv_value(uint32_t il, int32_t pos, int e, int is_v) {
-    return (float)(1000 * (int)il + 10 * pos + e) + (is_v ? 0.5f : 0.0f);
-}
-
-/* Whole-memory (seq -1) or one sequence's state bytes; *size receives the length. Caller frees. */
-static uint8_t* state_of(const kvc_memory* mem, int32_t seq, size_t* size) {
-    size_t n = 0, written = 0;
-    CHECK_OK(kvc_state_seq_get_size(mem, seq, 0, &n));
-    uint8_t* buf = malloc(n);
-    CHECK(buf != NULL);
-    CHECK_OK(kvc_state_seq_get_data(mem, seq, buf, n, &written, 0));
-    CHECK(written == n);
-    *size = n;
-    return buf;
-}
-
-static int same_state(const kvc_memory* mem, const uint8_t* before, size_t n_before) {
-    size_t n = 0;
-    uint8_t* now = state_of(mem, KVC_SEQ_ALL, &n);
-    const int same = n == n_before && memcmp(now, before, n) == 0;
-    free(now);
-    return same;
-}
-
-/* Runs every ubatch of the batch: apply, write K/V rows of both layers from kv_value. */
-static void decode(kvc_memory* mem, const kvc_batch* batch, uint32_t n_ubatch) {
-    kvc_memory_context* ctx = NULL;
-    CHECK_OK(kvc_memory_init_batch(mem, batch, n_ubatch, false, &ctx));
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
-    do {
-        CHECK_OK(kvc_memory_context_apply(ctx));
-        kvc_ubatch_view ub;
-        CHECK_OK(kvc_memory_context_get_ubatch(ctx, &ub));
-        float* rows = malloc(sizeof(float) * E * ub.n_tokens);
-        for (uint32_t il = 0; il < 2; ++il) {
-            for (int is_v = 0; is_v < 2; ++is_v) {
-                for (uint32_t t = 0; t < ub.n_tokens; ++t)
-                    for (int e = 0; e < E; ++e) rows[t * E + e] = kv_value(il, ub.pos[t], e, is_v);
-                if (is_v)
-                    CHECK_OK(kvc_memory_cpy_v(ctx, il, rows, ub.n_tokens));
-                else
-                    CHECK_OK(kvc_memory_cpy_k(ctx, il, rows, ub.n_tokens));
-            }
-        }
-        free(rows);
-    } while (kvc_memory_context_next(ctx));
-    kvc_memory_context_free(ctx);
-}
-
-/* A batch of positions [p0, p1) of one sequence, the last token an output. */
-static kvc_batch* seq_batch(int32_t seq, int32_t p0, int32_t p1) {
-    kvc_batch* b = kvc_batch_init(p1 - p0, 0, 1);
-    CHECK(b != NULL);
-    for (int32_t p = p0; p < p1; ++p) CHECK_OK(kvc_batch_add(b, 100 + p, p, &seq, 1, p == p1 - 1));
-    return b;
-}
-
-static float k_at(const kvc_tensor_view* v, int64_t d, int64_t h, int64_t cell) {
-    float x;
-    memcpy(&x, (const char*)v->data + d * v->nb[0] + h * v->nb[1] + cell * v->nb[2], sizeof x);
-    return x;
-}
+#include "capi_test.h"
 
 /* -- errors, version, types -- */
 
@@ -338,15 +204,6 @@ static void test_batch(void) {
 }
 
 /* -- the decode loop -- */
-
-static void check_mask_row(const float* row, int64_t n_kv, int32_t visible_up_to) {
-    for (int64_t c = 0; c < n_kv; ++c) {
-        if (c <= visible_up_to)
-            CHECK(row[c] == 0.0f);
-        else
-            CHECK(isinf(row[c]) && row[c] < 0);
-    }
-}
 
 static void test_decode_loop(void) {
     kvc_memory* mem = small_cache(16, 2);
@@ -994,6 +851,22 @@ static void test_null_contexts(void) {
     CHECK_ERR(kvc_memory_set_input_kq_mask_f16(NULL, h, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
               "ctx is NULL");
     CHECK_ERR(kvc_memory_set_input_pos_bucket(NULL, i, 4, 32), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    kvc_rs_view rs;
+    CHECK(kvc_memory_context_n_kv_layer(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_MSG("kvc_memory_context_n_kv_layer: ctx is NULL");
+    CHECK(kvc_memory_kq_mask_elements_layer(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_ERR(kvc_memory_set_input_kq_mask_layer(NULL, 0, f, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_set_input_kq_mask_layer: ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_kq_mask_f16_layer(NULL, 0, h, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
+              "ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_pos_bucket_layer(NULL, 0, i, 4, 32), KVC_ERR_INVALID_ARGUMENT,
+              "ctx is NULL");
+    CHECK_ERR(kvc_memory_context_get_rs(NULL, &rs), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_context_get_rs: ctx is NULL");
+    CHECK_ERR(kvc_memory_get_r(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_get_r: ctx is NULL");
+    CHECK_ERR(kvc_memory_get_s(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_get_s: ctx is NULL");
+    CHECK(kvc_memory_k_shift_elements_layer(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_ERR(kvc_memory_set_input_k_shift_layer(NULL, 0, i, 4), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
     CHECK_ERR(kvc_memory_init_full(NULL, &ctx), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
     CHECK_ERR(kvc_memory_init_update(NULL, false, &ctx), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
     CHECK_ERR(kvc_memory_clear(NULL, true), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
@@ -1007,6 +880,10 @@ static void test_null_contexts(void) {
     CHECK_ERR(kvc_memory_context_get_ubatch(ctx, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
     CHECK_ERR(kvc_memory_context_out_ids(ctx, NULL, &n), KVC_ERR_INVALID_ARGUMENT, "ids is NULL");
     CHECK_ERR(kvc_memory_context_out_ids(ctx, &ids, NULL), KVC_ERR_INVALID_ARGUMENT, "n is NULL");
+    CHECK_ERR(kvc_memory_set_input_kq_mask_layer(ctx, 0, NULL, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
+              "dst is NULL");
+    CHECK_ERR(kvc_memory_set_input_pos_bucket_layer(ctx, 0, NULL, 4, 32), KVC_ERR_INVALID_ARGUMENT,
+              "dst is NULL");
     kvc_memory_context_free(ctx);
     kvc_memory_free(mem);
 }
@@ -1072,6 +949,5 @@ int main(void) {
     test_null_contexts();
     test_log_callback();
     test_errors_per_thread();
-    printf("capi: %d checks, %d failed\n", g_checks, g_failures);
-    return g_failures == 0 ? 0 : 1;
+    return capi_report("capi");
 }

@@ -2,7 +2,10 @@
 /// @brief The C API of kvcache: the sequence memory (KV cache) of an LLM inference engine.
 ///
 /// A thin layer over the C++ API (namespace kvc), usable from C11 and C++. Every name starts with
-/// `kvc_` / `KVC_`; handles are opaque (`kvc_memory`, `kvc_memory_context`, `kvc_batch`).
+/// `kvc_` / `KVC_`; handles are opaque (`kvc_memory`, `kvc_memory_context`, `kvc_batch`). A memory is one
+/// of four kinds (::kvc_memory_kind): an attention KV cache, an iSWA pair of KV caches, a recurrent state
+/// memory, or a hybrid of attention and recurrent state; they share one handle type and one set of
+/// functions, and a function that needs what a kind lacks fails with #KVC_ERR_UNSUPPORTED.
 ///
 /// Conventions (docs/c-api.md has the guide):
 /// - Functions that can fail return a ::kvc_status. Results go through out pointers, written only on
@@ -48,7 +51,8 @@ extern "C" {
 #define KVC_SEQ_ALL (-1)
 
 /// @brief State flag: composite memories (iSWA, hybrid) save and restore only their partial part (the
-/// SWA cache, the recurrent state); plain memories such as the KV cache ignore it.
+/// sliding-window cache, the recurrent state); plain memories (KV cache, recurrent) ignore it. A buffer
+/// written with the flag must be restored with it.
 #define KVC_STATE_SEQ_FLAG_PARTIAL_ONLY 1u
 
 // ---------------------------------------------------------------------------------------------------------
@@ -147,8 +151,18 @@ KVC_API int64_t kvc_row_size(kvc_type type, int64_t n) KVC_NOEXCEPT;
 // Memory creation
 // ---------------------------------------------------------------------------------------------------------
 
-/// @brief A memory (any kind: today the attention KV cache); owns its storage.
+/// @brief A memory of any kind (::kvc_memory_kind); owns its storage.
 typedef struct kvc_memory kvc_memory;
+
+/// @brief What a memory is made of (kvc_memory_get_kind()).
+typedef enum kvc_memory_kind {
+    KVC_MEMORY_KIND_KV_CACHE = 0,  ///< one attention KV cache (kvc_kv_cache_create())
+    /// two KV caches, for the full-attention and the sliding-window layers (kvc_iswa_create())
+    KVC_MEMORY_KIND_ISWA = 1,
+    KVC_MEMORY_KIND_RECURRENT = 2,    ///< recurrent state rows, no K/V (kvc_recurrent_create())
+    KVC_MEMORY_KIND_HYBRID = 3,       ///< one KV cache and recurrent state (kvc_hybrid_create())
+    KVC_MEMORY_KIND_HYBRID_ISWA = 4,  ///< an iSWA pair of KV caches and recurrent state (kvc_hybrid_create())
+} kvc_memory_kind;
 
 /// @brief How the keys of a layer were rotated (for K-shifts).
 typedef enum kvc_rope_type {
@@ -175,7 +189,7 @@ typedef struct kvc_layer_desc {
     uint32_t n_head_kv;      ///< KV heads
     uint32_t n_embd_head_k;  ///< values per key head (a multiple of the block size of type_k)
     uint32_t n_embd_head_v;  ///< values per value head
-    bool is_swa;             ///< a sliding-window layer
+    bool is_swa;             ///< a sliding-window layer (an iSWA memory keeps it in its sliding-window cache)
     bool has_kv;             ///< false: the layer keeps no K/V (e.g. it reuses another layer's)
     kvc_rope_params rope;    ///< how its keys were rotated
 } kvc_layer_desc;
@@ -188,9 +202,9 @@ typedef enum kvc_swa_type {
     KVC_SWA_TYPE_SYMMETRIC = 3,  ///< keys within n_swa / 2 on either side (bidirectional encoders)
 } kvc_swa_type;
 
-/// @brief Decides whether the cache keeps K/V for a model layer.
+/// @brief Decides whether a memory keeps a model layer (its K/V, or its state rows).
 /// @param il Model index of the layer.
-/// @param user_data kvc_kv_cache_params::layer_filter_user_data.
+/// @param user_data The `layer_filter_user_data` of the same parameter struct.
 /// @return true to keep the layer.
 typedef bool (*kvc_layer_filter)(uint32_t il, void* user_data);
 
@@ -231,6 +245,121 @@ KVC_API kvc_kv_cache_params kvc_kv_cache_default_params(void) KVC_NOEXCEPT;
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (the message
 /// names the field), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
 KVC_API kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** out) KVC_NOEXCEPT;
+
+/// @brief Everything an iSWA memory (interleaved sliding-window attention: Gemma 2/3, Cohere 2, Llama 4)
+/// is made from: two KV caches, one for the layers with kvc_layer_desc::is_swa false (kv_size cells, no
+/// window) and one for the layers with is_swa true (the window rule of `kv`, and only the cells the window
+/// needs). Start from kvc_iswa_default_params(); set `kv.layers`, `kv.n_swa` and `kv.swa_type`.
+typedef struct kvc_iswa_params {
+    /// Shared by both caches: layers (is_swa chooses the cache), filter, types, V layout, kv_size (of the
+    /// full-attention cache), streams, padding, positions per token; n_swa and swa_type are the rule of
+    /// the sliding-window layers (swa_type must not be #KVC_SWA_TYPE_NONE, n_swa must be positive).
+    kvc_kv_cache_params kv;
+    /// Size the sliding-window cache like the full one (kv_size): positions can then be shifted and any
+    /// part of a sequence removed. false: min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch)
+    /// cells, padded to 256.
+    bool swa_full;
+    uint32_t n_ubatch;  ///< the largest ubatch the engine places (sizes the sliding-window cache)
+} kvc_iswa_params;
+
+/// @brief The defaults of an iSWA memory: kvc_kv_cache_default_params() (no layers, no window: set them),
+/// swa_full, n_ubatch 512.
+/// @return The defaults (the C++ kvc::kv_cache_iswa_params defaults).
+KVC_API kvc_iswa_params kvc_iswa_default_params(void) KVC_NOEXCEPT;
+
+/// @brief Creates an iSWA memory (all of its storage is allocated and zeroed now).
+///
+/// Positions are reported from the sliding-window cache (kvc_memory_seq_pos_min() grows as the window
+/// slides). Functions that take no layer but need one KV cache (kvc_memory_context_n_kv(),
+/// kvc_memory_set_input_kq_mask(), ...) fail with #KVC_ERR_UNSUPPORTED on this memory: use their `_layer`
+/// variants (the section "K/V data and attention inputs" explains them).
+/// @param params The configuration; read during the call only.
+/// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (what
+/// kvc_kv_cache_create() refuses, no window, or no full-attention or no sliding-window layer kept: use a
+/// plain KV cache then), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
+KVC_API kvc_status kvc_iswa_create(const kvc_iswa_params* params, kvc_memory** out) KVC_NOEXCEPT;
+
+/// @brief One model layer as the recurrent memory sees it: the widths of its two state rows.
+typedef struct kvc_recurrent_layer_desc {
+    uint32_t n_embd_r;  ///< values per r row (conv / token-shift state); 0: no r tensor
+    uint32_t n_embd_s;  ///< values per s row (SSM / WKV state); 0: no s tensor
+} kvc_recurrent_layer_desc;
+
+/// @brief Everything a recurrent memory (Mamba, RWKV, short-conv, Gated-DeltaNet state) is made from.
+/// Start from kvc_recurrent_default_params(); `layers` must be set.
+///
+/// The memory has n_seq_max cells; cell c is row c of every layer's r and s tensor, and each tensor has
+/// 1 + n_rs_seq planes of them (plane 0 the current state, planes 1.. the states before the last tokens,
+/// for rollback). The section "Recurrent state through a context" gives the engine's part.
+typedef struct kvc_recurrent_params {
+    /// [n_layers] every model layer, by model index; a layer with n_embd_r == n_embd_s == 0 keeps no state
+    /// (read during creation)
+    const kvc_recurrent_layer_desc* layers;
+    size_t n_layers;  ///< entries of layers (>= 1)
+    /// keep model layer il? NULL: every layer with a row; called only during creation
+    kvc_layer_filter layer_filter;
+    void* layer_filter_user_data;  ///< passed to layer_filter
+    kvc_type type_r;               ///< element type of r rows: f32, f16 or bf16
+    kvc_type type_s;               ///< element type of s rows: f32, f16 or bf16
+    uint32_t n_seq_max;            ///< sequence ids are [0, n_seq_max); also the number of cells
+    /// rollback depth in tokens: kvc_memory_seq_rm() can remove up to this many last tokens of a
+    /// sequence (0: no rollback; removing a suffix then reports removed == false)
+    uint32_t n_rs_seq;
+} kvc_recurrent_params;
+
+/// @brief The defaults of a recurrent memory: f32 r and s rows, one sequence, no rollback; no layers (set
+/// layers and n_layers).
+/// @return The defaults (the C++ kvc::recurrent_params defaults).
+KVC_API kvc_recurrent_params kvc_recurrent_default_params(void) KVC_NOEXCEPT;
+
+/// @brief Creates a recurrent state memory (all of its storage is allocated and zeroed now).
+/// @param params The configuration; read during the call only.
+/// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (no layers,
+/// no layer with a state row kept, n_seq_max 0, a type other than f32, f16 or bf16; the message names
+/// it), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
+KVC_API kvc_status kvc_recurrent_create(const kvc_recurrent_params* params, kvc_memory** out) KVC_NOEXCEPT;
+
+/// @brief Everything a hybrid memory (attention and recurrent layers: Jamba, Falcon-H1, Granite 4, LFM2,
+/// Qwen3-Next, ...) is made from. Start from kvc_hybrid_default_params(); set `attn.layers` and
+/// `recr.layers` (both by model index, over every model layer) and the same n_seq_max in both.
+///
+/// The attention part keeps the layers with kvc_layer_desc::has_kv (and its filter), the recurrent part
+/// those with a state row (and its filter): mark the recurrent layers has_kv = false in `attn.layers`
+/// and give the attention layers zero widths in `recr.layers`. A layer may be in both parts or in
+/// neither.
+typedef struct kvc_hybrid_params {
+    kvc_kv_cache_params attn;   ///< the attention part (with iswa: also the window rule of its SWA layers)
+    kvc_recurrent_params recr;  ///< the recurrent part (same n_seq_max as attn)
+    /// the attention part is an iSWA pair of caches (kvc_iswa_params), split by kvc_layer_desc::is_swa
+    bool iswa;
+    bool swa_full;      ///< with iswa: kvc_iswa_params::swa_full
+    uint32_t n_ubatch;  ///< with iswa: kvc_iswa_params::n_ubatch
+} kvc_hybrid_params;
+
+/// @brief The defaults of a hybrid memory: kvc_kv_cache_default_params(), kvc_recurrent_default_params(),
+/// no iSWA (swa_full, n_ubatch 512 for when it is set).
+/// @return The defaults (the C++ kvc::memory_hybrid_params defaults).
+KVC_API kvc_hybrid_params kvc_hybrid_default_params(void) KVC_NOEXCEPT;
+
+/// @brief Creates a hybrid memory (all of its storage is allocated and zeroed now).
+///
+/// Batches are split once, in equal-length ubatches, and placed in both parts or in neither. Removing
+/// tokens is all or nothing: when the recurrent part cannot remove them (no rollback left),
+/// kvc_memory_seq_rm() reports removed == false and neither part changes. Positions are those both parts
+/// hold (kvc_memory_seq_pos_max() is the smaller maximum).
+/// @param params The configuration; read during the call only.
+/// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (what either
+/// part refuses, or different n_seq_max), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
+KVC_API kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) KVC_NOEXCEPT;
+
+/// @brief The kind of a memory.
+/// @param mem The memory.
+/// @param out Receives its kind.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_get_kind(const kvc_memory* mem, kvc_memory_kind* out) KVC_NOEXCEPT;
 
 /// @brief Frees a memory and its storage. Free its contexts first.
 /// @param mem The memory; NULL is harmless.
@@ -353,8 +482,10 @@ KVC_API kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch
                                          bool embd_all, kvc_memory_context** out) KVC_NOEXCEPT;
 
 /// @brief A context shaped like the largest possible ubatch (every cell), to size compute buffers:
-/// kvc_memory_context_n_kv() is kv_size and kvc_memory_get_k() / kvc_memory_get_v() give views of every
-/// cell. Applying it does nothing.
+/// kvc_memory_context_n_kv() (or kvc_memory_context_n_kv_layer()) is the cells of the cache and
+/// kvc_memory_get_k() / kvc_memory_get_v() give views of every cell; with recurrent state,
+/// kvc_memory_context_get_rs() covers every cell (head 0, n_rs = n_seq_max, rs_z 0, s_copy[i] = i).
+/// Applying it does nothing.
 /// @param mem The memory.
 /// @param out Receives the context; NULL on failure.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
@@ -402,11 +533,23 @@ KVC_API kvc_status kvc_memory_context_apply(kvc_memory_context* ctx) KVC_NOEXCEP
 /// contexts, and for NULL (with the message set).
 KVC_API bool kvc_memory_context_next(kvc_memory_context* ctx) KVC_NOEXCEPT;
 
-/// @brief Cells the attention of the current ubatch reads (padded to n_kv_pad), known after apply.
+/// @brief Cells the attention of the current ubatch reads (padded to n_kv_pad), known after apply; for
+/// memories with one KV cache (a KV cache, a hybrid memory without iSWA).
 /// @param ctx The context.
 /// @return n_kv (0 before the current ubatch is applied; kv_size for a full context), or a negative
-/// ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL, #KVC_ERR_UNSUPPORTED for a memory without K/V.
+/// ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL, #KVC_ERR_UNSUPPORTED for a memory without K/V or with
+/// two KV caches (iSWA: use kvc_memory_context_n_kv_layer()).
 KVC_API int64_t kvc_memory_context_n_kv(const kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief Cells the attention of layer il reads in the current ubatch: kvc_memory_context_n_kv() of the
+/// KV cache holding the layer (every memory with K/V; for iSWA, full-attention and sliding-window layers
+/// differ).
+/// @param ctx The context.
+/// @param il Model index of a layer with K/V.
+/// @return n_kv (0 before the current ubatch is applied), or a negative ::kvc_status:
+/// #KVC_ERR_INVALID_ARGUMENT for NULL, #KVC_ERR_OUT_OF_RANGE for a layer without K/V,
+/// #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API int64_t kvc_memory_context_n_kv_layer(const kvc_memory_context* ctx, uint32_t il) KVC_NOEXCEPT;
 
 /// @brief Tokens of the current ubatch.
 /// @param ctx A batch context.
@@ -456,6 +599,14 @@ KVC_API kvc_status kvc_memory_context_out_ids(const kvc_memory_context* ctx, con
 
 // ---------------------------------------------------------------------------------------------------------
 // K/V data and attention inputs, through a context (after kvc_memory_context_apply())
+//
+// Functions that take a layer (cpy_k/v, get_k/v, the `_layer` variants) work on every memory with K/V:
+// they use the KV cache that holds the layer (with iSWA: the full-attention or the sliding-window cache;
+// in a hybrid memory: its attention part). Functions that take no layer (n_kv, the KQ mask, position
+// buckets, the K-shift) need a memory with exactly one KV cache: a KV cache or a hybrid memory without
+// iSWA. With two caches they fail with #KVC_ERR_UNSUPPORTED; their `_layer` variants take any layer of
+// the cache wanted. Layers of one cache share n_kv, mask, buckets and K-shift: compute them once per
+// cache (for iSWA, with one full-attention layer and one sliding-window layer).
 // ---------------------------------------------------------------------------------------------------------
 
 /// @brief A strided 4-D view of stored data, as ggml describes tensors.
@@ -476,8 +627,8 @@ typedef struct kvc_tensor_view {
 /// @param src [n_tokens][n_head_kv * n_embd_head_k] f32 rows, in ubatch order.
 /// @param n_tokens Rows in src: the current ubatch's token count.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n_tokens;
-/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V in this cache; #KVC_ERR_INVALID_STATE when the ubatch is
-/// not applied (or the context has none); #KVC_ERR_UNSUPPORTED for a memory without K/V.
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V in this memory; #KVC_ERR_INVALID_STATE when the ubatch is
+/// not applied (or the context has none); #KVC_ERR_UNSUPPORTED for a memory without K/V (recurrent).
 KVC_API kvc_status kvc_memory_cpy_k(kvc_memory_context* ctx, uint32_t il, const float* src,
                                     size_t n_tokens) KVC_NOEXCEPT;
 
@@ -498,7 +649,7 @@ KVC_API kvc_status kvc_memory_cpy_v(kvc_memory_context* ctx, uint32_t il, const 
 /// @param out Receives the view; valid while the memory lives (its contents change with the memory).
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a layer without
 /// K/V; #KVC_ERR_INVALID_STATE before apply or for a context without a slot; #KVC_ERR_UNSUPPORTED for a
-/// memory without K/V.
+/// memory without K/V (recurrent).
 KVC_API kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
 
 /// @brief A view of the values of layer il: [n_embd_head_v, n_head_kv, n_kv, n_stream], or with v_trans
@@ -510,11 +661,19 @@ KVC_API kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_te
 KVC_API kvc_status kvc_memory_get_v(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
 
 /// @brief Elements of the KQ mask of the current ubatch: n_kv * n_tokens (also the size of the position
-/// buckets).
+/// buckets); memories with one KV cache.
 /// @param ctx A batch context whose current ubatch is applied.
 /// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
-/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch.
+/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch, #KVC_ERR_UNSUPPORTED for a memory
+/// without K/V or with two KV caches (use kvc_memory_kq_mask_elements_layer()).
 KVC_API int64_t kvc_memory_kq_mask_elements(const kvc_memory_context* ctx) KVC_NOEXCEPT;
+
+/// @brief kvc_memory_kq_mask_elements() of the KV cache holding layer il (any memory with K/V).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param il Model index of a layer with K/V.
+/// @return The count, or a negative ::kvc_status: as kvc_memory_kq_mask_elements(), and
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
+KVC_API int64_t kvc_memory_kq_mask_elements_layer(const kvc_memory_context* ctx, uint32_t il) KVC_NOEXCEPT;
 
 /// @brief Builds the KQ mask of the current ubatch: [n_tokens][n_kv], row i for token i, 0 where the token
 /// may attend to the cell and -INFINITY elsewhere (the cell is empty, of another sequence, in the future
@@ -525,7 +684,8 @@ KVC_API int64_t kvc_memory_kq_mask_elements(const kvc_memory_context* ctx) KVC_N
 /// @param causal Keys after the query's position are masked.
 /// @param alibi Visible cells get -|p_key - p_query| instead of 0 (ALiBi biases).
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n_elements;
-/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch.
+/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch; #KVC_ERR_UNSUPPORTED for a memory
+/// without K/V or with two KV caches (use kvc_memory_set_input_kq_mask_layer()).
 KVC_API kvc_status kvc_memory_set_input_kq_mask(const kvc_memory_context* ctx, float* dst, size_t n_elements,
                                                 bool causal, bool alibi) KVC_NOEXCEPT;
 
@@ -539,30 +699,147 @@ KVC_API kvc_status kvc_memory_set_input_kq_mask(const kvc_memory_context* ctx, f
 KVC_API kvc_status kvc_memory_set_input_kq_mask_f16(const kvc_memory_context* ctx, uint16_t* dst,
                                                     size_t n_elements, bool causal, bool alibi) KVC_NOEXCEPT;
 
+/// @brief The KQ mask of the KV cache holding layer il (any memory with K/V): kvc_memory_set_input_kq_mask()
+/// of that cache. With iSWA, the mask of a sliding-window layer also hides keys outside the window.
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param il Model index of a layer with K/V.
+/// @param dst [n_elements] floats, n_elements == kvc_memory_kq_mask_elements_layer().
+/// @param n_elements Elements of dst.
+/// @param causal Keys after the query's position are masked.
+/// @param alibi Visible cells get -|p_key - p_query| instead of 0.
+/// @return As kvc_memory_set_input_kq_mask(), and #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
+KVC_API kvc_status kvc_memory_set_input_kq_mask_layer(const kvc_memory_context* ctx, uint32_t il, float* dst,
+                                                      size_t n_elements, bool causal,
+                                                      bool alibi) KVC_NOEXCEPT;
+
+/// @brief kvc_memory_set_input_kq_mask_layer() into IEEE half floats (0x0000 visible, 0xFC00 masked).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param il Model index of a layer with K/V.
+/// @param dst [n_elements] binary16 values, n_elements == kvc_memory_kq_mask_elements_layer().
+/// @param n_elements Elements of dst.
+/// @param causal Keys after the query's position are masked.
+/// @param alibi Visible cells get -|p_key - p_query| instead of 0.
+/// @return As kvc_memory_set_input_kq_mask_layer().
+KVC_API kvc_status kvc_memory_set_input_kq_mask_f16_layer(const kvc_memory_context* ctx, uint32_t il,
+                                                          uint16_t* dst, size_t n_elements, bool causal,
+                                                          bool alibi) KVC_NOEXCEPT;
+
 /// @brief T5 relative position buckets of the current ubatch: [n_tokens][n_kv] (unified caches only).
 /// @param ctx A batch context whose current ubatch is applied.
 /// @param dst [n] buckets, n == kvc_memory_kq_mask_elements().
 /// @param n Elements of dst.
 /// @param n_buckets Number of buckets of the model.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_INVALID_STATE
-/// before apply; #KVC_ERR_UNSUPPORTED for a cache with several streams.
+/// before apply; #KVC_ERR_UNSUPPORTED for a cache with several streams, a memory without K/V or with two
+/// KV caches (use kvc_memory_set_input_pos_bucket_layer()).
 KVC_API kvc_status kvc_memory_set_input_pos_bucket(const kvc_memory_context* ctx, int32_t* dst, size_t n,
                                                    uint32_t n_buckets) KVC_NOEXCEPT;
 
-/// @brief Elements of the K-shift input: kv_size * n_stream.
-/// @param mem A KV cache.
+/// @brief kvc_memory_set_input_pos_bucket() of the KV cache holding layer il (any memory with K/V).
+/// @param ctx A batch context whose current ubatch is applied.
+/// @param il Model index of a layer with K/V.
+/// @param dst [n] buckets, n == kvc_memory_kq_mask_elements_layer().
+/// @param n Elements of dst.
+/// @param n_buckets Number of buckets of the model.
+/// @return As kvc_memory_set_input_pos_bucket(), and #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
+KVC_API kvc_status kvc_memory_set_input_pos_bucket_layer(const kvc_memory_context* ctx, uint32_t il,
+                                                         int32_t* dst, size_t n,
+                                                         uint32_t n_buckets) KVC_NOEXCEPT;
+
+/// @brief Elements of the K-shift input: kv_size * n_stream (memories with one KV cache).
+/// @param mem A memory with one KV cache (a KV cache, a hybrid memory without iSWA).
 /// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
-/// #KVC_ERR_UNSUPPORTED for a memory without K/V.
+/// #KVC_ERR_UNSUPPORTED for a memory without K/V or with two KV caches (use
+/// kvc_memory_k_shift_elements_layer()).
 KVC_API int64_t kvc_memory_k_shift_elements(const kvc_memory* mem) KVC_NOEXCEPT;
+
+/// @brief Elements of the K-shift input of the KV cache holding layer il (any memory with K/V).
+/// @param mem The memory.
+/// @param il Model index of a layer with K/V.
+/// @return The count, or a negative ::kvc_status: as kvc_memory_k_shift_elements(), and
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
+KVC_API int64_t kvc_memory_k_shift_elements_layer(const kvc_memory* mem, uint32_t il) KVC_NOEXCEPT;
 
 /// @brief The pending shift of every cell, for engines that re-rotate keys themselves (read it before
 /// applying the update context): [n_stream][kv_size], 0 for empty cells.
-/// @param mem A KV cache.
+/// @param mem A memory with one KV cache (a KV cache, a hybrid memory without iSWA).
 /// @param dst [n] shifts.
 /// @param n Elements of dst: kvc_memory_k_shift_elements().
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_UNSUPPORTED for a
-/// memory without K/V.
+/// memory without K/V or with two KV caches (use kvc_memory_set_input_k_shift_layer()).
 KVC_API kvc_status kvc_memory_set_input_k_shift(const kvc_memory* mem, int32_t* dst, size_t n) KVC_NOEXCEPT;
+
+/// @brief kvc_memory_set_input_k_shift() of the KV cache holding layer il (any memory with K/V).
+/// @param mem The memory.
+/// @param il Model index of a layer with K/V.
+/// @param dst [n] shifts.
+/// @param n Elements of dst: kvc_memory_k_shift_elements_layer().
+/// @return As kvc_memory_set_input_k_shift(), and #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
+KVC_API kvc_status kvc_memory_set_input_k_shift_layer(const kvc_memory* mem, uint32_t il, int32_t* dst,
+                                                      size_t n) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
+// Recurrent state through a context (recurrent and hybrid memories)
+//
+// Engine contract for one applied ubatch (B = n_seqs blocks of T = n_seq_tokens tokens, from
+// kvc_ubatch_view). Rows are those of the [n_embd, size, 1 + n_rs_seq] tensors of kvc_memory_get_r() /
+// kvc_memory_get_s(); row index = plane * size + cell, at data + cell * nb[1] + plane * nb[2]:
+//   1. if rs_z >= 0, zero row rs_z of every r and s tensor, before reading anything;
+//   2. gather, from the storage as it is before this ubatch writes anything, row s_copy[i] for every i
+//      in [0, n_rs) and the src row of every history copy;
+//   3. i in [B, n_rs): write gathered row s_copy[i] to plane 0 of cell head + i;
+//   4. i in [0, B): the gathered row is block i's initial state; run its T tokens and write the final
+//      state to plane 0 of cell head + i; with n_rs_seq = k > 0 also write, for r = 1 .. min(k, T - 1),
+//      the state after token T - 1 - r of the block to plane r of cell head + i;
+//   5. write every gathered history copy to its dst row.
+// docs/c-api.md shows it in C; include/kvcache/memory_recurrent.h explains cells and rollback.
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief A row move of the engine contract (step 5): rows of the [n_embd, size * (1 + n_rs_seq)] layout.
+typedef struct kvc_rs_copy {
+    int64_t src;  ///< row read before the ubatch writes anything
+    int64_t dst;  ///< row written after
+} kvc_rs_copy;
+
+/// @brief Where the current ubatch's states come from and go, as borrowed arrays.
+typedef struct kvc_rs_view {
+    uint32_t head;                 ///< first cell of the range
+    uint32_t n_rs;                 ///< cells in the range; the first n_seqs are the blocks' ("main" cells)
+    uint32_t n_seqs;               ///< blocks of the ubatch (B; n_rs for a full context)
+    int32_t rs_z;                  ///< row to zero before reading (fresh states read it), -1: none
+    uint32_t size;                 ///< cells of the memory (= n_seq_max): rows per plane
+    uint32_t n_rs_seq;             ///< rollback depth k: each tensor has 1 + k planes
+    const int64_t* s_copy;         ///< [n_rs] source row of range cell i (plane * size + cell)
+    const kvc_rs_copy* hist_copy;  ///< [n_hist_copy] history rows to carry over (NULL when none)
+    size_t n_hist_copy;            ///< entries of hist_copy (0 when n_rs_seq == 0)
+} kvc_rs_view;
+
+/// @brief The state inputs of the current ubatch (recurrent and hybrid memories; for a hybrid memory,
+/// those of its recurrent part).
+/// @param ctx A batch context whose current ubatch is applied, or a full context.
+/// @param out Receives the view; its arrays are valid until kvc_memory_context_next() or
+/// kvc_memory_context_free().
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_INVALID_STATE before apply, past
+/// the last ubatch or for an update context; #KVC_ERR_UNSUPPORTED for a memory without recurrent state.
+KVC_API kvc_status kvc_memory_context_get_rs(const kvc_memory_context* ctx, kvc_rs_view* out) KVC_NOEXCEPT;
+
+/// @brief A view of layer il's r tensor (conv / token-shift state): [n_embd_r, size, 1 + n_rs_seq], row of
+/// cell c in plane p at (c, p), writable. It does not depend on the ubatch: any context of the memory gives
+/// it, before apply too.
+/// @param ctx A context of a recurrent or hybrid memory.
+/// @param il Model index of a layer with an r row.
+/// @param out Receives the view; valid while the memory lives (its contents change with the memory).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a layer without
+/// an r row; #KVC_ERR_UNSUPPORTED for a memory without recurrent state.
+KVC_API kvc_status kvc_memory_get_r(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
+
+/// @brief A view of layer il's s tensor (SSM / WKV state): [n_embd_s, size, 1 + n_rs_seq]; see
+/// kvc_memory_get_r().
+/// @param ctx A context of a recurrent or hybrid memory.
+/// @param il Model index of a layer with an s row.
+/// @param out Receives the view.
+/// @return As kvc_memory_get_r() (an s row instead of an r row).
+KVC_API kvc_status kvc_memory_get_s(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
 
 // ---------------------------------------------------------------------------------------------------------
 // Sequences (llama_memory_*)
@@ -570,7 +847,7 @@ KVC_API kvc_status kvc_memory_set_input_k_shift(const kvc_memory* mem, int32_t* 
 
 /// @brief Empties the memory (every sequence).
 /// @param mem The memory.
-/// @param data Also zero the stored K/V rows.
+/// @param data Also zero the stored rows (K/V, recurrent state).
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL.
 KVC_API kvc_status kvc_memory_clear(kvc_memory* mem, bool data) KVC_NOEXCEPT;
 
@@ -579,14 +856,15 @@ KVC_API kvc_status kvc_memory_clear(kvc_memory* mem, bool data) KVC_NOEXCEPT;
 /// @param seq_id The sequence, or #KVC_SEQ_ALL for every sequence.
 /// @param p0 First position (< 0: 0).
 /// @param p1 End position, excluded (< 0: no bound).
-/// @param removed Receives false when the memory cannot remove part of a sequence (recurrent state; never
-/// for a KV cache), in which case nothing changed; may be NULL.
+/// @param removed Receives false when the memory cannot remove part of a sequence (recurrent or hybrid
+/// memory: the last tokens of a sequence beyond what its rollback history keeps; never for a KV cache), in
+/// which case nothing changed; may be NULL.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem; #KVC_ERR_OUT_OF_RANGE for a bad sequence id.
 KVC_API kvc_status kvc_memory_seq_rm(kvc_memory* mem, int32_t seq_id, int32_t p0, int32_t p1,
                                      bool* removed) KVC_NOEXCEPT;
 
 /// @brief Makes dst also hold src's positions [p0, p1) (llama_memory_seq_cp): shared cells in a unified
-/// cache, copied cells (and rows) across streams.
+/// cache, copied cells (and rows) across streams; recurrent state is shared whole, whatever the range.
 /// @param mem The memory.
 /// @param src Source sequence.
 /// @param dst Destination sequence.
@@ -641,7 +919,8 @@ KVC_API kvc_status kvc_memory_seq_pos_min(const kvc_memory* mem, int32_t seq_id,
 /// @return As kvc_memory_seq_pos_min().
 KVC_API kvc_status kvc_memory_seq_pos_max(const kvc_memory* mem, int32_t seq_id, int32_t* out) KVC_NOEXCEPT;
 
-/// @brief Whether positions can be shifted (kvc_memory_seq_add / seq_div); false for M-RoPE caches.
+/// @brief Whether positions can be shifted (kvc_memory_seq_add / seq_div); false for M-RoPE caches and for
+/// iSWA memories whose sliding-window cache is smaller than the full one (swa_full false).
 /// @param mem The memory.
 /// @param out Receives the answer.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.

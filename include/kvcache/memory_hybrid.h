@@ -64,8 +64,8 @@ public:
 
     void clear(bool data) override;  ///< both parts
     /// The recurrent part first: if it refuses, false and nothing changed; else the attention part's
-    /// result. A range before the last position leaves the recurrent state as it is (true) and leaves
-    /// the attention part, as upstream.
+    /// result. A range before the last position leaves the recurrent state as it is (true) and comes out
+    /// of the attention part, as upstream.
     bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;
     /// The attention part then the recurrent part (which shares the whole state, whatever the range).
     void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;

@@ -18,7 +18,10 @@
 #include <kvcache/batch.h>
 #include <kvcache/dtype.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/kv_cache_iswa.h>
 #include <kvcache/memory.h>
+#include <kvcache/memory_hybrid.h>
+#include <kvcache/memory_recurrent.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 #include <kvcache/types.h>
@@ -30,8 +33,13 @@ static_assert(sizeof(kvc::token_t) == sizeof(int32_t) && sizeof(kvc::pos_t) == s
 
 struct kvc_memory {
     kvc::memory_ptr mem;
-    kvc::kv_cache* kv = nullptr;  // mem as a KV cache (null for memories without K/V); owned by mem
-    uint32_t n_seq_max = 1;       // what batches are validated against
+    kvc_memory_kind kind = KVC_MEMORY_KIND_KV_CACHE;
+    // The parts of mem (owned by mem), null when it has none of that kind:
+    kvc::kv_cache* kv = nullptr;  // its only KV cache: a KV cache, or a hybrid's plain attention part (null
+                                  // without K/V, and with two caches: iSWA)
+    kvc::kv_cache_iswa* iswa = nullptr;     // an iSWA memory, or a hybrid's iSWA attention part
+    kvc::memory_recurrent* recr = nullptr;  // a recurrent memory, or a hybrid's recurrent part
+    uint32_t n_seq_max = 1;                 // what batches are validated against
     uint32_t n_pos = 1;
 };
 
@@ -44,12 +52,35 @@ struct kvc_batch {
 };
 
 struct kvc_memory_context {
-    kvc::batch_allocr balloc;             // the validated batch (declared before ctx: it outlives it)
-    kvc::memory_context_ptr ctx;          // refers to its memory, which outlives it
-    kvc::kv_cache_context* kv = nullptr;  // ctx as a KV cache context, or null
-    // The current ubatch has been applied (K/V rows, views and masks refer to it only then); a full
-    // context counts as applied.
+    enum class purpose : uint8_t { batch, full, update };
+
+    // The state inputs of the applied ubatch (or of the full range), copied from the recurrent context
+    // for kvc_memory_context_get_rs. The arrays' capacity is reserved with the context, so that copying
+    // them after apply does not allocate.
+    struct rs_inputs {
+        bool valid = false;
+        uint32_t head = 0;
+        uint32_t n = 0;
+        uint32_t n_seqs = 0;
+        int32_t rs_z = -1;
+        std::vector<int64_t> s_copy;         // [n]
+        std::vector<kvc_rs_copy> hist_copy;  // history rows to carry over
+    };
+
+    kvc::batch_allocr balloc;     // the validated batch (declared before ctx: it outlives it)
+    kvc::memory_context_ptr ctx;  // refers to its memory, which outlives it
+    kvc_memory* mem = nullptr;    // borrowed: the memory the context was made from (it outlives it)
+    purpose made_for = purpose::batch;
+    // ctx as each kind of context, or null; the children of composite contexts are looked up when used
+    // (a failed composite context has none)
+    kvc::kv_cache_context* kv = nullptr;
+    kvc::kv_cache_iswa_context* iswa = nullptr;
+    kvc::memory_hybrid_context* hybrid = nullptr;
+    kvc::memory_recurrent_context* recr = nullptr;
+    // The current ubatch has been applied (K/V rows, views, masks and state inputs refer to it only then);
+    // a full context counts as applied.
     bool applied = false;
+    rs_inputs rs;
 };
 
 namespace {
@@ -161,23 +192,81 @@ kvc::dtype to_dtype(const kvc_type& t, const char* name) {
     return *d;
 }
 
-kvc::kv_cache& kv_of(const kvc_memory& m) {
-    if (m.kv == nullptr) throw_error(errc::unsupported, "this memory holds no K/V");
-    return *m.kv;
+// -- the parts of a memory, and of a context --
+
+[[noreturn]] void throw_no_kv() {
+    throw_error(errc::unsupported, "this memory holds no K/V (a recurrent memory)");
 }
 
-kvc::kv_cache_context& kv_of(const kvc_memory_context& c) {
-    if (c.kv == nullptr) throw_error(errc::unsupported, "this context's memory holds no K/V");
-    return *c.kv;
+// The KV cache of a memory with exactly one, for the functions that take no layer; layer_fn names their
+// variant that takes one.
+const kvc::kv_cache& single_cache(const kvc_memory& m, const char* layer_fn) {
+    if (m.kv != nullptr) return *m.kv;
+    if (m.iswa != nullptr)
+        throw_error(errc::unsupported,
+                    fmt::format("this memory has two KV caches (iSWA: full-attention and sliding-window "
+                                "layers); use {}, which takes a layer",
+                                layer_fn));
+    throw_no_kv();
 }
 
-// The KV context of c, whose current ubatch must be applied (what data, views and masks refer to).
-kvc::kv_cache_context& applied_kv(const kvc_memory_context& c) {
-    kvc::kv_cache_context& k = kv_of(c);
+// The KV cache of m that holds model layer il.
+const kvc::kv_cache& layer_cache(const kvc_memory& m, uint32_t il) {
+    if (m.kv == nullptr && m.iswa == nullptr) throw_no_kv();
+    if (m.kv != nullptr && m.kv->has_layer(il)) return *m.kv;
+    if (m.iswa != nullptr) {
+        if (m.iswa->get_base().has_layer(il)) return m.iswa->get_base();
+        if (m.iswa->get_swa().has_layer(il)) return m.iswa->get_swa();
+    }
+    throw_error(errc::out_of_range, fmt::format("model layer {} has no K/V in this memory", il));
+}
+
+kvc::memory_recurrent& recurrent_of(const kvc_memory& m) {
+    if (m.recr == nullptr)
+        throw_error(errc::unsupported,
+                    "this memory holds no recurrent state (only recurrent and hybrid memories do)");
+    return *m.recr;
+}
+
+void require_applied(const kvc_memory_context& c) {
     if (!c.applied)
         throw_error(errc::invalid_state,
                     "the current ubatch is not applied (call kvc_memory_context_apply first)");
-    return k;
+}
+
+// The KV context of a memory with one KV cache (the context itself, or a hybrid's attention child), whose
+// current ubatch must be applied (what data, views and masks refer to).
+kvc::kv_cache_context& applied_single_kv(const kvc_memory_context& c, const char* layer_fn) {
+    (void)single_cache(*c.mem, layer_fn);
+    require_applied(c);  // an applied context is not a failed one: composite contexts have their children
+    if (c.kv != nullptr) return *c.kv;
+    return dynamic_cast<kvc::kv_cache_context&>(need(c.hybrid, "hybrid context").get_attn());
+}
+
+// The KV context of the cache holding model layer il (the context itself, the iSWA child, or the hybrid's
+// attention child), whose current ubatch must be applied.
+kvc::kv_cache_context& applied_kv_layer(const kvc_memory_context& c, uint32_t il) {
+    (void)layer_cache(*c.mem, il);
+    require_applied(c);
+    if (c.iswa != nullptr) return c.iswa->for_layer(il);
+    if (c.hybrid != nullptr) return c.hybrid->attn_for_layer(il);
+    return need(c.kv, "KV cache context");
+}
+
+// Copies the recurrent context's inputs for kvc_memory_context_get_rs (after apply, or for a full context).
+void capture_rs(kvc_memory_context& c) {
+    const kvc::memory_recurrent_context& r =
+        c.recr != nullptr ? *c.recr : need(c.hybrid, "hybrid context").get_recr();
+    kvc_memory_context::rs_inputs& in = c.rs;
+    in.head = r.get_head();
+    in.n = r.get_n_rs();
+    in.rs_z = r.get_rs_z();
+    in.n_seqs = c.made_for == kvc_memory_context::purpose::batch ? c.ctx->get_ubatch().n_seqs : in.n;
+    in.s_copy.resize(in.n);
+    for (uint32_t i = 0; i < in.n; ++i) in.s_copy[i] = r.s_copy(i);
+    in.hist_copy.clear();
+    for (const kvc::rs_copy& h : r.hist_copies()) in.hist_copy.push_back(kvc_rs_copy{h.src, h.dst});
+    in.valid = true;
 }
 
 // Values per token of layer il's K (or V) rows; out_of_range for a layer without K/V, as kv_cache says.
@@ -218,7 +307,7 @@ kvc_rope_params to_c(const kvc::rope_params& r) {
     return c;
 }
 
-kvc::layer_desc to_cpp(const kvc_layer_desc& c, size_t il) {
+kvc::layer_desc to_cpp(const kvc_layer_desc& c, const char* name, size_t il) {
     kvc::layer_desc d;
     d.n_head_kv = c.n_head_kv;
     d.n_embd_head_k = c.n_embd_head_k;
@@ -227,8 +316,9 @@ kvc::layer_desc to_cpp(const kvc_layer_desc& c, size_t il) {
     d.has_kv = c.has_kv;
     const int32_t rope = raw(c.rope.type);
     if (rope < 0 || rope > static_cast<int32_t>(kvc::rope_type::neox))
-        throw_error(errc::invalid_argument,
-                    fmt::format("layers[{}].rope.type = {} is not a kvc_rope_type (0 to 2)", il, rope));
+        throw_error(
+            errc::invalid_argument,
+            fmt::format("{}.layers[{}].rope.type = {} is not a kvc_rope_type (0 to 2)", name, il, rope));
     d.rope.type = static_cast<kvc::rope_type>(rope);
     d.rope.n_rot = c.rope.n_rot;
     d.rope.freq_base = c.rope.freq_base;
@@ -241,11 +331,89 @@ kvc::layer_desc to_cpp(const kvc_layer_desc& c, size_t il) {
     return d;
 }
 
-kvc_memory_context* new_context(kvc::memory_context_ptr ctx,
+// The C++ parameters of a KV cache; name ("params", "params.kv", ...) prefixes the fields in messages.
+kvc::kv_cache_params to_cpp(const kvc_kv_cache_params& c, const char* name) {
+    if (c.layers == nullptr || c.n_layers == 0)
+        throw_error(errc::invalid_argument,
+                    fmt::format("{}.layers must list every model layer (layers {}, n_layers {})", name,
+                                c.layers ? "set" : "NULL", c.n_layers));
+    kvc::kv_cache_params p;
+    p.layers.reserve(c.n_layers);
+    for (size_t il = 0; il < c.n_layers; ++il) p.layers.push_back(to_cpp(c.layers[il], name, il));
+    if (c.layer_filter != nullptr) {
+        const kvc_layer_filter filter = c.layer_filter;
+        void* user_data = c.layer_filter_user_data;
+        p.filter = [filter, user_data](uint32_t il) { return filter(il, user_data); };
+    }
+    p.type_k = to_dtype(c.type_k, fmt::format("{}.type_k", name).c_str());
+    p.type_v = to_dtype(c.type_v, fmt::format("{}.type_v", name).c_str());
+    p.v_trans = c.v_trans;
+    p.kv_size = c.kv_size;
+    p.n_seq_max = c.n_seq_max;
+    p.unified = c.unified;
+    p.n_pad = c.n_pad;
+    p.n_kv_pad = c.n_kv_pad;
+    p.n_swa = c.n_swa;
+    const int32_t swa = raw(c.swa_type);
+    if (swa < 0 || swa > static_cast<int32_t>(kvc::swa_type::symmetric))
+        throw_error(errc::invalid_argument,
+                    fmt::format("{}.swa_type = {} is not a kvc_swa_type (0 to 3)", name, swa));
+    p.swa = static_cast<kvc::swa_type>(swa);
+    p.n_pos = c.n_pos;
+    p.compact_threshold = c.compact_threshold;
+    return p;
+}
+
+// The C++ parameters of a recurrent memory.
+kvc::recurrent_params to_cpp(const kvc_recurrent_params& c, const char* name) {
+    if (c.layers == nullptr || c.n_layers == 0)
+        throw_error(errc::invalid_argument,
+                    fmt::format("{}.layers must list every model layer (layers {}, n_layers {})", name,
+                                c.layers ? "set" : "NULL", c.n_layers));
+    kvc::recurrent_params p;
+    p.layers.reserve(c.n_layers);
+    for (size_t il = 0; il < c.n_layers; ++il)
+        p.layers.push_back(kvc::recurrent_layer_desc{c.layers[il].n_embd_r, c.layers[il].n_embd_s});
+    if (c.layer_filter != nullptr) {
+        const kvc_layer_filter filter = c.layer_filter;
+        void* user_data = c.layer_filter_user_data;
+        p.filter = [filter, user_data](uint32_t il) { return filter(il, user_data); };
+    }
+    p.type_r = to_dtype(c.type_r, fmt::format("{}.type_r", name).c_str());
+    p.type_s = to_dtype(c.type_s, fmt::format("{}.type_s", name).c_str());
+    p.n_seq_max = c.n_seq_max;
+    p.n_rs_seq = c.n_rs_seq;
+    return p;
+}
+
+kvc_recurrent_params to_c(const kvc::recurrent_params& p) {
+    kvc_recurrent_params c;
+    c.layers = nullptr;
+    c.n_layers = 0;
+    c.layer_filter = nullptr;
+    c.layer_filter_user_data = nullptr;
+    c.type_r = static_cast<kvc_type>(p.type_r);
+    c.type_s = static_cast<kvc_type>(p.type_s);
+    c.n_seq_max = p.n_seq_max;
+    c.n_rs_seq = p.n_rs_seq;
+    return c;
+}
+
+kvc_memory_context* new_context(kvc_memory& m, kvc_memory_context::purpose made_for,
+                                kvc::memory_context_ptr ctx,
                                 std::unique_ptr<kvc_memory_context> c = nullptr) {
     if (!c) c = std::make_unique<kvc_memory_context>();
+    c->mem = &m;
+    c->made_for = made_for;
     c->ctx = std::move(ctx);
     c->kv = dynamic_cast<kvc::kv_cache_context*>(c->ctx.get());
+    c->iswa = dynamic_cast<kvc::kv_cache_iswa_context*>(c->ctx.get());
+    c->hybrid = dynamic_cast<kvc::memory_hybrid_context*>(c->ctx.get());
+    c->recr = dynamic_cast<kvc::memory_recurrent_context*>(c->ctx.get());
+    if (m.recr != nullptr && made_for != kvc_memory_context::purpose::update) {
+        c->rs.s_copy.reserve(m.recr->get_size());
+        c->rs.hist_copy.reserve(size_t{m.recr->get_size()} * m.recr->get_n_rs_seq());
+    }
     return c.release();
 }
 
@@ -258,11 +426,16 @@ kvc::batch_storage& editable(kvc_batch* batch) {
     return *b.storage;
 }
 
-void set_kq_mask(const kvc_memory_context* ctx, kvc::dtype type, void* dst, size_t n_elements, bool causal,
-                 bool alibi) {
+// The KQ mask of the current ubatch in one KV context: that of the memory's only cache (no layer), or that
+// of the cache holding layer il.
+void set_kq_mask(const kvc_memory_context* ctx, std::optional<uint32_t> il, kvc::dtype type, void* dst,
+                 size_t n_elements, bool causal, bool alibi) {
     const kvc_memory_context& c = need(ctx, "ctx");
     need_ptr(dst, "dst");
-    const kvc::kv_cache_context& k = applied_kv(c);
+    const kvc::kv_cache_context& k =
+        il ? applied_kv_layer(c, *il)
+           : applied_single_kv(c, type == kvc::dtype::f32 ? "kvc_memory_set_input_kq_mask_layer"
+                                                          : "kvc_memory_set_input_kq_mask_f16_layer");
     if (n_elements > static_cast<size_t>(std::numeric_limits<int64_t>::max()))
         throw_error(errc::invalid_argument, fmt::format("n_elements = {} is too large", n_elements));
     k.set_input_kq_mask(
@@ -433,42 +606,105 @@ kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** o
     return guarded(__func__, [&] {
         const kvc_kv_cache_params& c = need(params, "params");
         need(out, "out");
-        if (c.layers == nullptr || c.n_layers == 0)
-            throw_error(errc::invalid_argument,
-                        fmt::format("params.layers must list every model layer (layers {}, n_layers {})",
-                                    c.layers ? "set" : "NULL", c.n_layers));
-        kvc::kv_cache_params p;
-        p.layers.reserve(c.n_layers);
-        for (size_t il = 0; il < c.n_layers; ++il) p.layers.push_back(to_cpp(c.layers[il], il));
-        if (c.layer_filter != nullptr) {
-            const kvc_layer_filter filter = c.layer_filter;
-            void* user_data = c.layer_filter_user_data;
-            p.filter = [filter, user_data](uint32_t il) { return filter(il, user_data); };
-        }
-        p.type_k = to_dtype(c.type_k, "params.type_k");
-        p.type_v = to_dtype(c.type_v, "params.type_v");
-        p.v_trans = c.v_trans;
-        p.kv_size = c.kv_size;
-        p.n_seq_max = c.n_seq_max;
-        p.unified = c.unified;
-        p.n_pad = c.n_pad;
-        p.n_kv_pad = c.n_kv_pad;
-        p.n_swa = c.n_swa;
-        const int32_t swa = raw(c.swa_type);
-        if (swa < 0 || swa > static_cast<int32_t>(kvc::swa_type::symmetric))
-            throw_error(errc::invalid_argument,
-                        fmt::format("params.swa_type = {} is not a kvc_swa_type (0 to 3)", swa));
-        p.swa = static_cast<kvc::swa_type>(swa);
-        p.n_pos = c.n_pos;
-        p.compact_threshold = c.compact_threshold;
-
         auto m = std::make_unique<kvc_memory>();
-        auto cache = std::make_unique<kvc::kv_cache>(std::move(p));
+        auto cache = std::make_unique<kvc::kv_cache>(to_cpp(c, "params"));
+        m->kind = KVC_MEMORY_KIND_KV_CACHE;
         m->kv = cache.get();
         m->n_seq_max = cache->params().n_seq_max;
         m->n_pos = cache->params().n_pos;
         m->mem = std::move(cache);
         *out = m.release();
+    });
+}
+
+kvc_iswa_params kvc_iswa_default_params(void) noexcept {
+    const kvc::kv_cache_iswa_params p;
+    kvc_iswa_params c;
+    c.kv = kvc_kv_cache_default_params();
+    c.swa_full = p.swa_full;
+    c.n_ubatch = p.n_ubatch;
+    return c;
+}
+
+kvc_status kvc_iswa_create(const kvc_iswa_params* params, kvc_memory** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        const kvc_iswa_params& c = need(params, "params");
+        need(out, "out");
+        kvc::kv_cache_iswa_params p;
+        p.kv = to_cpp(c.kv, "params.kv");
+        p.swa_full = c.swa_full;
+        p.n_ubatch = c.n_ubatch;
+        auto m = std::make_unique<kvc_memory>();
+        auto iswa = std::make_unique<kvc::kv_cache_iswa>(std::move(p));
+        m->kind = KVC_MEMORY_KIND_ISWA;
+        m->iswa = iswa.get();
+        m->n_seq_max = iswa->params().kv.n_seq_max;
+        m->n_pos = iswa->params().kv.n_pos;
+        m->mem = std::move(iswa);
+        *out = m.release();
+    });
+}
+
+kvc_recurrent_params kvc_recurrent_default_params(void) noexcept {
+    return to_c(kvc::recurrent_params{});
+}
+
+kvc_status kvc_recurrent_create(const kvc_recurrent_params* params, kvc_memory** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        const kvc_recurrent_params& c = need(params, "params");
+        need(out, "out");
+        auto m = std::make_unique<kvc_memory>();
+        auto recr = std::make_unique<kvc::memory_recurrent>(to_cpp(c, "params"));
+        m->kind = KVC_MEMORY_KIND_RECURRENT;
+        m->recr = recr.get();
+        m->n_seq_max = recr->params().n_seq_max;
+        m->n_pos = 1;
+        m->mem = std::move(recr);
+        *out = m.release();
+    });
+}
+
+kvc_hybrid_params kvc_hybrid_default_params(void) noexcept {
+    const kvc::memory_hybrid_params p;
+    kvc_hybrid_params c;
+    c.attn = kvc_kv_cache_default_params();
+    c.recr = to_c(p.recr);
+    c.iswa = p.iswa;
+    c.swa_full = p.swa_full;
+    c.n_ubatch = p.n_ubatch;
+    return c;
+}
+
+kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        const kvc_hybrid_params& c = need(params, "params");
+        need(out, "out");
+        kvc::memory_hybrid_params p;
+        p.attn = to_cpp(c.attn, "params.attn");
+        p.recr = to_cpp(c.recr, "params.recr");
+        p.iswa = c.iswa;
+        p.swa_full = c.swa_full;
+        p.n_ubatch = c.n_ubatch;
+        auto m = std::make_unique<kvc_memory>();
+        auto hybrid = std::make_unique<kvc::memory_hybrid>(std::move(p));
+        m->kind = c.iswa ? KVC_MEMORY_KIND_HYBRID_ISWA : KVC_MEMORY_KIND_HYBRID;
+        m->kv = dynamic_cast<kvc::kv_cache*>(&hybrid->get_attn());
+        m->iswa = dynamic_cast<kvc::kv_cache_iswa*>(&hybrid->get_attn());
+        m->recr = &hybrid->get_recr();
+        m->n_seq_max = hybrid->params().attn.n_seq_max;
+        m->n_pos = hybrid->params().attn.n_pos;
+        m->mem = std::move(hybrid);
+        *out = m.release();
+    });
+}
+
+kvc_status kvc_memory_get_kind(const kvc_memory* mem, kvc_memory_kind* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory& m = need(mem, "mem");
+        need(out, "out") = m.kind;
     });
 }
 
@@ -568,7 +804,7 @@ kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch, uint32
         opt.output_all = embd_all;
         c->balloc.init(b.view(), m.mem.get(), opt);
         kvc::memory_context_ptr ctx = m.mem->init_batch(c->balloc, n_ubatch, embd_all);
-        *out = new_context(std::move(ctx), std::move(c));
+        *out = new_context(m, kvc_memory_context::purpose::batch, std::move(ctx), std::move(c));
     });
 }
 
@@ -577,9 +813,11 @@ kvc_status kvc_memory_init_full(kvc_memory* mem, kvc_memory_context** out) noexc
     return guarded(__func__, [&] {
         kvc_memory& m = need(mem, "mem");
         need(out, "out");
-        kvc_memory_context* c = new_context(m.mem->init_full());
+        std::unique_ptr<kvc_memory_context> c(
+            new_context(m, kvc_memory_context::purpose::full, m.mem->init_full()));
         c->applied = true;  // views of every cell, nothing to apply
-        *out = c;
+        if (m.recr != nullptr) capture_rs(*c);
+        *out = c.release();
     });
 }
 
@@ -588,7 +826,7 @@ kvc_status kvc_memory_init_update(kvc_memory* mem, bool optimize, kvc_memory_con
     return guarded(__func__, [&] {
         kvc_memory& m = need(mem, "mem");
         need(out, "out");
-        *out = new_context(m.mem->init_update(optimize));
+        *out = new_context(m, kvc_memory_context::purpose::update, m.mem->init_update(optimize));
     });
 }
 
@@ -617,6 +855,7 @@ kvc_status kvc_memory_context_apply(kvc_memory_context* ctx) noexcept {
         kvc_memory_context& c = need(ctx, "ctx");
         if (!c.ctx->apply()) throw_error(errc::invalid_state, "apply failed");
         c.applied = true;
+        if (c.made_for == kvc_memory_context::purpose::batch && c.mem->recr != nullptr) capture_rs(c);
     });
 }
 
@@ -625,13 +864,26 @@ bool kvc_memory_context_next(kvc_memory_context* ctx) noexcept {
     (void)guarded(__func__, [&] {
         kvc_memory_context& c = need(ctx, "ctx");
         more = c.ctx->next();
+        if (c.made_for == kvc_memory_context::purpose::batch) c.rs.valid = false;
         if (more) c.applied = false;
     });
     return more;
 }
 
 int64_t kvc_memory_context_n_kv(const kvc_memory_context* ctx) noexcept {
-    return guarded_count(__func__, [&] { return int64_t{kv_of(need(ctx, "ctx")).get_n_kv()}; });
+    return guarded_count(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        (void)single_cache(*c.mem, "kvc_memory_context_n_kv_layer");
+        return c.applied ? int64_t{applied_single_kv(c, "kvc_memory_context_n_kv_layer").get_n_kv()} : 0;
+    });
+}
+
+int64_t kvc_memory_context_n_kv_layer(const kvc_memory_context* ctx, uint32_t il) noexcept {
+    return guarded_count(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        (void)layer_cache(*c.mem, il);
+        return c.applied ? int64_t{applied_kv_layer(c, il).get_n_kv()} : 0;
+    });
 }
 
 int64_t kvc_memory_context_n_tokens(const kvc_memory_context* ctx) noexcept {
@@ -682,7 +934,7 @@ kvc_status kvc_memory_cpy_k(kvc_memory_context* ctx, uint32_t il, const float* s
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         need_ptr(src, "src");
-        const kvc::kv_cache_context& k = applied_kv(c);
+        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
         k.cpy_k(il, f32_rows(src, layer_width(k.cache(), il, false), n_tokens));
     });
 }
@@ -692,7 +944,7 @@ kvc_status kvc_memory_cpy_v(kvc_memory_context* ctx, uint32_t il, const float* s
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         need_ptr(src, "src");
-        const kvc::kv_cache_context& k = applied_kv(c);
+        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
         k.cpy_v(il, f32_rows(src, layer_width(k.cache(), il, true), n_tokens));
     });
 }
@@ -701,7 +953,7 @@ kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_tensor_vie
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         kvc_tensor_view& v = need(out, "out");
-        const kvc::kv_cache_context& k = applied_kv(c);
+        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
         to_c(k.get_k(il), v);
     });
 }
@@ -710,26 +962,46 @@ kvc_status kvc_memory_get_v(kvc_memory_context* ctx, uint32_t il, kvc_tensor_vie
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         kvc_tensor_view& v = need(out, "out");
-        const kvc::kv_cache_context& k = applied_kv(c);
+        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
         to_c(k.get_v(il), v);
     });
 }
 
 int64_t kvc_memory_kq_mask_elements(const kvc_memory_context* ctx) noexcept {
     return guarded_count(__func__, [&] {
-        const kvc::kv_cache_context& k = applied_kv(need(ctx, "ctx"));
+        const kvc::kv_cache_context& k =
+            applied_single_kv(need(ctx, "ctx"), "kvc_memory_kq_mask_elements_layer");
+        return static_cast<int64_t>(k.cache().kq_mask_elements(k.get_ubatch(), k.get_n_kv()));
+    });
+}
+
+int64_t kvc_memory_kq_mask_elements_layer(const kvc_memory_context* ctx, uint32_t il) noexcept {
+    return guarded_count(__func__, [&] {
+        const kvc::kv_cache_context& k = applied_kv_layer(need(ctx, "ctx"), il);
         return static_cast<int64_t>(k.cache().kq_mask_elements(k.get_ubatch(), k.get_n_kv()));
     });
 }
 
 kvc_status kvc_memory_set_input_kq_mask(const kvc_memory_context* ctx, float* dst, size_t n_elements,
                                         bool causal, bool alibi) noexcept {
-    return guarded(__func__, [&] { set_kq_mask(ctx, kvc::dtype::f32, dst, n_elements, causal, alibi); });
+    return guarded(__func__,
+                   [&] { set_kq_mask(ctx, std::nullopt, kvc::dtype::f32, dst, n_elements, causal, alibi); });
 }
 
 kvc_status kvc_memory_set_input_kq_mask_f16(const kvc_memory_context* ctx, uint16_t* dst, size_t n_elements,
                                             bool causal, bool alibi) noexcept {
-    return guarded(__func__, [&] { set_kq_mask(ctx, kvc::dtype::f16, dst, n_elements, causal, alibi); });
+    return guarded(__func__,
+                   [&] { set_kq_mask(ctx, std::nullopt, kvc::dtype::f16, dst, n_elements, causal, alibi); });
+}
+
+kvc_status kvc_memory_set_input_kq_mask_layer(const kvc_memory_context* ctx, uint32_t il, float* dst,
+                                              size_t n_elements, bool causal, bool alibi) noexcept {
+    return guarded(__func__, [&] { set_kq_mask(ctx, il, kvc::dtype::f32, dst, n_elements, causal, alibi); });
+}
+
+kvc_status kvc_memory_set_input_kq_mask_f16_layer(const kvc_memory_context* ctx, uint32_t il, uint16_t* dst,
+                                                  size_t n_elements, bool causal, bool alibi) noexcept {
+    return guarded(__func__, [&] { set_kq_mask(ctx, il, kvc::dtype::f16, dst, n_elements, causal, alibi); });
 }
 
 kvc_status kvc_memory_set_input_pos_bucket(const kvc_memory_context* ctx, int32_t* dst, size_t n,
@@ -737,23 +1009,89 @@ kvc_status kvc_memory_set_input_pos_bucket(const kvc_memory_context* ctx, int32_
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         need_ptr(dst, "dst");
-        const kvc::kv_cache_context& k = applied_kv(c);
+        const kvc::kv_cache_context& k = applied_single_kv(c, "kvc_memory_set_input_pos_bucket_layer");
         k.set_input_pos_bucket(std::span<int32_t>(dst, n), n_buckets);
+    });
+}
+
+kvc_status kvc_memory_set_input_pos_bucket_layer(const kvc_memory_context* ctx, uint32_t il, int32_t* dst,
+                                                 size_t n, uint32_t n_buckets) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        need_ptr(dst, "dst");
+        applied_kv_layer(c, il).set_input_pos_bucket(std::span<int32_t>(dst, n), n_buckets);
     });
 }
 
 int64_t kvc_memory_k_shift_elements(const kvc_memory* mem) noexcept {
     return guarded_count(__func__, [&] {
-        const kvc::kv_cache& kv = kv_of(need(mem, "mem"));
+        const kvc::kv_cache& kv = single_cache(need(mem, "mem"), "kvc_memory_k_shift_elements_layer");
+        return int64_t{kv.get_size()} * kv.get_n_stream();
+    });
+}
+
+int64_t kvc_memory_k_shift_elements_layer(const kvc_memory* mem, uint32_t il) noexcept {
+    return guarded_count(__func__, [&] {
+        const kvc::kv_cache& kv = layer_cache(need(mem, "mem"), il);
         return int64_t{kv.get_size()} * kv.get_n_stream();
     });
 }
 
 kvc_status kvc_memory_set_input_k_shift(const kvc_memory* mem, int32_t* dst, size_t n) noexcept {
     return guarded(__func__, [&] {
-        const kvc::kv_cache& kv = kv_of(need(mem, "mem"));
+        const kvc::kv_cache& kv = single_cache(need(mem, "mem"), "kvc_memory_set_input_k_shift_layer");
         need_ptr(dst, "dst");
         kv.set_input_k_shift(std::span<int32_t>(dst, n));
+    });
+}
+
+kvc_status kvc_memory_set_input_k_shift_layer(const kvc_memory* mem, uint32_t il, int32_t* dst,
+                                              size_t n) noexcept {
+    return guarded(__func__, [&] {
+        const kvc::kv_cache& kv = layer_cache(need(mem, "mem"), il);
+        need_ptr(dst, "dst");
+        kv.set_input_k_shift(std::span<int32_t>(dst, n));
+    });
+}
+
+// -- recurrent state --
+
+kvc_status kvc_memory_context_get_rs(const kvc_memory_context* ctx, kvc_rs_view* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        kvc_rs_view& v = need(out, "out");
+        const kvc::memory_recurrent& r = recurrent_of(*c.mem);
+        require_applied(c);
+        const kvc_memory_context::rs_inputs& in = c.rs;
+        if (!in.valid)
+            throw_error(errc::invalid_state, c.made_for == kvc_memory_context::purpose::update
+                                                 ? "an update context has no state rows"
+                                                 : "no current ubatch (every ubatch has been consumed)");
+        v.head = in.head;
+        v.n_rs = in.n;
+        v.n_seqs = in.n_seqs;
+        v.rs_z = in.rs_z;
+        v.size = r.get_size();
+        v.n_rs_seq = r.get_n_rs_seq();
+        v.s_copy = in.s_copy.empty() ? nullptr : in.s_copy.data();
+        v.hist_copy = in.hist_copy.empty() ? nullptr : in.hist_copy.data();
+        v.n_hist_copy = in.hist_copy.size();
+    });
+}
+
+kvc_status kvc_memory_get_r(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        kvc_tensor_view& v = need(out, "out");
+        to_c(recurrent_of(*c.mem).get_r(il), v);
+    });
+}
+
+kvc_status kvc_memory_get_s(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        kvc_tensor_view& v = need(out, "out");
+        to_c(recurrent_of(*c.mem).get_s(il), v);
     });
 }
 
