@@ -79,7 +79,7 @@ TEST(kv_cache_iswa, swa_size_follows_the_formula) {
     EXPECT_EQ(iswa_swa_size(make_params(4096, 1000, 2, false, 512)), 2560u);  // 2512 padded
     EXPECT_EQ(iswa_swa_size(make_params(4096, 8, 1, false, 8)), 256u);        // at least one pad
     EXPECT_EQ(iswa_swa_size(make_params(1024, 4096, 4, false, 512)), 1024u);  // never more than needed
-    EXPECT_EQ(iswa_swa_size(make_params(32, 8, 1, false, 8)), 32u);  // nor more than the base cache
+    EXPECT_EQ(iswa_swa_size(make_params(32, 8, 1, false, 8)), 32u);           // nor more than the base cache
     EXPECT_EQ(iswa_swa_size(make_params(4096, 1024, 2, true, 512)), 4096u);   // swa_full
     kv_cache_iswa_params split = make_params(4096, 1024, 4, false, 512);
     split.kv.unified = false;  // one stream per sequence: each stream holds one sequence's window
