@@ -51,14 +51,21 @@ std::vector<std::pair<dtype, uint64_t>> state_summary::bytes_per_type() const {
     return out;
 }
 
-state_summary summarize_kv_state(std::span<const uint8_t> payload, bool mrope) {
-    io_span_reader r(payload);
+namespace {
+
+// The trailing-bytes rule of the whole-payload parsers.
+void expect_end(const io_span_reader& r) {
+    if (r.remaining() != 0) bad(r, fmt::format("{} trailing bytes after the state", r.remaining()));
+}
+
+// A KV payload from r's position on; s.bytes is what it consumed.
+state_summary read_kv(io_span_reader& r, bool mrope) {
+    const size_t start = r.n_bytes(), avail = r.remaining();
     state_summary s;
     s.mrope = mrope;
-    s.bytes = payload.size();
     const auto n_stream = get<uint32_t>(r);
-    if (n_stream == 0 || n_stream > payload.size() / 4)
-        bad(r, fmt::format("{} streams in a payload of {} bytes", n_stream, payload.size()));
+    if (n_stream == 0 || n_stream > avail / 4)
+        bad(r, fmt::format("{} streams in a payload of {} bytes", n_stream, avail));
     bool have_layers = false;
     for (uint32_t st = 0; st < n_stream; ++st) {
         state_summary::stream& out = s.streams.emplace_back();
@@ -122,8 +129,22 @@ state_summary summarize_kv_state(std::span<const uint8_t> payload, bool mrope) {
         }
         have_layers = true;
     }
-    if (r.remaining() != 0) bad(r, fmt::format("{} trailing bytes after the state", r.remaining()));
+    s.bytes = r.n_bytes() - start;
     return s;
+}
+
+}  // namespace
+
+state_summary summarize_kv_state(std::span<const uint8_t> payload, bool mrope) {
+    io_span_reader r(payload);
+    state_summary s = read_kv(r, mrope);
+    expect_end(r);
+    return s;
+}
+
+state_summary summarize_kv_state_prefix(std::span<const uint8_t> bytes, bool mrope) {
+    io_span_reader r(bytes);
+    return read_kv(r, mrope);
 }
 
 state_summary summarize_kv_state_any(std::span<const uint8_t> payload) {
@@ -221,13 +242,15 @@ std::vector<std::pair<dtype, uint64_t>> recurrent_state_summary::bytes_per_type(
     return out;
 }
 
-recurrent_state_summary summarize_recurrent_state(std::span<const uint8_t> payload, std::string_view layout) {
-    io_span_reader r(payload);
+namespace {
+
+// A recurrent payload from r's position on; s.bytes is what it consumed. Without a layout it takes tensors
+// while bytes remain (at most an r and an s per layer).
+recurrent_state_summary read_recurrent(io_span_reader& r, std::string_view layout) {
+    const size_t start = r.n_bytes(), avail = r.remaining();
     recurrent_state_summary s;
-    s.bytes = payload.size();
     const auto count = get<uint32_t>(r);
-    if (count > r.remaining() / 8)
-        bad(r, fmt::format("{} cells in a payload of {} bytes", count, payload.size()));
+    if (count > r.remaining() / 8) bad(r, fmt::format("{} cells in a payload of {} bytes", count, avail));
     std::map<seq_id_t, uint32_t> cell_of;
     for (uint32_t j = 0; j < count; ++j) {
         auto& cell = s.cells.emplace_back();
@@ -287,7 +310,6 @@ recurrent_state_summary summarize_recurrent_state(std::span<const uint8_t> paylo
         t.row_bytes = row_bytes;
         t.bytes = skip(r, row_bytes, count, fmt::format("tensor {}", i));
     }
-    if (r.remaining() != 0) bad(r, fmt::format("{} trailing bytes after the state", r.remaining()));
     if (want && s.tensors.size() != want->size())
         bad(r, fmt::format("the payload ends after {} tensors, its layout has {}", s.tensors.size(),
                            want->size()));
@@ -298,7 +320,206 @@ recurrent_state_summary summarize_recurrent_state(std::span<const uint8_t> paylo
             s.tensors[i].il = static_cast<int32_t>(i % s.n_layer);
         }
     }
+    s.bytes = r.n_bytes() - start;
     return s;
+}
+
+}  // namespace
+
+recurrent_state_summary summarize_recurrent_state(std::span<const uint8_t> payload, std::string_view layout) {
+    io_span_reader r(payload);
+    recurrent_state_summary s = read_recurrent(r, layout);
+    expect_end(r);
+    return s;
+}
+
+recurrent_state_summary summarize_recurrent_state_prefix(std::span<const uint8_t> bytes,
+                                                         std::string_view layout) {
+    io_span_reader r(bytes);
+    return read_recurrent(r, layout);
+}
+
+// -- composite payloads --
+
+namespace {
+
+using memory_kind = memory_state_summary::memory;
+
+// One part to read: a KV payload (with or without M-RoPE cells) or a recurrent one (with its layout).
+struct part_plan {
+    const char* name = "";
+    bool kv = true;
+    bool mrope = false;
+    std::string_view layout{};  // recurrent parts; empty: none
+};
+
+// Reads the parts back to back, then refuses trailing bytes. A part's error names the part when there
+// are several; *failed_at (when given) is set to the byte reached on failure.
+memory_state_summary read_parts(std::span<const uint8_t> payload, memory_kind kind,
+                                std::span<const part_plan> plan, uint64_t* failed_at = nullptr) {
+    io_span_reader r(payload);
+    memory_state_summary out;
+    out.kind = kind;
+    out.bytes = payload.size();
+    const part_plan* current = nullptr;
+    try {
+        for (const part_plan& p : plan) {
+            current = &p;
+            const uint64_t at = r.n_bytes();
+            if (p.kv)
+                out.parts.push_back({.name = p.name, .offset = at, .summary = read_kv(r, p.mrope)});
+            else
+                out.parts.push_back({.name = p.name, .offset = at, .summary = read_recurrent(r, p.layout)});
+        }
+        current = nullptr;
+        expect_end(r);
+    } catch (const error& e) {
+        if (failed_at) *failed_at = r.n_bytes();
+        if (current == nullptr || plan.size() == 1) throw;
+        throw error(e.code(), fmt::format("{} part: {}", current->name, e.what()));
+    }
+    return out;
+}
+
+[[noreturn]] void bad_layout(std::string_view layout, std::string_view why) {
+    throw error(errc::corrupt_data, fmt::format("state: layout \"{}\": {}", layout, why));
+}
+
+// A KV part from a kv_cache's layout line ("kv streams=1 v_trans=0 n_pos=1 ..."): n_pos > 1 means M-RoPE
+// cells.
+part_plan kv_part(const char* name, std::string_view layout) {
+    std::string_view s = layout;
+    uint32_t n_pos = 0;
+    const size_t at = s.find(" n_pos=");
+    if (!s.starts_with("kv ") || at == std::string_view::npos) bad_layout(layout, "not a KV cache's");
+    s.remove_prefix(at + 7);
+    if (!take_number(s, n_pos) || n_pos == 0) bad_layout(layout, "n_pos is not a count");
+    return {.name = name, .kv = true, .mrope = n_pos > 1, .layout = {}};
+}
+
+// Splits "<head><a><sep><b>" into a and b; false when text does not have that form.
+bool split_layout(std::string_view text, std::string_view head, std::string_view sep, std::string_view& a,
+                  std::string_view& b) {
+    if (!take(text, head)) return false;
+    const size_t at = text.find(sep);
+    if (at == std::string_view::npos) return false;
+    a = text.substr(0, at);
+    b = text.substr(at + sep.size());
+    return true;
+}
+
+memory_state_summary summarize_with_layout(std::span<const uint8_t> payload, std::string_view layout,
+                                           bool partial) {
+    std::vector<part_plan> plan;
+    memory_kind kind = memory_kind::kv;
+    std::string_view a, b, base, swa;
+    if (layout.starts_with("kv ")) {
+        plan.push_back(kv_part("kv", layout));
+    } else if (layout.starts_with("recurrent ")) {
+        kind = memory_kind::recurrent;
+        plan.push_back({.name = "recurrent", .kv = false, .mrope = false, .layout = layout});
+    } else if (layout.starts_with("iswa ")) {
+        kind = memory_kind::iswa;
+        if (!split_layout(layout, "iswa base=", " swa=", base, swa))
+            bad_layout(layout, "not a kv_cache_iswa's");
+        if (!partial) plan.push_back(kv_part("base", base));
+        plan.push_back(kv_part("swa", swa));
+    } else if (layout.starts_with("hybrid ")) {
+        if (!split_layout(layout, "hybrid attn=", " recr=", a, b))
+            bad_layout(layout, "not a memory_hybrid's");
+        kind = memory_kind::hybrid;
+        if (a.starts_with("iswa ")) {
+            kind = memory_kind::hybrid_iswa;
+            if (!split_layout(a, "iswa base=", " swa=", base, swa))
+                bad_layout(layout, "not a memory_hybrid's");
+            if (!partial) {
+                plan.push_back(kv_part("base", base));
+                plan.push_back(kv_part("swa", swa));
+            }
+        } else if (!partial) {
+            plan.push_back(kv_part("attn", a));
+        }
+        plan.push_back({.name = "recr", .kv = false, .mrope = false, .layout = b});
+    } else {
+        throw error(errc::unsupported,
+                    fmt::format("state: layout \"{}\" is none of kv, recurrent, iswa, hybrid", layout));
+    }
+    memory_state_summary s = read_parts(payload, kind, plan);
+    s.partial_only = partial && kind != memory_kind::kv && kind != memory_kind::recurrent;
+    return s;
+}
+
+// Without a layout: the compositions in order, each without and then with M-RoPE cells in its KV parts;
+// the first that reads every byte wins.
+memory_state_summary guess(std::span<const uint8_t> payload) {
+    static constexpr part_plan kv{.name = "kv"}, recurrent{.name = "recurrent", .kv = false},
+        attn{.name = "attn"}, base{.name = "base"}, swa{.name = "swa"}, recr{.name = "recr", .kv = false};
+    struct composition {
+        memory_kind kind;
+        std::vector<part_plan> parts;
+    };
+    const composition order[] = {{memory_kind::kv, {kv}},
+                                 {memory_kind::recurrent, {recurrent}},
+                                 {memory_kind::iswa, {base, swa}},
+                                 {memory_kind::hybrid, {attn, recr}},
+                                 {memory_kind::hybrid_iswa, {base, swa, recr}}};
+    std::optional<error> best;
+    uint64_t best_at = 0;
+    for (const composition& c : order) {
+        std::optional<error> first;  // without M-RoPE
+        uint64_t first_at = 0;
+        for (const bool mrope : {false, true}) {
+            std::vector<part_plan> parts = c.parts;
+            bool has_kv = false;
+            for (part_plan& p : parts) {
+                p.mrope = mrope;
+                has_kv = has_kv || p.kv;
+            }
+            if (mrope && !has_kv) break;
+            uint64_t at = 0;
+            try {
+                memory_state_summary s = read_parts(payload, c.kind, parts, &at);
+                s.guessed = true;
+                return s;
+            } catch (const error& e) {
+                if (!first) {
+                    first.emplace(e.code(), c.parts.size() == 1
+                                                ? std::string(e.what())
+                                                : fmt::format("read as {}: {}", to_string(c.kind), e.what()));
+                    first_at = at;
+                }
+            }
+        }
+        if (!best || first_at > best_at) {
+            best = first;
+            best_at = first_at;
+        }
+    }
+    throw *best;
+}
+
+}  // namespace
+
+std::string_view to_string(memory_state_summary::memory kind) {
+    switch (kind) {
+        case memory_kind::kv:
+            return "kv";
+        case memory_kind::recurrent:
+            return "recurrent";
+        case memory_kind::iswa:
+            return "iswa";
+        case memory_kind::hybrid:
+            return "hybrid";
+        case memory_kind::hybrid_iswa:
+            return "hybrid_iswa";
+    }
+    return "?";
+}
+
+memory_state_summary summarize_memory_state(std::span<const uint8_t> payload, std::string_view layout,
+                                            state_seq_flags flags) {
+    if (layout.empty()) return guess(payload);
+    return summarize_with_layout(payload, layout, (flags & state_seq_flag_partial_only) != 0);
 }
 
 }  // namespace kvc

@@ -6,7 +6,7 @@
 // byte as it was: its state, and every cell and raw row (history planes too), every part of a composite
 // memory. An accepted one must save back to bytes that restore into a fresh memory identically; a
 // recurrent sequence's must save back to itself. The payloads go through kvcache inspect's parser
-// (summarize_recurrent_state) as well.
+// (summarize_memory_state) as well.
 // Input: one byte choosing the variant, the destination (seq 0, seq 1 or the whole memory) and the flags,
 // then the payload (no buffer header).
 #include <string>
@@ -288,7 +288,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const state_seq_flags flags = data[0] / n_memory_variants / 3 % 2 ? state_seq_flag_partial_only : 0;
     const std::span<const uint8_t> payload(data + 1, size - 1);
     try {  // kvcache inspect's parser never crashes either
-        (void)summarize_recurrent_state(payload);
+        (void)summarize_memory_state(payload);
     } catch (const error&) {}
     auto mem = v.make();
     const std::vector<uint8_t> before = state_seq_get_data(*mem, seq_all);
@@ -310,9 +310,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     check(check_ok);
     (void)v.snapshot(*mem);  // the invariants hold
-    // kvcache inspect reads what a recurrent memory accepts (given its layout, as a session file holds it)
-    if (const std::string layout = mem->state_layout(); layout.starts_with("recurrent "))
-        check(summarize_recurrent_state(payload, layout).bytes == payload.size());
+    // kvcache inspect reads what a memory accepts (given its layout and flags, as a session file holds them)
+    check(summarize_memory_state(payload, mem->state_layout(), flags).bytes == payload.size());
     if (dest != seq_all && v.exact)
         check(payload_of(*mem, dest, flags) == std::vector<uint8_t>(payload.begin(), payload.end()));
     const std::vector<uint8_t> saved = state_seq_get_data(*mem, seq_all);

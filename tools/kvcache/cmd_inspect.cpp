@@ -1,6 +1,7 @@
 // kvcache inspect FILE [--json]: what a saved state holds. Reads kvcache session files, llama.cpp
 // per-sequence files ('ggsq'), per-sequence state buffers (state_seq_get_data) and raw payloads, of KV
-// caches and of recurrent memories. Exit status 0 for a valid file, 1 (with the reason) for anything else.
+// caches, recurrent memories and the composite memories made of them (kv_cache_iswa, memory_hybrid), part
+// by part. Exit status 0 for a valid file, 1 (with the reason) for anything else.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -28,52 +29,29 @@ struct inspect_options {
     bool json = false;
 };
 
-// What the file is, whatever its kind; the payload summary (KV or recurrent) when there is one.
+// What the file is, whatever its kind; the payload summary (its parts) when there is one.
 struct report {
-    std::string format;  // kvcache-session, llama-seq-file, state-seq-buffer, kv-payload, recurrent-payload
+    std::string format;  // kvcache-session, llama-seq-file, state-seq-buffer, <memory>-payload
     uint64_t file_bytes = 0;
     std::optional<session_info> session;
     std::optional<seq_id_t> source_seq;
     std::optional<size_t> n_tokens;
-    std::optional<state_summary> payload;
-    std::optional<recurrent_state_summary> recurrent;
+    std::optional<memory_state_summary> memory;
     std::string payload_note;  // why there is no summary
 };
+
+using memory_kind = memory_state_summary::memory;
+
+// One part of a plain memory: printed as before composite memories existed.
+bool single(const memory_state_summary& m) {
+    return m.kind == memory_kind::kv || m.kind == memory_kind::recurrent;
+}
 
 template <class T>
 T load_at(const std::vector<uint8_t>& b, size_t at) {
     T v;
     std::memcpy(&v, b.data() + at, sizeof v);
     return v;
-}
-
-// Positions per cell from a layout line ("kv ... n_pos=4 ..."): whether cells carry M-RoPE extensions.
-std::optional<bool> mrope_of(const std::string& layout) {
-    if (layout.rfind("kv ", 0) != 0) return std::nullopt;
-    const size_t at = layout.find(" n_pos=");
-    if (at == std::string::npos) return std::nullopt;
-    return std::atoi(layout.c_str() + at + 7) > 1;
-}
-
-// How far a parser got before it failed: the byte of "at byte N" in state errors, 0 without one.
-uint64_t failed_at(const error& e) {
-    const char* at = std::strstr(e.what(), "at byte ");
-    return at ? std::strtoull(at + 8, nullptr, 10) : 0;
-}
-
-// A payload without a layout: a KV cache's, else a recurrent memory's. When neither parses, the error of
-// the parser that got further (the KV one on a tie) is the likelier explanation.
-void summarize_any(std::span<const uint8_t> payload, report& r) {
-    try {
-        r.payload = summarize_kv_state_any(payload);
-    } catch (const error& kv) {
-        try {
-            r.recurrent = summarize_recurrent_state(payload);
-        } catch (const error& rs) {
-            if (failed_at(rs) > failed_at(kv)) throw;
-            throw kv;
-        }
-    }
 }
 
 report examine(const std::string& path) {
@@ -88,16 +66,12 @@ report examine(const std::string& path) {
         r.session = read_session(file, &storage);
         r.source_seq = r.session->seq_id;
         r.n_tokens = r.session->tokens.size();
-        if (r.session->layout.rfind("recurrent ", 0) == 0) {
-            r.recurrent = summarize_recurrent_state(storage, r.session->layout);
-            return r;
+        try {
+            r.memory = summarize_memory_state(storage, r.session->layout, r.session->state_flags);
+        } catch (const error& e) {
+            if (e.code() != errc::unsupported) throw;
+            r.payload_note = "not the payload of a memory kvcache knows (kv, recurrent, iswa, hybrid)";
         }
-        const auto mrope = mrope_of(r.session->layout);
-        if (!mrope) {
-            r.payload_note = "not a KV cache or recurrent payload";
-            return r;
-        }
-        r.payload = summarize_kv_state(storage, *mrope);
         return r;
     }
     if (magic == llama_seq_file_magic) {
@@ -123,8 +97,10 @@ report examine(const std::string& path) {
     } else {
         payload = file;
         try {
-            summarize_any(payload, r);
-            r.format = r.payload ? "kv-payload" : "recurrent-payload";
+            r.memory = summarize_memory_state(payload);
+            r.format = r.memory->kind == memory_kind::hybrid_iswa
+                           ? std::string("hybrid-payload")
+                           : fmt::format("{}-payload", to_string(r.memory->kind));
         } catch (const error& e) {
             throw error(e.code(), fmt::format("not a kvcache session file, llama.cpp sequence file, state "
                                               "buffer or memory payload ({})",
@@ -132,7 +108,7 @@ report examine(const std::string& path) {
         }
         return r;
     }
-    summarize_any(payload, r);
+    r.memory = summarize_memory_state(payload);
     return r;
 }
 
@@ -158,6 +134,31 @@ json to_json(const recurrent_state_summary& p) {
             {"tensors", std::move(tensors)}, {"bytes_per_type", per_type}};
 }
 
+json to_json(const state_summary& p) {
+    json streams = json::array();
+    for (const auto& st : p.streams) {
+        json seqs = json::array();
+        for (const auto& q : st.seqs)
+            seqs.push_back(
+                {{"seq", q.seq}, {"cells", q.n_cells}, {"pos_min", q.pos_min}, {"pos_max", q.pos_max}});
+        streams.push_back({{"cells", st.n_cells}, {"seqs", std::move(seqs)}});
+    }
+    json layers = json::array();
+    for (const auto& l : p.layers)
+        layers.push_back({{"type_k", to_string(l.type_k)},
+                          {"k_bytes", l.k_bytes},
+                          {"type_v", to_string(l.type_v)},
+                          {"v_bytes", l.v_bytes}});
+    json per_type = json::object();
+    for (const auto& [t, n] : p.bytes_per_type()) per_type[to_string(t)] = n;
+    return {{"bytes", p.bytes},   {"v_trans", p.v_trans},        {"mrope", p.mrope},
+            {"streams", streams}, {"layers", std::move(layers)}, {"bytes_per_type", per_type}};
+}
+
+json to_json(const memory_state_summary::part& part) {
+    return part.kv() ? to_json(*part.kv()) : to_json(*part.recurrent());
+}
+
 json to_json(const std::string& path, const report& r) {
     json j;
     j["file"] = path;
@@ -176,33 +177,27 @@ json to_json(const std::string& path, const report& r) {
     }
     if (r.source_seq) j["source_seq"] = *r.source_seq;
     if (r.n_tokens) j["tokens"] = *r.n_tokens;
-    if (r.recurrent) {
-        j["payload"] = to_json(*r.recurrent);
-        return j;
-    }
-    if (!r.payload) {
+    if (!r.memory) {
         j["payload"] = {{"note", r.payload_note}};
         return j;
     }
-    const state_summary& p = *r.payload;
-    json streams = json::array();
-    for (const auto& st : p.streams) {
-        json seqs = json::array();
-        for (const auto& q : st.seqs)
-            seqs.push_back(
-                {{"seq", q.seq}, {"cells", q.n_cells}, {"pos_min", q.pos_min}, {"pos_max", q.pos_max}});
-        streams.push_back({{"cells", st.n_cells}, {"seqs", std::move(seqs)}});
+    const memory_state_summary& m = *r.memory;
+    if (single(m)) {
+        j["payload"] = to_json(m.parts[0]);
+        return j;
     }
-    json layers = json::array();
-    for (const auto& l : p.layers)
-        layers.push_back({{"type_k", to_string(l.type_k)},
-                          {"k_bytes", l.k_bytes},
-                          {"type_v", to_string(l.type_v)},
-                          {"v_bytes", l.v_bytes}});
-    json per_type = json::object();
-    for (const auto& [t, n] : p.bytes_per_type()) per_type[to_string(t)] = n;
-    j["payload"] = {{"bytes", p.bytes},   {"v_trans", p.v_trans},        {"mrope", p.mrope},
-                    {"streams", streams}, {"layers", std::move(layers)}, {"bytes_per_type", per_type}};
+    json parts = json::array();
+    for (const auto& part : m.parts) {
+        json one = {{"name", part.name}, {"offset", part.offset}};
+        if (part.kv()) one["memory"] = "kv";
+        one.update(to_json(part));  // ordered: the part's own keys follow
+        parts.push_back(std::move(one));
+    }
+    j["payload"] = {{"memory", to_string(m.kind)},
+                    {"bytes", m.bytes},
+                    {"partial_only", m.partial_only},
+                    {"guessed", m.guessed},
+                    {"parts", std::move(parts)}};
     return j;
 }
 
@@ -213,9 +208,10 @@ std::string human_bytes(uint64_t n) {
     return fmt::format("{:.2f} GiB", static_cast<double>(n) / (1 << 30));
 }
 
-void print_text(const recurrent_state_summary& p) {
+// lead: the first line's start, "payload:  N bytes" or "part swa: N bytes at byte M".
+void print_text(const std::string& lead, const recurrent_state_summary& p) {
     using kind = recurrent_state_summary::kind;
-    fmt::print("payload:  {} bytes, recurrent state\n", p.bytes);
+    fmt::print("{}, recurrent state\n", lead);
     fmt::print("cells:    {}\n", p.cells.size());
     for (size_t c = 0; c < p.cells.size(); ++c) {
         const auto& cell = p.cells[c];
@@ -252,6 +248,32 @@ void print_text(const recurrent_state_summary& p) {
     fmt::print("\n");
 }
 
+void print_text(const std::string& lead, const memory_state_summary::part& part) {
+    if (part.recurrent()) {
+        print_text(lead, *part.recurrent());
+        return;
+    }
+    const state_summary& p = *part.kv();
+    fmt::print("{}, {} stream{}, V {}transposed{}\n", lead, p.streams.size(),
+               p.streams.size() == 1 ? "" : "s", p.v_trans ? "" : "not ", p.mrope ? ", M-RoPE cells" : "");
+    for (size_t s = 0; s < p.streams.size(); ++s) {
+        const auto& st = p.streams[s];
+        if (st.n_cells == 0 && p.streams.size() > 1) continue;
+        fmt::print("stream {}: {} cells\n", s, st.n_cells);
+        for (const auto& q : st.seqs)
+            fmt::print("  seq {}: {} cells, positions [{}, {}]\n", q.seq, q.n_cells, q.pos_min, q.pos_max);
+    }
+    fmt::print("layers:   {}\n", p.layers.size());
+    for (size_t il = 0; il < p.layers.size(); ++il) {
+        const auto& l = p.layers[il];
+        fmt::print("  {:3}: K {} {}, V {} {}\n", il, to_string(l.type_k), human_bytes(l.k_bytes),
+                   to_string(l.type_v), human_bytes(l.v_bytes));
+    }
+    fmt::print("by type:");
+    for (const auto& [t, n] : p.bytes_per_type()) fmt::print(" {} {}", to_string(t), human_bytes(n));
+    fmt::print("\n");
+}
+
 void print_text(const std::string& path, const report& r) {
     fmt::print("file:     {} ({} bytes)\n", path, r.file_bytes);
     static constexpr const char* names[][2] = {
@@ -259,7 +281,9 @@ void print_text(const std::string& path, const report& r) {
         {"llama-seq-file", "llama.cpp sequence file ('ggsq', version 2)"},
         {"state-seq-buffer", "per-sequence state buffer (magic 0xaf143cd8)"},
         {"kv-payload", "raw KV cache state payload"},
-        {"recurrent-payload", "raw recurrent state payload"}};
+        {"recurrent-payload", "raw recurrent state payload"},
+        {"iswa-payload", "raw kv_cache_iswa state payload"},
+        {"hybrid-payload", "raw memory_hybrid state payload"}};
     for (const auto& [id, name] : names)
         if (r.format == id) fmt::print("format:   {}\n", name);
     if (r.session) {
@@ -282,33 +306,27 @@ void print_text(const std::string& path, const report& r) {
             fmt::print("source:   seq {}\n", *r.source_seq);
     }
     if (r.n_tokens) fmt::print("tokens:   {}\n", *r.n_tokens);
-    if (r.recurrent) {
-        print_text(*r.recurrent);
-        return;
-    }
-    if (!r.payload) {
+    if (!r.memory) {
         fmt::print("payload:  {}\n", r.payload_note);
         return;
     }
-    const state_summary& p = *r.payload;
-    fmt::print("payload:  {} bytes, {} stream{}, V {}transposed{}\n", p.bytes, p.streams.size(),
-               p.streams.size() == 1 ? "" : "s", p.v_trans ? "" : "not ", p.mrope ? ", M-RoPE cells" : "");
-    for (size_t s = 0; s < p.streams.size(); ++s) {
-        const auto& st = p.streams[s];
-        if (st.n_cells == 0 && p.streams.size() > 1) continue;
-        fmt::print("stream {}: {} cells\n", s, st.n_cells);
-        for (const auto& q : st.seqs)
-            fmt::print("  seq {}: {} cells, positions [{}, {}]\n", q.seq, q.n_cells, q.pos_min, q.pos_max);
+    const memory_state_summary& m = *r.memory;
+    if (single(m)) {
+        print_text(fmt::format("payload:  {} bytes", m.bytes), m.parts[0]);
+        return;
     }
-    fmt::print("layers:   {}\n", p.layers.size());
-    for (size_t il = 0; il < p.layers.size(); ++il) {
-        const auto& l = p.layers[il];
-        fmt::print("  {:3}: K {} {}, V {} {}\n", il, to_string(l.type_k), human_bytes(l.k_bytes),
-                   to_string(l.type_v), human_bytes(l.v_bytes));
-    }
-    fmt::print("by type:");
-    for (const auto& [t, n] : p.bytes_per_type()) fmt::print(" {} {}", to_string(t), human_bytes(n));
-    fmt::print("\n");
+    const char* memory = m.kind == memory_kind::iswa     ? "kv_cache_iswa state"
+                         : m.kind == memory_kind::hybrid ? "memory_hybrid state"
+                                                         : "memory_hybrid state with iSWA attention";
+    const char* only = !m.partial_only               ? ""
+                       : m.kind == memory_kind::iswa ? ", the SWA part only (partial)"
+                                                     : ", the recurrent part only (partial)";
+    std::vector<std::string_view> part_names;
+    for (const auto& part : m.parts) part_names.push_back(part.name);
+    fmt::print("payload:  {} bytes, {}{}: {}{}\n", m.bytes, memory, only, fmt::join(part_names, " + "),
+               m.guessed ? " (guessed: the file has no layout)" : "");
+    for (const auto& part : m.parts)
+        print_text(fmt::format("part {}: {} bytes at byte {}", part.name, part.bytes(), part.offset), part);
 }
 
 }  // namespace
