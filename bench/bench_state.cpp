@@ -276,6 +276,10 @@ public:
         ConsoleReporter::ReportRuns(runs);
         for (const Run& r : runs) {
             if (r.error_occurred) continue;
+            // With --benchmark_repetitions the table shows the median: other aggregates (mean, stddev,
+            // cv) are skipped, and the median replaces the repetitions reported before it.
+            const bool median = r.run_type == Run::RT_Aggregate && r.aggregate_name == "median";
+            if (r.run_type == Run::RT_Aggregate && !median) continue;
             result& out = results_[r.run_name.function_name];  // without "/iterations:N"
             const auto bps = r.counters.find("bytes_per_second");
             if (bps != r.counters.end()) out.gbps = bps->second.value / 1e9;
@@ -289,8 +293,8 @@ public:
     void Finalize() override {
         ConsoleReporter::Finalize();
         std::printf(
-            "\nState save/load: GB/s (x memcpy of the same bytes); target for save into and load mem: >= "
-            "0.5x\n"
+            "\nState save/load: GB/s (x memcpy of the same bytes; medians with --benchmark_repetitions); "
+            "target for save into and load mem: >= 0.5x\n"
             "(save into: state_seq_get_data into the caller's reused buffer; save mem: into a new vector, "
             "whose\n"
             " pages the kernel zeroes and maps on every call, which dominates at 256 MB)\n");

@@ -30,6 +30,51 @@ std::vector<std::pair<size_t, size_t>> runs_of(std::span<const uint32_t> cells) 
     return runs;
 }
 
+// detail::bad for an error found in bytes already taken from the reader (decoded from one span):
+// `at` is the byte offset the reader would have reached reading field by field.
+[[noreturn]] void bad_at(size_t at, const std::string& what) {
+    throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", at, what));
+}
+
+template <class T>
+T load(const std::byte* p) {
+    T v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// The cells of a one-sequence state (per cell i32 pos, u32 n_ids = 1, [i32 x, i32 y with M-RoPE], i32 id),
+// decoded from the span `meta` that starts at byte `at`: the same checks, in the same order and with the
+// same offsets, as reading them field by field, without a virtual read per field.
+void decode_seq_cells(std::span<const std::byte> meta, size_t at, uint32_t stream, bool has_ext,
+                      std::vector<pos_t>& pos, std::vector<cell_ext>& ext) {
+    const size_t stride = has_ext ? 20 : 12;
+    const size_t count = pos.size();
+    int32_t first_id = 0;
+    for (size_t j = 0; j < count; ++j) {
+        const std::byte* c = meta.data() + j * stride;
+        const size_t off = at + j * stride;
+        const auto p = load<int32_t>(c);
+        if (p < 0) bad_at(off + 4, fmt::format("cell {} of stream {} has position {}", j, stream, p));
+        pos[j] = p;
+        const auto n_ids = load<uint32_t>(c + 4);
+        if (has_ext) ext[j] = {load<int32_t>(c + 8), load<int32_t>(c + 12)};
+        if (n_ids != 1)
+            bad_at(off + stride - 4,
+                   fmt::format("cell {} has {} sequence ids; a sequence's state has exactly one per cell "
+                               "(a whole-memory state cannot be restored into one sequence)",
+                               j, n_ids));
+        const auto id = load<int32_t>(c + stride - 4);
+        if (j == 0)
+            first_id = id;
+        else if (id != first_id)
+            bad_at(off + stride,
+                   fmt::format("cells of seq {} and seq {}: a whole-memory state cannot be restored into one "
+                               "sequence",
+                               first_id, id));
+    }
+}
+
 // The cells of a one-sequence state as the ubatch whose placement restores them into seq_id.
 ubatch restore_ubatch(std::span<const pos_t> pos, std::span<const cell_ext> ext, seq_id_t seq_id,
                       uint32_t n_pos) {
@@ -171,12 +216,12 @@ struct kv_cache::staged_state final : state_stage_i {
     struct stream_part {
         uint32_t stream = 0;  // target stream
         std::vector<pos_t> pos;
-        std::vector<cell_ext> ext;
+        std::vector<cell_ext> ext;                  // M-RoPE (n_pos > 1) only, else empty
         std::vector<std::vector<seq_id_t>> seqs;    // whole restore only
         std::vector<std::span<const std::byte>> k;  // [layer] cell rows back to back
         std::vector<std::span<const std::byte>> v;  // [layer] rows, or channel-major elements (transposed)
-        std::vector<std::vector<std::byte>> owned;  // [2 * layer] bytes behind k and v, unless the reader
-                                                    // lends them (io_span_reader)
+        std::vector<std::vector<std::byte>> owned;  // bytes behind k and v when the reader copied them
+                                                    // (io_span_reader lends its own: then none)
     };
     std::vector<stream_part> parts;  // streams with cells, ascending
 };
@@ -187,6 +232,16 @@ state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_
     staged_state& st = *stage;
     st.owner = this;
     st.seq_id = seq_id;
+    // A reader over memory holds every byte already: cell metadata is decoded from one span of it.
+    auto* const in_memory = dynamic_cast<io_span_reader*>(&io);
+    const bool has_ext = params_.n_pos > 1;
+    std::vector<std::byte> scratch;  // bytes of a reader that copies (not io_span_reader)
+    const auto read_rows = [&](size_t bytes, staged_state::stream_part& part) {
+        const auto rows = io.read_span(bytes, scratch);
+        if (!scratch.empty()) part.owned.push_back(std::move(scratch));  // the moved buffer stays put
+        scratch.clear();
+        return rows;
+    };
     const auto n_stream = get<uint32_t>(io);
     if (n_stream != streams_.size())
         bad(io, fmt::format(
@@ -202,12 +257,21 @@ state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_
         part.stream = seq_id == seq_all ? s : seq_to_stream(seq_id);
         if (seq_id != seq_all && !st.parts.empty())
             bad(io, "a sequence's state holds cells in more than one stream");
-        part.owned.reserve(2 * layers_.size());  // no reallocation: k and v point into it
+        part.k.reserve(layers_.size());
+        part.v.reserve(layers_.size());
         part.pos.resize(count);
-        part.ext.resize(count);
+        if (has_ext) part.ext.resize(count);
         int32_t first_id = 0;
         if (seq_id == seq_all) part.seqs.resize(count);
-        for (uint32_t j = 0; j < count; ++j) {
+        // One sequence: fixed-size cells, decoded from one span when the reader has them all (else read
+        // field by field below, so that a truncated state fails where it always did).
+        const size_t meta = size_t{count} * (has_ext ? 20 : 12);
+        const bool bulk = seq_id != seq_all && in_memory != nullptr && in_memory->remaining() >= meta;
+        if (bulk) {
+            const size_t at = io.n_bytes();
+            decode_seq_cells(io.read_span(meta, scratch), at, s, has_ext, part.pos, part.ext);
+        }
+        for (uint32_t j = 0; !bulk && j < count; ++j) {
             const auto pos = get<int32_t>(io);
             if (pos < 0) bad(io, fmt::format("cell {} of stream {} has position {}", j, s, pos));
             part.pos[j] = pos;
@@ -264,7 +328,7 @@ state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_
             const auto row = get<uint64_t>(io);
             if (row != l.k_row)
                 bad(io, fmt::format("layer {} K rows of {} bytes, this cache {}", l.il, row, l.k_row));
-            part.k.push_back(io.read_span(size_t{count} * l.k_row, part.owned.emplace_back()));
+            part.k.push_back(read_rows(size_t{count} * l.k_row, part));
         }
         const size_t esz = type_size(params_.type_v);
         for (const layer& l : layers_) {
@@ -284,7 +348,7 @@ state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_
                                         elem, l.e_v, esz));
             }
             const size_t bytes = params_.v_trans ? size_t{count} * l.e_v * esz : size_t{count} * l.v_row;
-            part.v.push_back(io.read_span(bytes, part.owned.emplace_back()));
+            part.v.push_back(read_rows(bytes, part));
         }
         st.parts.push_back(std::move(part));
     }
@@ -298,60 +362,12 @@ void kv_cache::state_commit(state_stage_i& stage) {
     const staged_state& st = *staged;
     const seq_id_t seq_id = st.seq_id;
 
-    // placement
-    std::vector<slot_info> slots;
-    if (seq_id == seq_all) {
-        for (kv_cells& c : streams_) c.reset();  // decision 2: every stream is replaced
-        std::fill(heads_.begin(), heads_.end(), 0);
-        for (const auto& part : st.parts) {
-            kv_cells& c = streams_[part.stream];
-            slot_info si;
-            si.s0 = si.s1 = part.stream;
-            si.strm = {part.stream};
-            si.idxs.resize(1);
-            for (uint32_t j = 0; j < part.pos.size(); ++j) {
-                c.pos_set(j, part.pos[j]);
-                c.ext_set(j, part.ext[j]);
-                for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
-                si.idxs[0].push_back(j);
-            }
-            slots.push_back(std::move(si));
-        }
-    } else {
-        const uint32_t s = seq_to_stream(seq_id);
-        kv_cells& c = streams_[s];
-        // the destination's cells are replaced: keep them until the new ones have found room
-        std::vector<uint32_t> old;
-        c.seq_cells(seq_id, -1, -1, old);
-        const cells_snapshot saved = c.cp(old);
-        const std::vector<uint32_t> saved_heads = heads_;
-        seq_rm(seq_id, -1, -1);
-        if (!st.parts.empty()) {
-            const auto& part = st.parts[0];
-            const auto n = static_cast<uint32_t>(part.pos.size());
-            const ubatch ub = restore_ubatch(part.pos, part.ext, seq_id, params_.n_pos);
-            slot_info si = find_slot(ub);
-            if (si.empty()) {
-                c.set(old, saved);
-                heads_ = saved_heads;
-                throw error(errc::invalid_state,
-                            fmt::format("state_read: no room for the {} cells of the state in the "
-                                        "stream of seq {}",
-                                        n, seq_id));
-            }
-            apply_ubatch(si, ub);
-            slots.push_back(std::move(si));
-        }
-    }
-
-    // data
+    // data: the part's j-th K/V row goes to cells[j] of the stream
     const size_t esz = type_size(params_.type_v);
-    for (size_t p = 0; p < st.parts.size(); ++p) {
-        const auto& part = st.parts[p];
-        const slot_info& si = slots[p];
-        const uint32_t stream = si.strm[0];
-        const auto& cells = si.idxs[0];
+    const auto copy_rows = [&](const staged_state::stream_part& part, uint32_t stream,
+                               std::span<const uint32_t> cells) {
         const auto runs = runs_of(cells);
+        std::vector<std::byte*> dst;  // transposed V: where each run's channel 0 goes
         for (size_t li = 0; li < layers_.size(); ++li) {
             const layer& l = layers_[li];
             for (const auto& [j, n] : runs) {
@@ -360,13 +376,92 @@ void kv_cache::state_commit(state_stage_i& stage) {
                     std::memcpy(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row, n * l.v_row);
             }
             if (!params_.v_trans) continue;
-            auto* v = const_cast<std::byte*>(l.v.data());
+            // channel 0 of each run's first cell; channel e is e * kv_size elements further (v_elem_offset)
+            dst.clear();
+            for (const auto& [j, n] : runs)
+                dst.push_back(const_cast<std::byte*>(l.v.data()) + v_elem_offset(stream, 0, cells[j]) * esz);
+            const size_t channel = size_t{params_.kv_size} * esz;
+            const std::byte* src = part.v[li].data();  // channel-major: [e_v][cells]
             for (uint32_t e = 0; e < l.e_v; ++e)
-                for (const auto& [j, n] : runs)
-                    std::memcpy(v + v_elem_offset(stream, e, cells[j]) * esz,
-                                part.v[li].data() + (size_t{e} * cells.size() + j) * esz, n * esz);
+                for (size_t r = 0; r < runs.size(); ++r)
+                    std::memcpy(dst[r] + e * channel, src + (size_t{e} * cells.size() + runs[r].first) * esz,
+                                runs[r].second * esz);
+        }
+    };
+
+    if (seq_id == seq_all) {
+        for (kv_cells& c : streams_) c.reset();  // decision 2: every stream is replaced
+        std::fill(heads_.begin(), heads_.end(), 0);
+        std::vector<uint32_t> cells;  // a part's cells are 0..n-1 of its stream
+        for (const auto& part : st.parts) {
+            kv_cells& c = streams_[part.stream];
+            cells.clear();
+            for (uint32_t j = 0; j < part.pos.size(); ++j) {
+                c.pos_set(j, part.pos[j]);
+                if (!part.ext.empty()) c.ext_set(j, part.ext[j]);  // else (0, 0), as reset left it
+                for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
+                cells.push_back(j);
+            }
+            copy_rows(part, part.stream, cells);
+        }
+        return;
+    }
+
+    const uint32_t s = seq_to_stream(seq_id);
+    kv_cells& c = streams_[s];
+    const staged_state::stream_part* part = st.parts.empty() ? nullptr : &st.parts[0];
+    const auto n = part ? static_cast<uint32_t>(part->pos.size()) : 0;
+    const auto no_room = [&] {
+        return error(errc::invalid_state,
+                     fmt::format("state_read: no room for the {} cells of the state in the stream of seq {}",
+                                 n, seq_id));
+    };
+    std::vector<uint32_t> cells;  // where the state's cells go, in the state's order
+    if (params_.swa == swa_type::none) {
+        // Only empty cells take the state's cells, so whether they fit is known before anything changes:
+        // the empty cells and those the destination alone holds (it leaves them) must number at least n.
+        if (n > params_.kv_size - c.get_used()) {  // else there is room whatever the destination frees
+            uint32_t freed = 0;
+            for (const auto& e : c.seq_entries(seq_id, -1, -1))
+                freed += c.seqs(e.second).is_only(seq_id) ? 1 : 0;
+            if (n > params_.kv_size - (c.get_used() - freed)) throw no_room();
+        }
+        seq_rm(seq_id, -1, -1);
+        if (n > 0) {
+            // find_slot for the cells of one sequence: one group in its stream, from the stream's head
+            cells.reserve(n);
+            if (!find_slot_group(s, n, false, cells))
+                throw error(errc::invalid_state,
+                            "state_read: internal error: free cells counted but not found");
+            // apply_ubatch into empty cells
+            for (uint32_t j = 0; j < n; ++j) {
+                c.pos_set(cells[j], part->pos[j]);
+                if (params_.n_pos >= 3) c.ext_set(cells[j], part->ext[j]);
+                c.seq_add(cells[j], seq_id);
+            }
+            heads_[s] = cells.back() + 1;
+        }
+    } else {
+        // An SWA cache may also reuse cells that go out of its window: place the cells as a ubatch, on the
+        // memory without the destination, and put the destination back when they do not fit.
+        std::vector<uint32_t> old;
+        c.seq_cells(seq_id, -1, -1, old);
+        const cells_snapshot saved = c.cp(old);
+        const std::vector<uint32_t> saved_heads = heads_;
+        seq_rm(seq_id, -1, -1);
+        if (n > 0) {
+            const ubatch ub = restore_ubatch(part->pos, part->ext, seq_id, params_.n_pos);
+            slot_info si = find_slot(ub);
+            if (si.empty()) {
+                c.set(old, saved);
+                heads_ = saved_heads;
+                throw no_room();
+            }
+            apply_ubatch(si, ub);
+            cells = std::move(si.idxs[0]);
         }
     }
+    if (part) copy_rows(*part, s, cells);
 }
 
 bool kv_cache::state_fits(const state_stage_i& stage) {

@@ -214,8 +214,14 @@ void io_span_reader::need(size_t size) const {
 }
 
 void io_span_reader::read(void* dst, size_t size) {
-    need(size);
-    if (size) std::memcpy(dst, src_.data() + n_, size);
+    if (size > src_.size() - n_) need(size);  // throws
+    const uint8_t* src = src_.data() + n_;
+    if (size == 4)  // the fields of a state: copies of a known size, not calls
+        std::memcpy(dst, src, 4);
+    else if (size == 8)
+        std::memcpy(dst, src, 8);
+    else if (size)
+        std::memcpy(dst, src, size);
     n_ += size;
 }
 
@@ -226,7 +232,7 @@ void io_span_reader::end_of_state() {
 }
 
 std::span<const std::byte> io_span_reader::read_span(size_t size, std::vector<std::byte>& /*scratch*/) {
-    need(size);
+    if (size > src_.size() - n_) need(size);  // throws
     const auto out = std::as_bytes(src_.subspan(n_, size));
     n_ += size;
     return out;

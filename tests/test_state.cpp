@@ -1,7 +1,10 @@
+#include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/state.h>
@@ -366,6 +369,136 @@ TEST(state, no_room_for_a_sequence_leaves_the_destination_as_it_was) {
     const auto before = whole(b);
     EXPECT_THROW(state_seq_set_data(b, seq0, 1), error);  // 12 cells, 6 free once seq 1 goes
     EXPECT_EQ(whole(b), before);
+}
+
+// The error of restoring `bytes` into dest, read from memory (cells decoded from one span) and, when
+// `file` is set, field by field from a file (io_file_reader); "" when accepted.
+std::string restore_error(kv_cache& c, std::span<const uint8_t> bytes, seq_id_t dest, const char* file) {
+    try {
+        if (file == nullptr) {
+            state_seq_set_data(c, bytes, dest);
+        } else {
+            {
+                std::FILE* f = std::fopen(file, "wb");
+                EXPECT_NE(f, nullptr);
+                EXPECT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+                std::fclose(f);
+            }
+            io_file_reader r(file);
+            uint32_t header[2];
+            r.read(header, 8);  // magic and source id, as state_seq_set_data skips them
+            c.state_read(r, dest, 0);
+        }
+    } catch (const error& e) {
+        std::string what = e.what();
+        if (file != nullptr && what.starts_with(fmt::format("'{}' truncated", file)))
+            what.replace(0, std::strlen(file) + 2, "state:");  // the file reader names the file
+        return what;
+    }
+    return "";
+}
+
+// Regression: the cells of a one-sequence state are decoded from one span when the reader holds the
+// bytes; errors, their byte offsets and the memory left must be those of reading field by field.
+TEST(state, a_sequence_state_fails_alike_from_memory_and_field_by_field) {
+    std::mt19937 rng(13);
+    const std::string file = ::testing::TempDir() + "kvc_state_fields.bin";
+    for (const uint32_t n_pos : {1u, 4u}) {
+        auto p = params_for(dtype::f16, dtype::f16, true, true);
+        p.n_pos = n_pos;
+        kv_cache a(p);
+        decode(a, 1, 0, 5, rng, n_pos);
+        const auto seq1 = state_seq_get_data(a, 1);
+        kv_cache b(p);
+        decode(b, 2, 0, 4, rng, n_pos);
+        const auto before = whole(b);
+        const size_t stride = n_pos > 1 ? 20 : 12;  // pos, n_ids, [x, y], id
+        const auto check = [&](const std::vector<uint8_t>& bytes, const std::string& want) {
+            const std::string from_memory = restore_error(b, bytes, 2, nullptr);
+            EXPECT_EQ(whole(b), before) << from_memory;
+            const std::string from_file = restore_error(b, bytes, 2, file.c_str());
+            EXPECT_EQ(whole(b), before) << from_file;
+            EXPECT_EQ(from_memory, from_file);
+            EXPECT_NE(from_memory.find(want), std::string::npos) << from_memory;
+        };
+        const auto with = [&](size_t at, int32_t value) {
+            auto bytes = seq1;
+            std::memcpy(bytes.data() + at, &value, 4);
+            return bytes;
+        };
+        for (size_t j : {size_t{0}, size_t{3}, size_t{4}}) {
+            const size_t cell = 16 + j * stride;
+            check(with(cell, -3),
+                  fmt::format("at byte {}: cell {} of stream 0 has position -3", cell + 4, j));
+            check(with(cell + 4, 2),
+                  fmt::format("at byte {}: cell {} has 2 sequence ids", cell + stride - 4, j));
+            check(with(cell + 4, 0), fmt::format("cell {} has 0 sequence ids", j));
+            if (j > 0)
+                check(with(cell + stride - 4, 3),
+                      fmt::format("at byte {}: cells of seq 1 and seq 3", cell + stride));
+        }
+        // truncated within the cells: read field by field either way
+        for (size_t n = 17; n < 16 + 5 * stride; n += 3)
+            check(std::vector<uint8_t>(seq1.begin(), seq1.begin() + static_cast<std::ptrdiff_t>(n)),
+                  "truncated");
+        // a good state is read alike too
+        EXPECT_EQ(restore_error(b, seq1, 2, file.c_str()), "");
+        const auto by_file = whole(b);
+        EXPECT_EQ(restore_error(b, seq1, 2, nullptr), "");
+        EXPECT_EQ(whole(b), by_file);
+    }
+    std::remove(file.c_str());
+}
+
+// Regression: a sequence restored into a cache without SWA is placed by a shortcut (room counted before
+// anything changes, find_slot's search, empty cells filled in place). An SWA cache whose window never
+// masks anything takes find_slot + apply_ubatch with a snapshot: both must choose the same cells, move
+// the head alike and refuse alike.
+TEST(state, a_sequence_is_placed_as_find_slot_places_it) {
+    std::mt19937 rng(14);
+    for (const bool unified : {true, false}) {
+        auto p = params_for(dtype::f16, dtype::f16, false, unified);
+        p.kv_size = 16;
+        auto w = p;
+        w.swa = swa_type::standard;
+        w.n_swa = 1 << 30;
+        kv_cache fast(p), slow(w);
+        for (kv_cache* c : {&fast, &slow}) {
+            std::mt19937 same(15);
+            decode(*c, 0, 0, 5, same);
+            decode(*c, 1, 0, 3, same);
+            decode(*c, 0, 5, 2, same);
+            decode(*c, 2, 0, 4, same);
+            c->seq_rm(0, 1, 3);                  // holes below the head
+            if (unified) c->seq_cp(2, 0, 0, 2);  // cells shared by 0 and 2 stay when 0 is replaced
+        }
+        ASSERT_EQ(whole(fast), whole(slow));
+        kv_cache src(p);
+        for (const uint32_t n : {1u, 3u, 6u, 9u, 12u}) {
+            src.clear(true);
+            decode(src, 3, 10, n, rng);
+            const auto state = state_seq_get_data(src, 3);
+            const std::string e_fast = restore_error(fast, state, 0, nullptr);
+            const std::string e_slow = restore_error(slow, state, 0, nullptr);
+            EXPECT_EQ(e_fast, e_slow) << n;
+            ASSERT_EQ(whole(fast), whole(slow)) << n << " cells: " << e_fast;
+            const uint32_t s = fast.seq_to_stream(0);
+            EXPECT_EQ(fast.cells(s).picture(), slow.cells(s).picture()) << n;
+            EXPECT_EQ(fast.head(s), slow.head(s)) << n;
+            ASSERT_NO_THROW(fast.cells(s).validate());
+        }
+        if (!unified) continue;  // seq 0 has its stream to itself: 16 cells always fit
+        // refused when even the destination's own cells do not make room, changing nothing
+        src.clear(true);
+        decode(src, 3, 0, 16, rng);
+        const auto full = state_seq_get_data(src, 3);
+        const auto before = whole(fast);
+        const std::string e = restore_error(fast, full, 0, nullptr);
+        EXPECT_NE(e.find("no room for the 16 cells"), std::string::npos) << e;
+        EXPECT_EQ(e, restore_error(slow, full, 0, nullptr));
+        EXPECT_EQ(whole(fast), before);
+        EXPECT_EQ(whole(slow), before);
+    }
 }
 
 }  // namespace
