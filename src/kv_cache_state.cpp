@@ -6,6 +6,7 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/state.h>
 
+#include "detail/copy.h"
 #include "detail/kv_cache_layer.h"
 #include "detail/state_io.h"
 
@@ -371,9 +372,11 @@ void kv_cache::state_commit(state_stage_i& stage) {
         for (size_t li = 0; li < layers_.size(); ++li) {
             const layer& l = layers_[li];
             for (const auto& [j, n] : runs) {
-                std::memcpy(k_row_ptr(l, stream, cells[j]), part.k[li].data() + j * l.k_row, n * l.k_row);
+                detail::copy_bytes(k_row_ptr(l, stream, cells[j]), part.k[li].data() + j * l.k_row,
+                                   n * l.k_row);
                 if (!params_.v_trans)
-                    std::memcpy(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row, n * l.v_row);
+                    detail::copy_bytes(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row,
+                                       n * l.v_row);
             }
             if (!params_.v_trans) continue;
             // channel 0 of each run's first cell; channel e is e * kv_size elements further (v_elem_offset)
@@ -434,11 +437,8 @@ void kv_cache::state_commit(state_stage_i& stage) {
                 throw error(errc::invalid_state,
                             "state_read: internal error: free cells counted but not found");
             // apply_ubatch into empty cells
-            for (uint32_t j = 0; j < n; ++j) {
-                c.pos_set(cells[j], part->pos[j]);
-                if (params_.n_pos >= 3) c.ext_set(cells[j], part->ext[j]);
-                c.seq_add(cells[j], seq_id);
-            }
+            c.fill(cells, part->pos, params_.n_pos >= 3 ? std::span(part->ext) : std::span<const cell_ext>{},
+                   seq_id);
             heads_[s] = cells.back() + 1;
         }
     } else {

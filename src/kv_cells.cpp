@@ -334,6 +334,36 @@ void kv_cells::seq_add(uint32_t i, seq_id_t s) {
     seq_pos_[s].insert({pos_[i], i});
 }
 
+void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
+                    std::span<const cell_ext> ext, seq_id_t s) {
+    check_seq(s, "fill");
+    if (pos.size() != cells.size() || (!ext.empty() && ext.size() != cells.size()))
+        throw error(errc::invalid_argument,
+                    fmt::format("kv_cells::fill: {} cells, {} positions, {} extensions", cells.size(),
+                                pos.size(), ext.size()));
+    for (size_t j = 0; j < cells.size(); ++j) {
+        if (pos_[check(cells[j])] != pos_none)
+            throw error(errc::invalid_state, fmt::format("kv_cells::fill: cell {} is in use", cells[j]));
+        if (pos[j] < 0)
+            throw error(errc::invalid_argument, fmt::format("kv_cells::fill: negative position {}", pos[j]));
+    }
+    scratch_.clear();
+    for (size_t j = 0; j < cells.size(); ++j) {
+        const uint32_t i = cells[j];
+        if (pos_[i] != pos_none) {  // given twice: undo the cells filled so far
+            for (size_t k = 0; k < j; ++k) make_empty(cells[k]);
+            throw error(errc::invalid_argument, fmt::format("kv_cells::fill: cell {} given twice", i));
+        }
+        pos_[i] = pos[j];
+        if (!ext.empty()) ext_[i] = ext[j];
+        seq_[i].insert(s);
+        mark_used(i);
+        scratch_.emplace_back(pos[j], i);
+    }
+    if (!std::is_sorted(scratch_.begin(), scratch_.end())) std::sort(scratch_.begin(), scratch_.end());
+    seq_pos_[s].merge(scratch_);
+}
+
 bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {
     check_used(i, "seq_rm");
     check_seq(s, "seq_rm");

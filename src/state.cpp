@@ -10,6 +10,8 @@
 #include <fmt/format.h>
 #include <kvcache/state.h>
 
+#include "detail/copy.h"
+
 namespace kvc {
 
 namespace {
@@ -197,7 +199,7 @@ void io_span_writer::write(const void* src, size_t size) {
         throw error(errc::out_of_range,
                     fmt::format("state: buffer of {} bytes is too small ({} more needed at byte {})",
                                 dst_.size(), size - (dst_.size() - n_), n_));
-    if (size) std::memcpy(dst_.data() + n_, src, size);
+    detail::copy_bytes(dst_.data() + n_, src, size);
     n_ += size;
 }
 

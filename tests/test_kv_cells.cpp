@@ -57,6 +57,43 @@ TEST(kv_cells, placing_tokens_updates_used_set_and_sequence_index) {
     c.validate();
 }
 
+// fill places many cells of one sequence at once, exactly as pos_set + ext_set + seq_add would, and
+// refuses bad input without changing anything.
+TEST(kv_cells, fill_equals_placing_cell_by_cell) {
+    kv_cells a(16, 3), b(16, 3);
+    for (kv_cells* c : {&a, &b}) place(*c, 4, 9, {0, 2});
+    const std::vector<uint32_t> cells = {7, 1, 12, 2};
+    const std::vector<pos_t> pos = {3, 5, 4, 8};  // not sorted: the index must sort them
+    const std::vector<cell_ext> ext = {{1, 2}, {3, 4}, {5, 6}, {7, 8}};
+    a.fill(cells, pos, ext, 2);
+    for (size_t j = 0; j < cells.size(); ++j) {
+        b.pos_set(cells[j], pos[j]);
+        b.ext_set(cells[j], ext[j]);
+        b.seq_add(cells[j], 2);
+    }
+    a.validate();
+    EXPECT_EQ(a.picture(), b.picture());
+    EXPECT_EQ(cells_of(a, 2), cells_of(b, 2));
+    EXPECT_EQ(a.seq_pos_min(2), 3);
+    EXPECT_EQ(a.seq_pos_max(2), 9);
+    for (uint32_t i = 0; i < 16; ++i) {
+        EXPECT_EQ(a.pos_get(i), b.pos_get(i));
+        EXPECT_EQ(a.ext_get(i), b.ext_get(i));
+    }
+    const std::string before = a.picture();
+    const std::vector<uint32_t> cells_a = cells_of(a, 1);
+    EXPECT_THROW(a.fill(std::vector<uint32_t>{0, 4}, std::vector<pos_t>{1, 2}, {}, 1), error);  // 4 in use
+    EXPECT_THROW(a.fill(std::vector<uint32_t>{0, 3, 0}, std::vector<pos_t>{1, 2, 3}, {}, 1), error);  // twice
+    EXPECT_THROW(a.fill(std::vector<uint32_t>{0}, std::vector<pos_t>{-1}, {}, 1), error);
+    EXPECT_THROW(a.fill(std::vector<uint32_t>{16}, std::vector<pos_t>{1}, {}, 1), error);
+    EXPECT_THROW(a.fill(std::vector<uint32_t>{0}, std::vector<pos_t>{1}, {}, 3), error);
+    EXPECT_THROW(a.fill(std::vector<uint32_t>{0, 3}, std::vector<pos_t>{1}, {}, 1), error);
+    EXPECT_EQ(a.picture(), before);
+    EXPECT_EQ(cells_of(a, 1), cells_a);
+    EXPECT_EQ(a.get_used(), 5u);
+    a.validate();
+}
+
 TEST(kv_cells, seq_rm_of_last_sequence_empties_the_cell) {
     kv_cells c(4, 2);
     place(c, 1, 3, {0, 1});

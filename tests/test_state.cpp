@@ -9,6 +9,7 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/state.h>
 
+#include "detail/copy.h"
 #include "state_test_util.h"
 
 namespace kvc {
@@ -26,6 +27,25 @@ void expect_rejected(kv_cache& c, std::span<const uint8_t> bytes, seq_id_t dest,
         EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
     }
     EXPECT_EQ(whole(c), before) << "after: " << want;
+}
+
+// The streaming copy (large state runs) copies exactly, whatever the alignment and length: the line
+// before alignment, whole four-page blocks, the tail.
+TEST(state, streaming_copy_is_exact) {
+    std::mt19937 rng(3);
+    std::vector<uint8_t> src(size_t{3} << 20), dst(src.size() + 64);
+    for (auto& b : src) b = static_cast<uint8_t>(rng());
+    for (const size_t n : {size_t{0}, size_t{1}, size_t{63}, size_t{16383}, size_t{16384}, size_t{1} << 20,
+                           (size_t{1} << 20) + 4097, src.size() - 5})
+        for (const size_t a : {size_t{0}, size_t{1}, size_t{17}}) {
+            std::fill(dst.begin(), dst.end(), uint8_t{0xee});
+            detail::copy_streaming(dst.data() + a, src.data() + 5, n);
+            ASSERT_EQ(std::memcmp(dst.data() + a, src.data() + 5, n), 0) << n << " at +" << a;
+            ASSERT_EQ(dst[a + n], 0xee) << "wrote past the end: " << n << " at +" << a;
+            if (a > 0) {
+                ASSERT_EQ(dst[a - 1], 0xee) << "wrote before the start: " << n << " at +" << a;
+            }
+        }
 }
 
 TEST(state, b6_per_sequence_buffer_is_byte_exact) {

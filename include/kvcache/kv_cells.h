@@ -112,9 +112,15 @@ public:
     std::optional<uint32_t> find_contiguous(uint32_t n, uint32_t hint = 0) const;
 
     // -- mutations --
-    void pos_set(uint32_t i, pos_t p);      ///< empty cell with no sequences -> used at p (p >= 0)
-    void ext_set(uint32_t i, cell_ext e);   ///< sets the M-RoPE (x, y) of cell i
-    void seq_add(uint32_t i, seq_id_t s);   ///< used cell, s not yet in it
+    void pos_set(uint32_t i, pos_t p);     ///< empty cell with no sequences -> used at p (p >= 0)
+    void ext_set(uint32_t i, cell_ext e);  ///< sets the M-RoPE (x, y) of cell i
+    void seq_add(uint32_t i, seq_id_t s);  ///< used cell, s not yet in it
+    /// Empty cells cells[j] -> used at pos[j] (and M-RoPE ext[j] unless ext is empty), each held by s
+    /// alone: pos_set + ext_set + seq_add for many cells at once (restoring a sequence's state). Throws,
+    /// changing nothing, on a bad index, a cell in use or given twice, a negative position, a bad s or
+    /// sizes that differ.
+    void fill(std::span<const uint32_t> cells, std::span<const pos_t> pos, std::span<const cell_ext> ext,
+              seq_id_t s);
     bool seq_rm(uint32_t i, seq_id_t s);    ///< used cell holding s; true if the cell became empty
     bool seq_keep(uint32_t i, seq_id_t s);  ///< drop every other sequence; true if the cell became empty
     void rm(uint32_t i);                    ///< used cell -> empty
