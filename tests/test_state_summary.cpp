@@ -1,7 +1,7 @@
+#include <charconv>
 #include <cstring>
 #include <optional>
 #include <random>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -512,8 +512,13 @@ TEST(state_summary, mrope_parts_are_found_with_and_without_a_layout) {
 
 // The byte an error names ("at byte N"), or -1.
 long long byte_named(const error& e) {
-    std::cmatch at;
-    return std::regex_search(e.what(), at, std::regex("at byte ([0-9]+)")) ? std::stoll(at[1].str()) : -1;
+    const std::string_view what = e.what();
+    const size_t at = what.find("at byte ");
+    if (at == std::string_view::npos) return -1;
+    long long v = -1;
+    const char* first = what.data() + at + 8;
+    const auto [end, ec] = std::from_chars(first, what.data() + what.size(), v);
+    return ec == std::errc() && end != first ? v : -1;
 }
 
 TEST(state_summary, composite_truncations_are_errors_naming_the_byte_and_the_part) {
