@@ -11,8 +11,12 @@
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/state.h>
 
+#include "memory_test_util.h"
+
 namespace kvc {
 namespace {
+
+using test::whole;
 
 // Four layers: 0 and 2 slide a window, 1 and 3 see everything.
 kv_cache_iswa_params make_params(uint32_t kv_size, uint32_t n_swa, uint32_t n_seq_max, bool swa_full,
@@ -35,20 +39,8 @@ kv_cache_iswa_params make_params(uint32_t kv_size, uint32_t n_swa, uint32_t n_se
 
 // One decode: the groups' tokens (sequence, first position, count) through init_batch / apply, every
 // layer's K/V rows written through the child context of its cache. Returns the status.
-memory_status decode(kv_cache_iswa& m, const std::vector<std::tuple<seq_id_t, pos_t, uint32_t>>& groups,
-                     uint32_t n_ubatch = 512) {
-    uint32_t n = 0;
-    for (const auto& g : groups) n += std::get<2>(g);
-    batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
-    for (const auto& [s, p0, count] : groups)
-        for (uint32_t i = 0; i < count; ++i) {
-            const seq_id_t ids[] = {s};
-            b.add(static_cast<token_t>(i), p0 + static_cast<pos_t>(i), ids, false);
-        }
-    b.set_output(static_cast<int32_t>(n) - 1, true);
-    batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = m.params().kv.n_seq_max});
-    memory_context_ptr ctx = m.init_batch(a, n_ubatch, false);
+memory_status decode(kv_cache_iswa& m, const std::vector<test::run>& groups, uint32_t n_ubatch = 512) {
+    memory_context_ptr ctx = test::init_runs(m, m.params().kv.n_seq_max, groups, n_ubatch);
     if (is_fail(ctx->get_status())) return ctx->get_status();
     auto& ic = dynamic_cast<kv_cache_iswa_context&>(*ctx);
     do {
@@ -67,10 +59,6 @@ memory_status decode(kv_cache_iswa& m, const std::vector<std::tuple<seq_id_t, po
         }
     } while (ic.next());
     return memory_status::success;
-}
-
-std::vector<uint8_t> whole(const memory_i& m) {
-    return state_seq_get_data(m, seq_all);
 }
 
 TEST(kv_cache_iswa, swa_size_follows_the_formula) {

@@ -11,8 +11,12 @@
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/state.h>
 
+#include "memory_test_util.h"
+
 namespace kvc {
 namespace {
+
+using test::whole;
 
 // Four layers: 1 and 3 attention, 0 and 2 recurrent (Jamba-like); with both, every layer is both
 // (Falcon-H1-like).
@@ -36,20 +40,8 @@ memory_hybrid_params make_params(uint32_t kv_size, uint32_t n_seq_max, uint32_t 
 
 // One decode of the groups (sequence, first position, count); every attention layer's rows and every
 // recurrent row written as an engine would (values that depend on the sequence and position).
-memory_status decode(memory_hybrid& m, const std::vector<std::tuple<seq_id_t, pos_t, uint32_t>>& groups,
-                     uint32_t n_ubatch = 512) {
-    uint32_t n = 0;
-    for (const auto& g : groups) n += std::get<2>(g);
-    batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
-    for (const auto& [s, p0, count] : groups)
-        for (uint32_t i = 0; i < count; ++i) {
-            const seq_id_t ids[] = {s};
-            b.add(static_cast<token_t>(i), p0 + static_cast<pos_t>(i), ids, false);
-        }
-    b.set_output(static_cast<int32_t>(n) - 1, true);
-    batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = m.params().attn.n_seq_max});
-    memory_context_ptr ctx = m.init_batch(a, n_ubatch, false);
+memory_status decode(memory_hybrid& m, const std::vector<test::run>& groups, uint32_t n_ubatch = 512) {
+    memory_context_ptr ctx = test::init_runs(m, m.params().attn.n_seq_max, groups, n_ubatch);
     if (is_fail(ctx->get_status())) return ctx->get_status();
     auto& hc = dynamic_cast<memory_hybrid_context&>(*ctx);
     do {
@@ -77,10 +69,6 @@ memory_status decode(memory_hybrid& m, const std::vector<std::tuple<seq_id_t, po
                 }
     } while (hc.next());
     return memory_status::success;
-}
-
-std::vector<uint8_t> whole(const memory_i& m) {
-    return state_seq_get_data(m, seq_all);
 }
 
 TEST(memory_hybrid, parts_keep_their_layers) {
