@@ -133,7 +133,8 @@ public:
     virtual state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const = 0;
     /// Second half: replaces the memory (or the stage's destination sequence) with a stage this memory
     /// made, that nothing changed since. Throws kvc::error(invalid_state) only when the memory's contents
-    /// leave no room for the cells of one sequence (state_fits false), and then changes nothing.
+    /// leave no room for the cells of one sequence (state_fits false), and then changes nothing; throws
+    /// kvc::error(invalid_argument) for a stage another memory made.
     virtual void state_commit(state_stage_i& stage) = 0;
     /// Whether state_commit of this stage would find room now (composite memories ask every part before
     /// committing any). Changes nothing.
