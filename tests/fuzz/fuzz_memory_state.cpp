@@ -17,6 +17,7 @@
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/state_summary.h>
 
+#include "../recurrent_test_util.h"
 #include "fuzz_caches.h"
 
 using namespace kvc;
@@ -42,25 +43,7 @@ void fill_rows(memory_recurrent& m) {
         }
 }
 
-// One block of n tokens of s from position p0, placed by find_slot.
-void place(memory_recurrent& m, seq_id_t s, pos_t p0, uint32_t n) {
-    ubatch u;
-    u.equal_seqs = true;
-    u.n_tokens = u.n_seq_tokens = n;
-    u.n_seqs = u.n_seqs_unq = 1;
-    u.seq_id_begin.push_back(0);
-    for (uint32_t i = 0; i < n; ++i) {
-        u.token.push_back(0);
-        u.pos.push_back(p0 + static_cast<pos_t>(i));
-        u.n_seq_id.push_back(1);
-        u.seq_id_data.push_back(s);
-        u.seq_id_begin.push_back(i + 1);
-        u.output.push_back(0);
-        u.batch_idx.push_back(static_cast<int32_t>(i));
-    }
-    u.seq_id_unq = {s};
-    m.find_slot(u);
-}
+using test::place;
 
 // One batch (tokens as (seq, pos)) through batch_allocr, init_batch and apply, as an engine decodes it
 // (K/V and state rows are left as they are: fill_rows and the caches' zeroed storage give them content).
