@@ -113,12 +113,12 @@ mask_setup& mask_fixture() {
 
 void bm_kq_mask(benchmark::State& state) {
     mask_setup& m = mask_fixture();
-    auto& ctx = dynamic_cast<kv_cache_context&>(*m.holder);
+    kv_cache_context& ctx = *m.holder->get_attn(0);
     const dtype t = state.range(0) ? dtype::f16 : dtype::f32;
     if (ctx.get_n_kv() != 32768) return state.SkipWithError("n_kv is not 32768");
     const tensor_view dst = tensor_view::contiguous(t, m.dst.data(), 32768, 512);
     for (auto _ : state) {
-        ctx.set_input_kq_mask(dst, true);
+        ctx.set_input_kq_mask(dst);
         benchmark::ClobberMemory();
     }
     state.SetBytesProcessed(state.iterations() * 32768 * 512 * static_cast<int64_t>(type_size(t)));
@@ -172,18 +172,12 @@ ubatch one_seq_ubatch(seq_id_t s, pos_t p0, uint32_t n) {
 void bm_seq_rm_partial(benchmark::State& state) {
     kv_cache& c = ops_cache();
     std::vector<ubatch> refills;  // built once: the benchmark times the cache, not ubatch construction
-    std::vector<slot_info> slots(64);
-    for (seq_id_t s = 0; s < 64; ++s) {
-        refills.push_back(one_seq_ubatch(s, 100, 16));
-        slots[s].strm = {0};
-        slots[s].idxs.resize(1);
-        c.cells(0).seq_cells(s, 100, 116, slots[s].idxs[0]);
-    }
+    for (seq_id_t s = 0; s < 64; ++s) refills.push_back(one_seq_ubatch(s, 100, 16));
     seq_id_t s = 0;
     for (auto _ : state) {
         c.seq_rm(s, 100, 116);
         state.PauseTiming();
-        c.apply_ubatch(slots[s], refills[s]);  // refill the same cells, untimed
+        c.init_ubatches({refills[s]}, {})->apply();  // refill the freed cells, untimed
         state.ResumeTiming();
         s = (s + 1) % 64;
     }

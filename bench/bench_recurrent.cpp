@@ -40,7 +40,7 @@ void next_tokens(batch_storage& b, batch_allocr& a, const memory_recurrent& m, u
 // init_batch + apply of every ubatch; returns the rows an engine moves (per layer and tensor).
 size_t place(memory_recurrent& m, batch_allocr& a) {
     auto ctx = m.init_batch(a, 512, false);
-    auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+    memory_recurrent_context& rc = *ctx->get_recr();
     size_t rows = 0;
     do {
         rc.apply();

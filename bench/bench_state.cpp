@@ -99,9 +99,9 @@ void place(kv_cache& c, seq_id_t s, pos_t p0, uint32_t n, std::vector<float>& ro
     u.output.assign(n, 0);
     u.seq_id_unq = {s};
     u.n_seqs_unq = 1;
-    const slot_info si = c.find_slot(u);
-    if (si.empty()) throw std::runtime_error("bench_state: no room in the cache");
-    c.apply_ubatch(si, u);
+    auto ctx = c.init_ubatches({u}, {});
+    if (is_fail(ctx->get_status())) throw std::runtime_error("bench_state: no room in the cache");
+    ctx->apply();
     for (uint32_t il : c.layer_ids()) {
         const layer_desc& d = c.params().layers[il];
         for (bool is_v : {false, true}) {
@@ -111,9 +111,9 @@ void place(kv_cache& c, seq_id_t s, pos_t p0, uint32_t n, std::vector<float>& ro
             const auto view = const_tensor_view::contiguous(
                 dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), e, n);
             if (is_v)
-                c.cpy_v(il, view, si);
+                ctx->get_attn(il)->cpy_v(il, view);
             else
-                c.cpy_k(il, view, si);
+                ctx->get_attn(il)->cpy_k(il, view);
         }
     }
 }

@@ -1,5 +1,5 @@
-// kv_cache: construction, placement (find_slot / apply_ubatch / prepare), contexts and sequence operations.
-// K/V data, masks and the K-shift are in kv_cache_data.cpp.
+// kv_cache: construction, placement (find_slot / apply_ubatch / prepare) and sequence operations. The
+// context and the attention inputs are in kv_cache_context.cpp; every K/V byte moves through kv_storage.
 #include <algorithm>
 #include <cassert>
 #include <limits>
@@ -82,7 +82,6 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     if (p.layers.empty()) bad("no layers");
     if (!p.unified && p.n_seq_max > 65536) bad("one stream per sequence allows at most 65536 sequences");
 
-    buffer_allocator& alloc = p.allocator ? *p.allocator : buffer_allocator::host();
     layer_map_.assign(p.layers.size(), -1);
     const uint32_t n_stream = p.unified ? 1 : p.n_seq_max;
     for (uint32_t il = 0; il < p.layers.size(); ++il) {
@@ -100,25 +99,21 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
         if (d.rope.type != rope_type::none && (rot % 2 != 0 || rot > d.n_embd_head_k))
             bad(fmt::format("layer {}: n_rot {} must be even and at most the key head size {}", il, rot,
                             d.n_embd_head_k));
-        layer l;
-        l.il = il;
-        l.desc = d;
-        l.e_k = d.n_head_kv * d.n_embd_head_k;
-        l.e_v = d.n_head_kv * d.n_embd_head_v;
-        l.k_row = row_size(p.type_k, l.e_k);
         layer_map_[il] = static_cast<int32_t>(layers_.size());
         layer_ids_.push_back(il);
-        e_vmax_ = std::max(e_vmax_, l.e_v);
-        layers_.push_back(std::move(l));
+        layers_.push_back({il, d});
     }
     if (layers_.empty()) bad("the filter keeps no layer");
-    const size_t cells = size_t{p.kv_size} * n_stream;
-    for (layer& l : layers_) {
-        l.v_row = p.v_trans ? type_size(p.type_v) * e_vmax_ : row_size(p.type_v, l.e_v);
-        // zeroed: attention over a never-written cell must not meet NaNs
-        l.k = buffer(l.k_row * cells, true, alloc);
-        l.v = buffer(l.v_row * cells, true, alloc);
-    }
+    kv_storage_params sp;
+    for (const layer& l : layers_)
+        sp.layers.push_back({l.desc.n_head_kv, l.desc.n_embd_head_k, l.desc.n_embd_head_v, l.desc.rope});
+    sp.type_k = p.type_k;
+    sp.type_v = p.type_v;
+    sp.v_trans = p.v_trans;
+    sp.kv_size = p.kv_size;
+    sp.n_stream = n_stream;
+    sp.allocator = p.allocator;
+    storage_ = make_host_kv_storage(std::move(sp));
     streams_.reserve(n_stream);
     for (uint32_t s = 0; s < n_stream; ++s) streams_.emplace_back(p.kv_size, p.n_seq_max);
     heads_.assign(n_stream, 0);
@@ -153,14 +148,13 @@ bool kv_cache::get_has_shift() const {
     return std::any_of(streams_.begin(), streams_.end(), [](const kv_cells& c) { return c.get_has_shift(); });
 }
 
-kv_cache::layer& kv_cache::own_layer(uint32_t il) {
-    return const_cast<layer&>(static_cast<const kv_cache&>(*this).own_layer(il));
-}
-
-const kv_cache::layer& kv_cache::own_layer(uint32_t il) const {
-    if (!has_layer(il))
+uint32_t kv_cache::own_layer(uint32_t il) const {
+    if (il >= layer_map_.size())
+        throw error(errc::out_of_range,
+                    fmt::format("kv_cache: no model layer {} (the model has {})", il, layer_map_.size()));
+    if (layer_map_[il] < 0)
         throw error(errc::out_of_range, fmt::format("kv_cache: model layer {} has no K/V in this cache", il));
-    return layers_[static_cast<size_t>(layer_map_[il])];
+    return static_cast<uint32_t>(layer_map_[il]);
 }
 
 void kv_cache::check_seq(seq_id_t s, const char* what) const {
@@ -171,21 +165,39 @@ void kv_cache::check_seq(seq_id_t s, const char* what) const {
 
 size_t kv_cache::size_k_bytes() const {
     size_t n = 0;
-    for (const layer& l : layers_) n += l.k.size();
+    for (uint32_t li = 0; li < layers_.size(); ++li) n += storage_->bytes(kv_part::k, li);
     return n;
 }
 
 size_t kv_cache::size_v_bytes() const {
     size_t n = 0;
-    for (const layer& l : layers_) n += l.v.size();
+    for (uint32_t li = 0; li < layers_.size(); ++li) n += storage_->bytes(kv_part::v, li);
     return n;
 }
 
 size_t kv_cache::layer_k_bytes(uint32_t il) const {
-    return own_layer(il).k.size();
+    return storage_->bytes(kv_part::k, own_layer(il));
 }
 size_t kv_cache::layer_v_bytes(uint32_t il) const {
-    return own_layer(il).v.size();
+    return storage_->bytes(kv_part::v, own_layer(il));
+}
+
+void kv_cache::read_k_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const {
+    const uint32_t li = own_layer(il);
+    cells(stream);
+    if (cell >= params_.kv_size || out.size() < storage_->e_k(li))
+        throw error(errc::out_of_range,
+                    fmt::format("read_k_row: cell {} / output of {} values", cell, out.size()));
+    storage_->read_row(kv_part::k, li, row(stream, cell), out);
+}
+
+void kv_cache::read_v_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const {
+    const uint32_t li = own_layer(il);
+    cells(stream);
+    if (cell >= params_.kv_size || out.size() < storage_->e_v(li))
+        throw error(errc::out_of_range,
+                    fmt::format("read_v_row: cell {} / output of {} values", cell, out.size()));
+    storage_->read_row(kv_part::v, li, row(stream, cell), out);
 }
 
 bool kv_cache::get_can_shift() const {
@@ -247,33 +259,13 @@ bool kv_cache::find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vect
 slot_info kv_cache::find_slot(const ubatch& ub, bool cont) const {
     slot_info res;
     if (ub.n_tokens == 0) return res;
-    check_ubatch(ub, "find_slot");
-    uint32_t n_groups = 1;
-    if (streams_.size() > 1) {
-        n_groups = ub.n_seqs_unq;
-        if (n_groups == 0 || ub.n_tokens % n_groups != 0) return res;
-    }
+    const uint32_t n_groups = streams_.size() > 1 ? ub.n_seqs_unq : 1;  // check_ubatch: a group per sequence
     const uint32_t size = ub.n_tokens / n_groups;
     slot_info s;
     s.strm.resize(n_groups);
     s.idxs.resize(n_groups);
     for (uint32_t k = 0; k < n_groups; ++k) {
-        uint32_t stream = 0;
-        if (streams_.size() > 1) {
-            // a group is one sequence: its tokens must hold exactly that sequence
-            const seq_id_t q = ub.seq_id_unq[k];
-            for (uint32_t t = k * size; t < (k + 1) * size; ++t) {
-                const auto ids = ub.seq_ids(t);
-                if (ids.size() != 1 || ids[0] != q) {
-                    log(log_level::error,
-                        fmt::format("kv_cache::find_slot: token {} of a split-stream ubatch must "
-                                    "belong to seq {} only",
-                                    t, q));
-                    return res;
-                }
-            }
-            stream = seq_to_stream(q);
-        }
+        const uint32_t stream = streams_.size() > 1 ? static_cast<uint32_t>(ub.seq_id_unq[k]) : 0;
         s.strm[k] = stream;
         if (!find_slot_group(stream, size, cont, s.idxs[k])) return res;
     }
@@ -286,51 +278,43 @@ void kv_cache::lower_head(uint32_t stream, uint32_t cell) {
     if (cell < heads_[stream]) heads_[stream] = cell;
 }
 
-void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub) {
-    apply_ubatch_journaled(sinfo, ub, nullptr);
-}
-
-void kv_cache::check_ubatch(const ubatch& ub, const char* what) {
+void kv_cache::check_ubatch(const ubatch& ub) const {
     const size_t n = ub.n_tokens;
     bool ok = ub.n_pos >= 1 && ub.pos.size() >= n * ub.n_pos && ub.seq_id_begin.size() == n + 1 &&
               ub.seq_id_begin[0] == 0 && ub.seq_id_begin[n] == ub.seq_id_data.size();
     for (size_t i = 0; ok && i < n; ++i) ok = ub.seq_id_begin[i] < ub.seq_id_begin[i + 1];
-    if (!ok) throw error(errc::invalid_argument, fmt::format("{}: malformed ubatch of {} tokens", what, n));
-}
-
-void kv_cache::check_slot(const slot_info& sinfo, size_t n_tokens, const char* what) const {
-    const size_t size = sinfo.size();
-    if (sinfo.empty() || size == 0 || sinfo.strm.size() != sinfo.idxs.size() ||
-        sinfo.n_stream() * size != n_tokens)
-        throw error(errc::invalid_argument, fmt::format("{}: slot of {} x {} cells for {} tokens", what,
-                                                        sinfo.n_stream(), size, n_tokens));
-    for (size_t k = 0; k < sinfo.n_stream(); ++k) {
-        if (sinfo.strm[k] >= streams_.size() || sinfo.idxs[k].size() != size)
-            throw error(errc::invalid_argument, fmt::format("{}: malformed slot group {}", what, k));
-        for (uint32_t c : sinfo.idxs[k])
-            if (c >= params_.kv_size)
-                throw error(errc::out_of_range,
-                            fmt::format("{}: cell {} not in [0, {})", what, c, params_.kv_size));
+    if (!ok) throw error(errc::invalid_argument, fmt::format("kv_cache: malformed ubatch of {} tokens", n));
+    for (uint32_t i = 0; i < n; ++i) {
+        for (seq_id_t s : ub.seq_ids(i)) check_seq(s, "kv_cache: ubatch");
+        if (ub.pos[i] < 0)
+            throw error(errc::invalid_argument,
+                        fmt::format("kv_cache: token {} has position {}", i, ub.pos[i]));
+    }
+    if (streams_.size() == 1 || n == 0) return;
+    // One stream per sequence: the ubatch is n_seqs_unq equal groups, group k all of seq_id_unq[k] only.
+    const uint32_t n_groups = ub.n_seqs_unq;
+    if (n_groups == 0 || n % n_groups != 0 || ub.seq_id_unq.size() != n_groups)
+        throw error(
+            errc::invalid_argument,
+            fmt::format("kv_cache: a ubatch of {} tokens cannot be {} equal groups of one sequence each "
+                        "(one stream per sequence)",
+                        n, n_groups));
+    const size_t size = n / n_groups;
+    for (uint32_t t = 0; t < n; ++t) {
+        const auto ids = ub.seq_ids(t);
+        const seq_id_t q = ub.seq_id_unq[t / size];
+        if (ids.size() != 1 || ids[0] != q)
+            throw error(
+                errc::invalid_argument,
+                fmt::format("kv_cache: token {} of a ubatch must belong to seq {} only (one stream per "
+                            "sequence)",
+                            t, q));
     }
 }
 
-void kv_cache::apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, journal* j) {
-    // validate everything before the first change
-    check_ubatch(ub, "apply_ubatch");
-    check_slot(sinfo, ub.n_tokens, "apply_ubatch");
-    for (size_t k = 0, i = 0; k < sinfo.n_stream(); ++k)
-        for (size_t t = 0; t < sinfo.idxs[k].size(); ++t, ++i) {
-            for (seq_id_t s : ub.seq_ids(static_cast<uint32_t>(i)))
-                if (seq_to_stream(s) != sinfo.strm[k])
-                    throw error(errc::invalid_argument,
-                                fmt::format("apply_ubatch: token {} of seq {} placed in "
-                                            "stream {}",
-                                            i, s, sinfo.strm[k]));
-            if (ub.pos[i] < 0)
-                throw error(errc::invalid_argument,
-                            fmt::format("apply_ubatch: token {} has position {}", i, ub.pos[i]));
-        }
-
+void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j) {
+    // prepare checked the ubatch (check_ubatch) and found the slot (find_slot) for it
+    assert(!sinfo.empty() && sinfo.n_stream() * sinfo.size() == ub.n_tokens);
     if (j)
         for (size_t k = 0; k < sinfo.n_stream(); ++k)
             j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k])});
@@ -383,22 +367,26 @@ std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
             streams_[e->stream].set(e->idxs, e->snap);
         heads_ = saved_heads;  // every stream's own head (decision 3)
     };
-    try {
-        for (const ubatch& ub : ubatches) {
-            slot_info sinfo = find_slot(ub);
-            if (sinfo.empty()) {
-                res.clear();
-                break;
-            }
-            apply_ubatch_journaled(sinfo, ub, &j);  // later ubatches see earlier ones
-            res.push_back(std::move(sinfo));
+    for (const ubatch& ub : ubatches) check_ubatch(ub);  // the only validation: placement relies on it
+    for (const ubatch& ub : ubatches) {
+        slot_info sinfo = find_slot(ub);
+        if (sinfo.empty()) {
+            res.clear();
+            break;
         }
-    } catch (...) {
-        rollback();
-        throw;
+        apply_ubatch(sinfo, ub, &j);  // later ubatches see earlier ones
+        res.push_back(std::move(sinfo));
     }
     rollback();
     return res;
+}
+
+std::vector<uint64_t> kv_cache::rows_of(const slot_info& sinfo) const {
+    std::vector<uint64_t> rows;
+    rows.reserve(sinfo.n_stream() * sinfo.size());
+    for (size_t k = 0; k < sinfo.n_stream(); ++k)
+        for (uint32_t c : sinfo.idxs[k]) rows.push_back(row(sinfo.strm[k], c));
+    return rows;
 }
 
 uint32_t kv_cache::get_n_kv(const slot_info& sinfo) const {
@@ -424,22 +412,23 @@ memory_context_ptr kv_cache::init_batch(batch_allocr& balloc, uint32_t n_ubatch,
         ubatches.push_back(std::move(ub));
     }
     if (balloc.get_n_used() < balloc.get_n_tokens())
-        return std::make_unique<kv_cache_context>(*this, memory_status::failed_prepare,
-                                                  kv_cache_context::kind::batch);
+        return memory_context_ptr(
+            new kv_cache_context(*this, memory_status::failed_prepare, kv_cache_context::kind::batch));
     return init_ubatches(std::move(ubatches), {balloc.out_ids().begin(), balloc.out_ids().end()});
 }
 
 memory_context_ptr kv_cache::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
     std::vector<slot_info> sinfos = prepare(ubatches);
     if (sinfos.empty())
-        return std::make_unique<kv_cache_context>(*this, memory_status::failed_prepare,
-                                                  kv_cache_context::kind::batch);
-    return std::make_unique<kv_cache_context>(*this, std::move(ubatches), std::move(sinfos),
-                                              std::move(out_ids));
+        return memory_context_ptr(
+            new kv_cache_context(*this, memory_status::failed_prepare, kv_cache_context::kind::batch));
+    return memory_context_ptr(
+        new kv_cache_context(*this, std::move(ubatches), std::move(sinfos), std::move(out_ids)));
 }
 
 memory_context_ptr kv_cache::init_full() {
-    return std::make_unique<kv_cache_context>(*this, memory_status::success, kv_cache_context::kind::full);
+    return memory_context_ptr(
+        new kv_cache_context(*this, memory_status::success, kv_cache_context::kind::full));
 }
 
 memory_context_ptr kv_cache::init_update(bool optimize) {
@@ -448,8 +437,8 @@ memory_context_ptr kv_cache::init_update(bool optimize) {
         frag > 0.0f && (optimize || (params_.compact_threshold > 0.0f && frag > params_.compact_threshold));
     const memory_status st =
         get_has_shift() || compacting ? memory_status::success : memory_status::no_update;
-    return std::make_unique<kv_cache_context>(
-        *this, st, compacting ? kv_cache_context::kind::compact_update : kv_cache_context::kind::update);
+    return memory_context_ptr(new kv_cache_context(
+        *this, st, compacting ? kv_cache_context::kind::compact_update : kv_cache_context::kind::update));
 }
 
 float kv_cache::fragmentation() const {
@@ -463,7 +452,9 @@ float kv_cache::fragmentation() const {
 }
 
 uint32_t kv_cache::compact() {
-    uint32_t moved = 0;
+    // Sources are used cells above every destination hole: no copy reads a row another one wrote, so the
+    // rows move in one batch at the end.
+    std::vector<row_copy> copies;
     for (uint32_t s = 0; s < streams_.size(); ++s) {
         kv_cells& c = streams_[s];
         std::vector<uint32_t> used;
@@ -476,13 +467,13 @@ uint32_t kv_cache::compact() {
             const uint32_t from = used[hi - 1];
             if (hole >= from) break;
             c.mv(from, hole);
-            copy_cell_data(s, from, s, hole);
-            ++moved;
+            copies.push_back({row(s, from), row(s, hole)});
             --hi;
         }
         heads_[s] = c.get_used();
     }
-    return moved;
+    storage_->copy_rows(copies);
+    return static_cast<uint32_t>(copies.size());
 }
 
 bool kv_cache::update() {
@@ -499,11 +490,7 @@ bool kv_cache::update() {
 void kv_cache::clear(bool data) {
     for (kv_cells& c : streams_) c.reset();
     std::fill(heads_.begin(), heads_.end(), 0);
-    if (data)
-        for (layer& l : layers_) {
-            l.k.clear_bytes();
-            l.v.clear_bytes();
-        }
+    if (data) storage_->clear();
 }
 
 bool kv_cache::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
@@ -537,6 +524,7 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         throw error(errc::invalid_state,
                     fmt::format("seq_cp: stream {} of seq {} has {} free cells, {} needed", sd, dst,
                                 to.size() - to.get_used(), entries.size()));
+    std::vector<row_copy> copies(entries.size());
     for (size_t k = 0; k < entries.size(); ++k) {
         const uint32_t c_src = entries[k].second, c_dst = free[k];
         const pos_t shift = from.get_shift(c_src);
@@ -544,8 +532,9 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         to.seq_add(c_dst, dst);
         to.ext_set(c_dst, from.ext_get(c_src));
         if (shift != 0) to.pos_add(c_dst, shift);
-        copy_cell_data(ss, c_src, sd, c_dst);
+        copies[k] = {row(ss, c_src), row(sd, c_dst)};
     }
+    storage_->copy_rows(copies);
 }
 
 void kv_cache::seq_keep(seq_id_t seq_id) {
@@ -591,83 +580,6 @@ pos_t kv_cache::seq_pos_min(seq_id_t seq_id) const {
 pos_t kv_cache::seq_pos_max(seq_id_t seq_id) const {
     check_seq(seq_id, "seq_pos_max");
     return streams_[seq_to_stream(seq_id)].seq_pos_max(seq_id);
-}
-
-// -- context --
-
-kv_cache_context::kv_cache_context(kv_cache& cache, memory_status status, kind k)
-    : cache_(&cache), status_(status), kind_(k) {
-    if (k == kind::full) {  // worst case: every cell of every stream
-        n_kv_ = cache.get_size();
-        slot_info s;
-        s.s0 = 0;
-        s.s1 = cache.get_n_stream() - 1;
-        for (uint32_t i = 0; i < cache.get_n_stream(); ++i) {
-            s.strm.push_back(i);
-            s.idxs.push_back({0});
-        }
-        sinfos_.push_back(std::move(s));
-    }
-}
-
-kv_cache_context::kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches,
-                                   std::vector<slot_info> sinfos, std::vector<int32_t> out_ids)
-    : cache_(&cache),
-      status_(memory_status::success),
-      kind_(kind::batch),
-      ubatches_(std::move(ubatches)),
-      sinfos_(std::move(sinfos)),
-      out_ids_(std::move(out_ids)) {}
-
-bool kv_cache_context::next() {
-    if (kind_ != kind::batch || i_cur_ >= ubatches_.size()) return false;
-    return ++i_cur_ < ubatches_.size();
-}
-
-bool kv_cache_context::apply() {
-    if (is_fail(status_)) throw error(errc::invalid_state, "memory context: apply() on a failed context");
-    switch (kind_) {
-        case kind::update:
-            cache_->update();
-            return true;
-        case kind::compact_update:
-            cache_->update();  // shifts first: compaction moves the rotated rows
-            cache_->compact();
-            return true;
-        case kind::full:
-            return true;
-        case kind::batch:
-            break;
-    }
-    if (i_cur_ >= ubatches_.size())
-        throw error(errc::invalid_state, "memory context: no ubatch left to apply");
-    if (n_applied_ > i_cur_)
-        throw error(errc::invalid_state,
-                    fmt::format("memory context: ubatch {} was already applied", i_cur_));
-    cache_->apply_ubatch(sinfos_[i_cur_], ubatches_[i_cur_]);
-    n_applied_ = i_cur_ + 1;
-    n_kv_ = cache_->get_n_kv(sinfos_[i_cur_]);
-    return true;
-}
-
-const ubatch& kv_cache_context::get_ubatch() const {
-    if (kind_ != kind::batch || i_cur_ >= ubatches_.size())
-        throw error(errc::invalid_state, "memory context: no current ubatch");
-    return ubatches_[i_cur_];
-}
-
-const slot_info& kv_cache_context::get_sinfo() const {
-    if (sinfos_.empty() || (kind_ == kind::batch && i_cur_ >= sinfos_.size()))
-        throw error(errc::invalid_state, "memory context: no current slot");
-    return sinfos_[kind_ == kind::batch ? i_cur_ : 0];
-}
-
-void kv_cache_context::set_input_kq_mask(tensor_view dst, bool causal, bool alibi) const {
-    cache_->set_input_kq_mask(dst, get_ubatch(), get_sinfo(), n_kv_, causal, alibi);
-}
-
-void kv_cache_context::set_input_pos_bucket(std::span<int32_t> dst, uint32_t n_buckets) const {
-    cache_->set_input_pos_bucket(dst, get_ubatch(), n_kv_, n_buckets);
 }
 
 }  // namespace kvc

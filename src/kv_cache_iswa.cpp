@@ -230,14 +230,12 @@ bool kv_cache_iswa_context::next() {
     return ++i_cur_ < ubatches_.size();
 }
 
-bool kv_cache_iswa_context::apply() {
+void kv_cache_iswa_context::apply() {
     if (is_fail(status_) || !base_)
         throw error(errc::invalid_state, "memory context: apply() on a failed context");
     // an update context applies only the children with work
-    bool ok = true;
     for (kv_cache_context* c : {base_.get(), swa_.get()})
-        if (c->get_status() == memory_status::success) ok = c->apply() && ok;
-    return ok;
+        if (c->get_status() == memory_status::success) c->apply();
 }
 
 const ubatch& kv_cache_iswa_context::get_ubatch() const {
@@ -245,20 +243,20 @@ const ubatch& kv_cache_iswa_context::get_ubatch() const {
     return ubatches_[i_cur_];
 }
 
-kv_cache_context& kv_cache_iswa_context::get_base() const {
+kv_cache_context& kv_cache_iswa_context::get_base() {
     if (!base_) throw error(errc::invalid_state, "memory context: a failed context has no children");
     return *base_;
 }
 
-kv_cache_context& kv_cache_iswa_context::get_swa() const {
+kv_cache_context& kv_cache_iswa_context::get_swa() {
     if (!swa_) throw error(errc::invalid_state, "memory context: a failed context has no children");
     return *swa_;
 }
 
-kv_cache_context& kv_cache_iswa_context::for_layer(uint32_t il) const {
-    if (get_base().cache().has_layer(il)) return *base_;
-    if (get_swa().cache().has_layer(il)) return *swa_;
-    throw error(errc::out_of_range, fmt::format("memory context: neither cache holds layer {}", il));
+kv_cache_context* kv_cache_iswa_context::get_attn(uint32_t il) {
+    if (is_fail(status_) || !base_) return nullptr;
+    kv_cache_context* c = base_->get_attn(il);
+    return c != nullptr ? c : swa_->get_attn(il);
 }
 
 }  // namespace kvc

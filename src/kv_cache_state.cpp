@@ -6,7 +6,6 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/state.h>
 
-#include "detail/copy.h"
 #include "detail/kv_cache_layer.h"
 #include "detail/state_io.h"
 
@@ -17,19 +16,6 @@ using detail::get;
 using detail::put;
 
 namespace {
-
-// The runs cells[j..j+n) of consecutive ascending cells, as (j, n): their rows move in one piece.
-// Found once per stream, then used for every layer and every channel of a transposed V.
-std::vector<std::pair<size_t, size_t>> runs_of(std::span<const uint32_t> cells) {
-    std::vector<std::pair<size_t, size_t>> runs;
-    for (size_t j = 0; j < cells.size();) {
-        size_t n = 1;
-        while (j + n < cells.size() && cells[j + n] == cells[j] + n) ++n;
-        runs.emplace_back(j, n);
-        j += n;
-    }
-    return runs;
-}
 
 // detail::bad for an error found in bytes already taken from the reader (decoded from one span):
 // `at` is the byte offset the reader would have reached reading field by field.
@@ -129,51 +115,28 @@ void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint
     }
     put<uint32_t>(io, params_.v_trans ? 1 : 0);
     put<uint32_t>(io, static_cast<uint32_t>(layers_.size()));
-    const auto runs = runs_of(cells);
+    std::vector<uint64_t> rows(cells.size());
+    for (size_t j = 0; j < cells.size(); ++j) rows[j] = row(stream, cells[j]);
     // Decision 8: a pending shift never leaks into a state; keys are written as the K-shift would leave
     // them, so that restoring gives the attention results of the cache that was saved.
-    std::vector<float> row;
-    std::vector<std::byte> shifted;
-    for (const layer& l : layers_) {
+    std::vector<pos_t> deltas;
+    if (c.get_has_shift())
+        for (uint32_t i : cells) deltas.push_back(c.get_shift(i));
+    const kv_storage& st = *storage_;
+    for (uint32_t li = 0; li < layers_.size(); ++li) {
         put<int32_t>(io, static_cast<int32_t>(params_.type_k));
-        put<uint64_t>(io, l.k_row);
-        row.resize(l.e_k);
-        shifted.resize(l.k_row);
-        if (!c.get_has_shift() || l.desc.rope.type == rope_type::none) {
-            for (const auto& [j, n] : runs) io.write(k_row_ptr(l, stream, cells[j]), n * l.k_row);
-            continue;
-        }
-        ops::rope_table table;
-        pos_t table_for = 0;
-        for (uint32_t i : cells) {
-            const pos_t d = c.get_shift(i);
-            if (d == 0) {
-                io.write(k_row_ptr(l, stream, i), l.k_row);
-                continue;
-            }
-            if (table.cos_sin.empty() || table_for != d) {
-                table = ops::make_rope_table(l.desc.n_embd_head_k, d, l.desc.rope, false);
-                table_for = d;
-            }
-            to_f32(params_.type_k, k_row_ptr(l, stream, i), row.data(), l.e_k);
-            ops::apply_rope(row, l.desc.n_head_kv, l.desc.n_embd_head_k, table);
-            from_f32(params_.type_k, row.data(), shifted.data(), l.e_k);
-            io.write(shifted.data(), l.k_row);
-        }
+        put<uint64_t>(io, st.k_row_bytes(li));
+        st.save_k(io, li, rows, deltas);
     }
-    const size_t esz = type_size(params_.type_v);
-    for (const layer& l : layers_) {
+    for (uint32_t li = 0; li < layers_.size(); ++li) {
         put<int32_t>(io, static_cast<int32_t>(params_.type_v));
         if (!params_.v_trans) {
-            put<uint64_t>(io, l.v_row);
-            for (const auto& [j, n] : runs) io.write(v_row_ptr(l, stream, cells[j]), n * l.v_row);
-            continue;
+            put<uint64_t>(io, st.v_row_bytes(li));
+        } else {
+            put<uint32_t>(io, static_cast<uint32_t>(type_size(params_.type_v)));
+            put<uint32_t>(io, st.e_v(li));
         }
-        put<uint32_t>(io, static_cast<uint32_t>(esz));
-        put<uint32_t>(io, l.e_v);
-        for (uint32_t e = 0; e < l.e_v; ++e)
-            for (const auto& [j, n] : runs)
-                io.write(l.v.data() + v_elem_offset(stream, e, cells[j]) * esz, n * esz);
+        st.save_v(io, li, rows);
     }
 }
 
@@ -201,8 +164,9 @@ std::string kv_cache::state_layout() const {
     std::string out = fmt::format("kv streams={} v_trans={} n_pos={} rotation=none layers=", streams_.size(),
                                   params_.v_trans ? 1 : 0, params_.n_pos);
     const auto shape = [&](const layer& l) {
-        return fmt::format("k={}x{},v={}x{}", to_string(params_.type_k), l.e_k, to_string(params_.type_v),
-                           l.e_v);
+        return fmt::format("k={}x{},v={}x{}", to_string(params_.type_k),
+                           l.desc.n_head_kv * l.desc.n_embd_head_k, to_string(params_.type_v),
+                           l.desc.n_head_kv * l.desc.n_embd_head_v);
     };
     out += detail::layer_runs(
         layers_.size(), [&](size_t i) { return layers_[i].il; }, [&](size_t i) { return shape(layers_[i]); });
@@ -321,34 +285,39 @@ state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_
         const auto n_layer = get<uint32_t>(io);
         if (n_layer != layers_.size())
             bad(io, fmt::format("the state has {} layers, this cache {}", n_layer, layers_.size()));
-        for (const layer& l : layers_) {
+        for (uint32_t li = 0; li < layers_.size(); ++li) {
+            const layer& l = layers_[li];
+            const size_t k_row = storage_->k_row_bytes(li);
             const auto type = get<int32_t>(io);
             if (type != static_cast<int32_t>(params_.type_k))
                 bad(io, fmt::format("layer {} K type {} (ggml id), this cache has {} ({})", l.il, type,
                                     to_string(params_.type_k), static_cast<int32_t>(params_.type_k)));
             const auto row = get<uint64_t>(io);
-            if (row != l.k_row)
-                bad(io, fmt::format("layer {} K rows of {} bytes, this cache {}", l.il, row, l.k_row));
-            part.k.push_back(read_rows(size_t{count} * l.k_row, part));
+            if (row != k_row)
+                bad(io, fmt::format("layer {} K rows of {} bytes, this cache {}", l.il, row, k_row));
+            part.k.push_back(read_rows(size_t{count} * k_row, part));
         }
         const size_t esz = type_size(params_.type_v);
-        for (const layer& l : layers_) {
+        for (uint32_t li = 0; li < layers_.size(); ++li) {
+            const layer& l = layers_[li];
+            const size_t v_row = storage_->v_row_bytes(li);
+            const uint32_t l_e_v = storage_->e_v(li);
             const auto type = get<int32_t>(io);
             if (type != static_cast<int32_t>(params_.type_v))
                 bad(io, fmt::format("layer {} V type {} (ggml id), this cache has {} ({})", l.il, type,
                                     to_string(params_.type_v), static_cast<int32_t>(params_.type_v)));
             if (!params_.v_trans) {
                 const auto row = get<uint64_t>(io);
-                if (row != l.v_row)
-                    bad(io, fmt::format("layer {} V rows of {} bytes, this cache {}", l.il, row, l.v_row));
+                if (row != v_row)
+                    bad(io, fmt::format("layer {} V rows of {} bytes, this cache {}", l.il, row, v_row));
             } else {
                 const auto elem = get<uint32_t>(io);
                 const auto e_v = get<uint32_t>(io);
-                if (elem != esz || e_v != l.e_v)
+                if (elem != esz || e_v != l_e_v)
                     bad(io, fmt::format("layer {} V of {} channels x {} bytes, this cache {} x {}", l.il, e_v,
-                                        elem, l.e_v, esz));
+                                        elem, l_e_v, esz));
             }
-            const size_t bytes = params_.v_trans ? size_t{count} * l.e_v * esz : size_t{count} * l.v_row;
+            const size_t bytes = params_.v_trans ? size_t{count} * l_e_v * esz : size_t{count} * v_row;
             part.v.push_back(read_rows(bytes, part));
         }
         st.parts.push_back(std::move(part));
@@ -364,31 +333,14 @@ void kv_cache::state_commit(state_stage_i& stage) {
     const seq_id_t seq_id = st.seq_id;
 
     // data: the part's j-th K/V row goes to cells[j] of the stream
-    const size_t esz = type_size(params_.type_v);
+    std::vector<uint64_t> rows;
     const auto copy_rows = [&](const staged_state::stream_part& part, uint32_t stream,
                                std::span<const uint32_t> cells) {
-        const auto runs = runs_of(cells);
-        std::vector<std::byte*> dst;  // transposed V: where each run's channel 0 goes
-        for (size_t li = 0; li < layers_.size(); ++li) {
-            const layer& l = layers_[li];
-            for (const auto& [j, n] : runs) {
-                detail::copy_bytes(k_row_ptr(l, stream, cells[j]), part.k[li].data() + j * l.k_row,
-                                   n * l.k_row);
-                if (!params_.v_trans)
-                    detail::copy_bytes(v_row_ptr(l, stream, cells[j]), part.v[li].data() + j * l.v_row,
-                                       n * l.v_row);
-            }
-            if (!params_.v_trans) continue;
-            // channel 0 of each run's first cell; channel e is e * kv_size elements further (v_elem_offset)
-            dst.clear();
-            for (const auto& [j, n] : runs)
-                dst.push_back(const_cast<std::byte*>(l.v.data()) + v_elem_offset(stream, 0, cells[j]) * esz);
-            const size_t channel = size_t{params_.kv_size} * esz;
-            const std::byte* src = part.v[li].data();  // channel-major: [e_v][cells]
-            for (uint32_t e = 0; e < l.e_v; ++e)
-                for (size_t r = 0; r < runs.size(); ++r)
-                    std::memcpy(dst[r] + e * channel, src + (size_t{e} * cells.size() + runs[r].first) * esz,
-                                runs[r].second * esz);
+        rows.resize(cells.size());
+        for (size_t j = 0; j < cells.size(); ++j) rows[j] = row(stream, cells[j]);
+        for (uint32_t li = 0; li < layers_.size(); ++li) {
+            storage_->load(kv_part::k, li, rows, part.k[li].data());
+            storage_->load(kv_part::v, li, rows, part.v[li].data());
         }
     };
 

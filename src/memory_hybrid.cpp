@@ -9,15 +9,6 @@
 
 namespace kvc {
 
-namespace {
-
-std::unique_ptr<memory_recurrent_context> as_recr(memory_context_ptr ctx) {
-    return std::unique_ptr<memory_recurrent_context>(
-        &dynamic_cast<memory_recurrent_context&>(*ctx.release()));
-}
-
-}  // namespace
-
 memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(params)) {
     if (params_.attn.n_seq_max != params_.recr.n_seq_max)
         throw error(errc::invalid_argument,
@@ -61,18 +52,17 @@ memory_context_ptr memory_hybrid::init_ubatches(std::vector<ubatch> ubatches, st
     if (is_fail(recr->get_status())) return std::make_unique<memory_hybrid_context>(recr->get_status());
     memory_context_ptr attn = attn_->init_ubatches(ubatches, out_ids);
     if (is_fail(attn->get_status())) return std::make_unique<memory_hybrid_context>(attn->get_status());
-    return std::make_unique<memory_hybrid_context>(std::move(attn), as_recr(std::move(recr)),
-                                                   std::move(ubatches), std::move(out_ids));
+    return std::make_unique<memory_hybrid_context>(std::move(attn), std::move(recr), std::move(ubatches),
+                                                   std::move(out_ids));
 }
 
 memory_context_ptr memory_hybrid::init_full() {
-    return std::make_unique<memory_hybrid_context>(attn_->init_full(), as_recr(recr_->init_full()),
+    return std::make_unique<memory_hybrid_context>(attn_->init_full(), recr_->init_full(),
                                                    std::vector<ubatch>{}, std::vector<int32_t>{});
 }
 
 memory_context_ptr memory_hybrid::init_update(bool optimize) {
-    return std::make_unique<memory_hybrid_context>(attn_->init_update(optimize),
-                                                   as_recr(recr_->init_update(optimize)),
+    return std::make_unique<memory_hybrid_context>(attn_->init_update(optimize), recr_->init_update(optimize),
                                                    std::vector<ubatch>{}, std::vector<int32_t>{});
 }
 
@@ -180,8 +170,7 @@ size_t memory_hybrid::size_bytes() const {
 
 memory_hybrid_context::memory_hybrid_context(memory_status status) : status_(status) {}
 
-memory_hybrid_context::memory_hybrid_context(memory_context_ptr attn,
-                                             std::unique_ptr<memory_recurrent_context> recr,
+memory_hybrid_context::memory_hybrid_context(memory_context_ptr attn, memory_context_ptr recr,
                                              std::vector<ubatch> ubatches, std::vector<int32_t> out_ids)
     : status_(combine(attn->get_status(), recr->get_status())),
       attn_(std::move(attn)),
@@ -197,13 +186,12 @@ bool memory_hybrid_context::next() {
     return ++i_cur_ < ubatches_.size();
 }
 
-bool memory_hybrid_context::apply() {
+void memory_hybrid_context::apply() {
     if (is_fail(status_) || !attn_)
         throw error(errc::invalid_state, "memory context: apply() on a failed context");
-    bool ok = true;  // both children run; an update context applies only the one with work
-    if (attn_->get_status() == memory_status::success) ok = attn_->apply() && ok;
-    if (recr_->get_status() == memory_status::success) ok = recr_->apply() && ok;
-    return ok;
+    // both children run; an update context applies only the one with work
+    if (attn_->get_status() == memory_status::success) attn_->apply();
+    if (recr_->get_status() == memory_status::success) recr_->apply();
 }
 
 const ubatch& memory_hybrid_context::get_ubatch() const {
@@ -211,23 +199,12 @@ const ubatch& memory_hybrid_context::get_ubatch() const {
     return ubatches_[i_cur_];
 }
 
-memory_context_i& memory_hybrid_context::get_attn() const {
-    if (!attn_) throw error(errc::invalid_state, "memory context: a failed context has no children");
-    return *attn_;
+kv_cache_context* memory_hybrid_context::get_attn(uint32_t il) {
+    return is_fail(status_) || !attn_ ? nullptr : attn_->get_attn(il);
 }
 
-memory_recurrent_context& memory_hybrid_context::get_recr() const {
-    if (!recr_) throw error(errc::invalid_state, "memory context: a failed context has no children");
-    return *recr_;
-}
-
-kv_cache_context& memory_hybrid_context::attn_for_layer(uint32_t il) const {
-    memory_context_i& a = get_attn();
-    if (auto* is = dynamic_cast<kv_cache_iswa_context*>(&a)) return is->for_layer(il);
-    auto& kv = dynamic_cast<kv_cache_context&>(a);
-    if (!kv.cache().has_layer(il))
-        throw error(errc::out_of_range, fmt::format("memory context: no attention layer {}", il));
-    return kv;
+memory_recurrent_context* memory_hybrid_context::get_recr() {
+    return is_fail(status_) || !recr_ ? nullptr : recr_->get_recr();
 }
 
 }  // namespace kvc

@@ -613,9 +613,9 @@ bool memory_recurrent_context::next() {
     return ++i_cur_ < ubatches_.size();
 }
 
-bool memory_recurrent_context::apply() {
+void memory_recurrent_context::apply() {
     if (is_fail(status_)) throw error(errc::invalid_state, "memory context: apply() on a failed context");
-    if (kind_ != kind::batch) return true;
+    if (kind_ != kind::batch) return;
     if (i_cur_ >= ubatches_.size())
         throw error(errc::invalid_state, "memory context: no ubatch left to apply");
     if (n_applied_ > i_cur_)
@@ -623,7 +623,10 @@ bool memory_recurrent_context::apply() {
                     fmt::format("memory context: ubatch {} was already applied", i_cur_));
     slot_ = mem_->find_slot(ubatches_[i_cur_]);
     n_applied_ = i_cur_ + 1;
-    return true;
+}
+
+memory_recurrent_context* memory_recurrent_context::get_recr() {
+    return is_fail(status_) ? nullptr : this;
 }
 
 const ubatch& memory_recurrent_context::get_ubatch() const {

@@ -26,17 +26,16 @@ inline ubatch make_ub(std::vector<pos_t> pos, seq_id_t s, uint32_t n_pos = 1) {
     return u;
 }
 
-// Places n tokens of s (positions from p0) through find_slot and writes random K/V rows.
+// Places n tokens of s (positions from p0) as an engine does (a context) and writes random K/V rows.
 inline void decode(kv_cache& c, seq_id_t s, pos_t p0, uint32_t n, std::mt19937& rng, uint32_t n_pos = 1) {
     std::vector<pos_t> pos(size_t{n} * n_pos, 0);
     for (uint32_t i = 0; i < n; ++i) {
         pos[i] = p0 + static_cast<pos_t>(i);
         if (n_pos >= 3) pos[i + n] = static_cast<pos_t>(i % 3), pos[i + 2 * n] = static_cast<pos_t>(i % 2);
     }
-    const ubatch ub = make_ub(pos, s, n_pos);
-    const slot_info si = c.find_slot(ub);
-    ASSERT_FALSE(si.empty());
-    c.apply_ubatch(si, ub);
+    auto ctx = c.init_ubatches({make_ub(pos, s, n_pos)}, {});
+    ASSERT_EQ(ctx->get_status(), memory_status::success);
+    ctx->apply();
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (uint32_t il : c.layer_ids()) {
         const layer_desc& d = c.params().layers[il];
@@ -47,9 +46,9 @@ inline void decode(kv_cache& c, seq_id_t s, pos_t p0, uint32_t n, std::mt19937& 
             const auto view = const_tensor_view::contiguous(
                 dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), e, n);
             if (is_v)
-                c.cpy_v(il, view, si);
+                ctx->get_attn(il)->cpy_v(il, view);
             else
-                c.cpy_k(il, view, si);
+                ctx->get_attn(il)->cpy_k(il, view);
         }
     }
 }

@@ -10,7 +10,35 @@
 #include <kvcache/kv_cache.h>
 
 namespace kvc {
+
+// What an engine cannot do through a context, for tests that draw cells exactly as the design notes'
+// examples do: place a ubatch at chosen cells, ask find_slot or n_kv alone, mask a ubatch not placed.
+// (kv_cache's friend; everything else here goes through contexts.)
+struct kv_cache_test_access {
+    static void place(kv_cache& c, const slot_info& s, const ubatch& ub) {
+        c.check_ubatch(ub);
+        c.apply_ubatch(s, ub);
+    }
+    static slot_info find_slot(const kv_cache& c, const ubatch& ub, bool cont = false) {
+        c.check_ubatch(ub);
+        return c.find_slot(ub, cont);
+    }
+    static uint32_t n_kv(const kv_cache& c, const slot_info& s) { return c.get_n_kv(s); }
+    static void mask(const kv_cache& c, tensor_view dst, const ubatch& ub, uint32_t n_kv, bool causal) {
+        c.set_input_kq_mask(dst, ub, n_kv, {.causal = causal});
+    }
+    // A batch context over ub placed at the slot's cells, applied.
+    static memory_context_ptr placed(kv_cache& c, const slot_info& s, const ubatch& ub) {
+        c.check_ubatch(ub);
+        memory_context_ptr ctx(new kv_cache_context(c, {ub}, {s}, {}));
+        ctx->apply();
+        return ctx;
+    }
+};
+
 namespace {
+
+using peer = kv_cache_test_access;
 
 // One layer, 2 KV heads of 4 values (E = 8), normal RoPE.
 kv_cache_params small_params(uint32_t kv_size, uint32_t n_seq_max = 1) {
@@ -55,15 +83,16 @@ slot_info slot(std::vector<uint32_t> cells, uint32_t stream = 0) {
 
 // Places tokens of one sequence at the given cells.
 void place(kv_cache& c, std::vector<uint32_t> cells, std::vector<pos_t> pos, seq_id_t s = 0) {
-    c.apply_ubatch(slot(std::move(cells)), make_ub(std::move(pos), std::vector<seq_id_t>(pos.size(), s)));
+    peer::place(c, slot(std::move(cells)), make_ub(std::move(pos), std::vector<seq_id_t>(pos.size(), s)));
 }
 
 std::vector<float> mask_of(const kv_cache& c, const ubatch& ub, const slot_info& si, uint32_t n_kv,
                            bool causal = true) {
     std::vector<float> m(size_t{n_kv} * ub.n_tokens);
-    c.set_input_kq_mask(
-        tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), n_kv, ub.n_tokens), ub,
-        si, n_kv, causal);
+    (void)si;
+    peer::mask(c,
+               tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), n_kv, ub.n_tokens),
+               ub, n_kv, causal);
     return m;
 }
 
@@ -116,9 +145,9 @@ TEST(kv_cache, b1_ring_search_starts_at_the_head) {
     place(c, {1, 3}, {0, 1});
     EXPECT_EQ(c.head(0), 4u);
     const ubatch ub = make_ub({2, 3, 4}, {0, 0, 0});
-    slot_info s = c.find_slot(ub);  // (a) head 4 <= used + 2n = 8
+    slot_info s = peer::find_slot(c, ub);  // (a) head 4 <= used + 2n = 8
     EXPECT_EQ(s.idxs[0], (std::vector<uint32_t>{4, 5, 6}));
-    c.apply_ubatch(s, ub);
+    peer::place(c, s, ub);
     EXPECT_EQ(c.head(0), 7u);
 }
 
@@ -129,9 +158,9 @@ TEST(kv_cache, b1_head_far_beyond_the_used_cells_restarts_at_zero) {
     c.seq_rm(1, -1, -1);    // frees cell 8: head lowered to 8, used 2
     EXPECT_EQ(c.head(0), 8u);
     // (c) head 8 is not > used + 2n = 8: the search starts there
-    EXPECT_EQ(c.find_slot(make_ub({2, 3, 4}, {0, 0, 0})).idxs[0], (std::vector<uint32_t>{8, 9, 10}));
+    EXPECT_EQ(peer::find_slot(c, make_ub({2, 3, 4}, {0, 0, 0})).idxs[0], (std::vector<uint32_t>{8, 9, 10}));
     // with n = 2 the threshold is 6 < 8: restart at 0 and fill the holes
-    EXPECT_EQ(c.find_slot(make_ub({2, 3}, {0, 0})).idxs[0], (std::vector<uint32_t>{0, 2}));
+    EXPECT_EQ(peer::find_slot(c, make_ub({2, 3}, {0, 0})).idxs[0], (std::vector<uint32_t>{0, 2}));
 }
 
 kv_cache_params swa_params(uint32_t kv_size) {
@@ -145,10 +174,10 @@ TEST(kv_cache, b2_swa_dead_cells_are_reused) {
     kv_cache c(swa_params(6));
     place(c, {0, 1, 2, 3, 4, 5}, {0, 1, 2, 3, 4, 5});
     const ubatch ub = make_ub({6}, {0});
-    const slot_info s = c.find_slot(ub);
+    const slot_info s = peer::find_slot(c, ub);
     ASSERT_FALSE(s.empty());
     EXPECT_EQ(s.idxs[0], (std::vector<uint32_t>{0}));
-    c.apply_ubatch(s, ub);
+    peer::place(c, s, ub);
     EXPECT_EQ(c.cells(0).pos_get(0), 6);
     EXPECT_EQ(c.seq_pos_min(0), 1);
     const auto m = mask_of(c, ub, s, 6);
@@ -160,9 +189,9 @@ TEST(kv_cache, b3_reusing_an_old_position_purges_older_ones) {
     place(c, {1, 0, 2, 3, 4, 5}, {0, 1, 2, 3, 4, 5});  // cell 0 holds pos 1, cell 1 holds pos 0
     EXPECT_EQ(c.head(0), 6u);
     const ubatch ub = make_ub({6}, {0});
-    const slot_info s = c.find_slot(ub);
+    const slot_info s = peer::find_slot(c, ub);
     EXPECT_EQ(s.idxs[0], (std::vector<uint32_t>{0}));
-    c.apply_ubatch(s, ub);
+    peer::place(c, s, ub);
     EXPECT_TRUE(c.cells(0).is_empty(1)) << "pos 0 purged: the sequence stays gap-free";
     EXPECT_EQ(c.cells(0).pos_get(0), 6);
     EXPECT_EQ(c.seq_pos_min(0), 2);
@@ -174,7 +203,7 @@ TEST(kv_cache, b4_mrope_mask_orders_patches_of_one_position) {
     kv_cache c(p);
     // three image patches at temporal pos 5: A (x0, y0), B (x1, y0), C (x0, y1); sections t, y, x, other
     ubatch img = make_ub({5, 5, 5, /*y*/ 0, 0, 1, /*x*/ 0, 1, 0, /*o*/ 0, 0, 0}, {0, 0, 0}, 4);
-    c.apply_ubatch(slot({0, 1, 2}), img);
+    peer::place(c, slot({0, 1, 2}), img);
     EXPECT_EQ(c.cells(0).ext_get(2), (cell_ext{0, 1}));
     const ubatch q = make_ub({5, 0, 1, 0}, {0}, 4);  // pos 5, y 0, x 1
     const auto m = mask_of(c, q, slot({1}), 3);
@@ -238,8 +267,10 @@ TEST(kv_cache, context_applies_each_ubatch_once_and_reports_n_kv) {
     const auto t = tokens(10);
     a.init(batch::get_one(t), &c, {});
     auto base = c.init_batch(a, 4, false);
-    auto* ctx = dynamic_cast<kv_cache_context*>(base.get());
+    kv_cache_context* ctx = base->get_attn(0);
     ASSERT_NE(ctx, nullptr);
+    EXPECT_EQ(base->get_attn(1), nullptr) << "no layer 1";
+    EXPECT_EQ(base->get_recr(), nullptr);
     EXPECT_EQ(ctx->n_ubatches(), 3u);
     EXPECT_EQ(std::vector<int32_t>(ctx->out_ids().begin(), ctx->out_ids().end()), (std::vector<int32_t>{9}));
     ctx->apply();
@@ -252,7 +283,7 @@ TEST(kv_cache, context_applies_each_ubatch_once_and_reports_n_kv) {
     EXPECT_FALSE(ctx->next());
     EXPECT_EQ(c.seq_pos_max(0), 9);
     auto full = c.init_full();
-    EXPECT_EQ(dynamic_cast<kv_cache_context&>(*full).get_n_kv(), 1024u);
+    EXPECT_EQ(full->get_attn(0)->get_n_kv(), 1024u);
     EXPECT_EQ(c.init_update(false)->get_status(), memory_status::no_update);
 }
 
@@ -282,30 +313,52 @@ TEST(kv_cache, seq_ids_beyond_the_cache_are_errors) {
     }
 }
 
-TEST(kv_cache, malformed_slots_and_ubatches_are_errors_that_change_nothing) {
-    kv_cache c(small_params(8));
+TEST(kv_cache, malformed_ubatches_are_errors_that_change_nothing) {
+    auto p = small_params(8, 2);
+    kv_cache c(p);
     place(c, {0}, {0});
     const std::string before = c.cells(0).picture();
-    slot_info empty_group = slot({});
-    EXPECT_THROW(c.apply_ubatch(empty_group, make_ub({}, {})), error);
-    EXPECT_THROW(c.apply_ubatch(slot({1, 2}), make_ub({1}, {0})), error);  // 2 cells for 1 token
-    EXPECT_THROW(c.apply_ubatch(slot({9}), make_ub({1}, {0})), error);     // cell outside
-    EXPECT_THROW(c.apply_ubatch(slot({1}, 3), make_ub({1}, {0})), error);  // stream outside
+    const auto rejected = [&](ubatch ub, const char* what) {
+        SCOPED_TRACE(what);
+        EXPECT_THROW(c.init_ubatches({make_ub({5}, {0}), std::move(ub)}, {}), error);
+        EXPECT_EQ(c.cells(0).picture(), before);
+        EXPECT_EQ(c.head(0), 1u);
+    };
     ubatch short_pos = make_ub({1}, {0});
     short_pos.pos.clear();
-    EXPECT_THROW(c.apply_ubatch(slot({1}), short_pos), error);
-    EXPECT_THROW((void)c.find_slot(short_pos), error);
+    rejected(short_pos, "positions missing");
     ubatch no_seq = make_ub({1}, {0});
     no_seq.seq_id_begin = {0, 0};
     no_seq.seq_id_data.clear();
-    EXPECT_THROW(c.apply_ubatch(slot({1}), no_seq), error);
-    EXPECT_EQ(c.cells(0).picture(), before);
-    std::vector<float> row(8);
-    EXPECT_THROW(
-        c.cpy_k(0,
-                const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(row.data()), 8),
-                empty_group),
-        error);
+    rejected(no_seq, "a token without a sequence");
+    rejected(make_ub({1}, {2}), "seq_id 2 of 2");
+    rejected(make_ub({-1}, {0}), "a negative position");
+    // one stream per sequence: a group of tokens must be one sequence
+    p.unified = false;
+    kv_cache split(p);
+    ubatch mixed = make_ub({0, 0}, {0, 1});
+    mixed.n_seqs_unq = 1;
+    mixed.seq_id_unq = {0};
+    EXPECT_THROW(split.init_ubatches({mixed}, {}), error);
+    ubatch uneven = make_ub({0, 1, 0}, {0, 0, 1});
+    EXPECT_THROW(split.init_ubatches({uneven}, {}), error);
+    EXPECT_EQ(split.cells(0).get_used() + split.cells(1).get_used(), 0u);
+    // rows of the wrong shape or type, and data before apply
+    auto ctx = c.init_ubatches({make_ub({1}, {0})}, {});
+    kv_cache_context& kc = *ctx->get_attn(0);
+    std::vector<float> row(16);
+    const auto one =
+        const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(row.data()), 8);
+    EXPECT_THROW(kc.cpy_k(0, one), error) << "not applied yet";
+    ctx->apply();
+    EXPECT_THROW(kc.cpy_k(0, const_tensor_view::contiguous(
+                                 dtype::f32, reinterpret_cast<const std::byte*>(row.data()), 16)),
+                 error);
+    EXPECT_THROW(kc.cpy_k(0, const_tensor_view::contiguous(
+                                 dtype::q8_0, reinterpret_cast<const std::byte*>(row.data()), 32)),
+                 error);
+    EXPECT_THROW(kc.cpy_k(1, one), error) << "no layer 1";
+    EXPECT_NO_THROW(kc.cpy_k(0, one));
 }
 
 // -- streams --
@@ -324,8 +377,8 @@ TEST(kv_cache, one_stream_per_sequence) {
     b.n_seq_id = ones;
     a.init(b, &c, {.n_seq_max = 2});
     auto base = c.init_batch(a, 8, false);
-    auto& ctx = dynamic_cast<kv_cache_context&>(*base);
-    ASSERT_EQ(ctx.get_status(), memory_status::success);
+    ASSERT_EQ(base->get_status(), memory_status::success);
+    kv_cache_context& ctx = *base->get_attn(0);
     ctx.apply();
     const slot_info& si = ctx.get_sinfo();
     EXPECT_EQ(si.n_stream(), 2u);
@@ -337,7 +390,7 @@ TEST(kv_cache, one_stream_per_sequence) {
     EXPECT_EQ(n_kv, 16u) << "padding is capped by kv_size";
     std::vector<float> m(size_t{n_kv} * 4);
     ctx.set_input_kq_mask(
-        tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), n_kv, 4), true);
+        tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), n_kv, 4));
     EXPECT_EQ(m[0], 0);
     EXPECT_EQ(m[1], ninf);          // token 0 (pos 0) does not see pos 1
     EXPECT_EQ(m[3 * n_kv + 1], 0);  // token 3 = seq 1 pos 1 sees its stream's cell 1
@@ -352,15 +405,13 @@ TEST(kv_cache, seq_cp_across_streams_copies_rows_and_pending_shift) {
     auto p = small_params(8, 2);
     p.unified = false;
     kv_cache c(p);
-    slot_info si = slot({2, 3});
-    const ubatch ub = make_ub({0, 1}, {0, 0});
-    c.apply_ubatch(si, ub);
+    auto ctx = peer::placed(c, slot({2, 3}), make_ub({0, 1}, {0, 0}));
     std::vector<float> rows(16);
     for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i) + 0.5f;
     const auto view =
         const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, 2);
-    c.cpy_k(0, view, si);
-    c.cpy_v(0, view, si);
+    ctx->get_attn(0)->cpy_k(0, view);
+    ctx->get_attn(0)->cpy_v(0, view);
     c.seq_add(0, 1, 2, 5);  // pos 1 -> 6, pending shift 5
     c.seq_cp(0, 1, -1, -1);
     EXPECT_EQ(c.seq_pos_min(1), 0);
@@ -387,20 +438,21 @@ TEST(kv_cache, rows_land_in_their_cells_and_views_read_them) {
         p.type_k = dtype::f16;
         p.type_v = dtype::f16;
         kv_cache c(p);
-        const slot_info si = slot({5, 2});
-        c.apply_ubatch(si, make_ub({0, 1}, {0, 0}));
+        auto ctx = peer::placed(c, slot({5, 2}), make_ub({0, 1}, {0, 0}));
+        kv_cache_context& kc = *ctx->get_attn(0);
         std::vector<float> rows(16);
         for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i) * 0.25f;
         const auto view = const_tensor_view::contiguous(
             dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 4, 2, 2);
-        c.cpy_k(0, view, si);
-        c.cpy_v(0, view, si);
+        kc.cpy_k(0, view);
+        kc.cpy_v(0, view);
         // K view [4, 2 heads, n_kv, 1]: token 1 (cell 2), head 1, dim 3 = rows[8 + 4 + 3]
-        const tensor_view k = c.get_k(0, 8, si);
+        ASSERT_EQ(kc.get_n_kv(), 8u);
+        const tensor_view k = kc.get_k(0);
         std::vector<float> out(4);
         k.row_to_f32(out, 1, 2);
         EXPECT_EQ(out[3], rows[15]);
-        const tensor_view v = c.get_v(0, 8, si);
+        const tensor_view v = kc.get_v(0);
         if (!trans) {
             v.row_to_f32(out, 0, 5);
             EXPECT_EQ(out[2], rows[2]);
@@ -410,15 +462,13 @@ TEST(kv_cache, rows_land_in_their_cells_and_views_read_them) {
             v.row_to_f32(cellrow, 1, 2);
             EXPECT_EQ(cellrow[5], rows[6]);
             EXPECT_EQ(cellrow[2], rows[8 + 6]);
-            const auto vi = c.v_idxs(0, si);
+            const auto vi = kc.v_idxs(0);
             EXPECT_EQ(vi.size(), 16u);
             EXPECT_EQ(vi[8 + 6], 6 * 8 + 2);  // token 1, channel 6, cell 2
         }
-        EXPECT_EQ(c.k_idxs(si), (std::vector<int64_t>{5, 2}));
-        EXPECT_THROW(c.cpy_k(0,
-                             const_tensor_view::contiguous(
-                                 dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, 1),
-                             si),
+        EXPECT_EQ(kc.k_idxs(), (std::vector<int64_t>{5, 2}));
+        EXPECT_THROW(kc.cpy_k(0, const_tensor_view::contiguous(
+                                     dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, 1)),
                      error);
     }
 }
@@ -449,12 +499,10 @@ TEST(kv_cache, shifted_keys_equal_keys_computed_at_the_new_position) {
             ops::rope(key, 2, 64, p0, rope);  // as the model wrote it (with YaRN magnitude)
             want = raw;
             ops::rope(want, 2, 64, p0 + d, rope);
-            const slot_info si = slot({3});
-            c.apply_ubatch(si, make_ub({p0}, {0}));
-            c.cpy_k(0,
-                    const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(key.data()),
-                                                  128),
-                    si);
+            peer::placed(c, slot({3}), make_ub({p0}, {0}))
+                ->get_attn(0)
+                ->cpy_k(0, const_tensor_view::contiguous(
+                               dtype::f32, reinterpret_cast<const std::byte*>(key.data()), 128));
             std::vector<float> stored(128);
             c.read_k_row(0, 0, 3, stored);
             c.seq_add(0, -1, -1, d);
@@ -499,29 +547,30 @@ TEST(kv_cache, is_masked_swa_rules) {
 TEST(kv_cache, get_n_kv_pads_to_256_and_caps_at_kv_size) {
     kv_cache c(small_params(1024));
     place(c, {0, 300}, {0, 1});
-    EXPECT_EQ(c.get_n_kv(slot({300})), 512u);
+    EXPECT_EQ(peer::n_kv(c, slot({300})), 512u);
     auto p = small_params(64);
     p.n_kv_pad = 16;
     kv_cache d(p);
     place(d, {17}, {0});
-    EXPECT_EQ(d.get_n_kv(slot({17})), 32u);
+    EXPECT_EQ(peer::n_kv(d, slot({17})), 32u);
     kv_cache e(small_params(100));
     place(e, {99}, {0});
-    EXPECT_EQ(e.get_n_kv(slot({99})), 100u);
+    EXPECT_EQ(peer::n_kv(e, slot({99})), 100u);
 }
 
 TEST(kv_cache, find_slot_contiguous_mode_wants_one_run) {
     kv_cache c(small_params(16));
     place(c, {1, 5}, {0, 1});
-    const slot_info s = c.find_slot(make_ub({2, 3, 4, 5}, {0, 0, 0, 0}), true);
+    const slot_info s = peer::find_slot(c, make_ub({2, 3, 4, 5}, {0, 0, 0, 0}), true);
     ASSERT_FALSE(s.empty());
     EXPECT_TRUE(s.is_contiguous());
     EXPECT_EQ(s.idxs[0], (std::vector<uint32_t>{6, 7, 8, 9}));
     c.seq_rm(0, -1, -1);
     place(c, {0, 2, 4, 6, 8, 10, 12}, {0, 1, 2, 3, 4, 5, 6});  // every other cell: no run of 2 from the head
-    EXPECT_TRUE(c.find_slot(make_ub({7, 8}, {0, 0}), true).idxs[0] == (std::vector<uint32_t>{13, 14}));
-    EXPECT_TRUE(c.find_slot(make_ub({7, 8, 9, 10}, {0, 0, 0, 0}), true).empty());
-    EXPECT_FALSE(c.find_slot(make_ub({7, 8, 9, 10}, {0, 0, 0, 0})).empty()) << "scattered cells still fit";
+    EXPECT_TRUE(peer::find_slot(c, make_ub({7, 8}, {0, 0}), true).idxs[0] == (std::vector<uint32_t>{13, 14}));
+    EXPECT_TRUE(peer::find_slot(c, make_ub({7, 8, 9, 10}, {0, 0, 0, 0}), true).empty());
+    EXPECT_FALSE(peer::find_slot(c, make_ub({7, 8, 9, 10}, {0, 0, 0, 0})).empty())
+        << "scattered cells still fit";
 }
 
 TEST(kv_cache, seq_cp_in_one_stream_shares_cells_idempotently) {
@@ -569,21 +618,26 @@ TEST(kv_cache, mrope_caches_refuse_shifts) {
 TEST(kv_cache, alibi_mask_holds_minus_distance_and_f16_matches_f32) {
     kv_cache c(small_params(8));
     place(c, {0, 1, 2}, {0, 1, 2});
-    const ubatch ub = make_ub({3}, {0});
-    const slot_info si = slot({3});
-    c.apply_ubatch(si, ub);
+    auto ctx = peer::placed(c, slot({3}), make_ub({3}, {0}));
+    kv_cache_context& kc = *ctx->get_attn(0);
+    ASSERT_EQ(kc.get_n_kv(), 8u);
+    ASSERT_EQ(kc.kq_mask_elements(), 8u);
     std::vector<float> m(8);
-    c.set_input_kq_mask(tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), 8), ub,
-                        si, 8, true, true);
+    kc.set_input_kq_mask(tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), 8),
+                         {.alibi = true});
     EXPECT_EQ(m, (std::vector<float>{-3, -2, -1, 0, ninf, ninf, ninf, ninf}));
     std::vector<uint16_t> h(8);
-    c.set_input_kq_mask(tensor_view::contiguous(dtype::f16, reinterpret_cast<std::byte*>(h.data()), 8), ub,
-                        si, 8, true, true);
+    kc.set_input_kq_mask(tensor_view::contiguous(dtype::f16, reinterpret_cast<std::byte*>(h.data()), 8),
+                         {.alibi = true});
     for (size_t j = 0; j < 8; ++j) EXPECT_EQ(fp16_to_fp32(h[j]), m[j]);
+    EXPECT_THROW(
+        kc.set_input_kq_mask(tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), 7)),
+        error);
     // non-causal: the whole sequence is visible
-    c.set_input_kq_mask(tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), 8),
-                        make_ub({1}, {0}), slot({1}), 8, false);
-    EXPECT_EQ(m, (std::vector<float>{0, 0, 0, 0, ninf, ninf, ninf, ninf}));
+    auto later = peer::placed(c, slot({4}), make_ub({4}, {0}));
+    later->get_attn(0)->set_input_kq_mask(
+        tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), 8), {.causal = false});
+    EXPECT_EQ(m, (std::vector<float>{0, 0, 0, 0, 0, ninf, ninf, ninf}));
 }
 
 TEST(kv_cache, k_shift_input_and_position_buckets) {
@@ -595,8 +649,12 @@ TEST(kv_cache, k_shift_input_and_position_buckets) {
     EXPECT_EQ(shift, (std::vector<int32_t>{0, 5, 5, 0}));
     EXPECT_THROW(c.set_input_k_shift(std::span<int32_t>(shift.data(), 3)), error);
     // buckets of keys at pos 0, 6, 7 and an empty cell for a query at pos 7 (32 buckets, causal)
+    kv_cache d(small_params(4, 2));
+    place(d, {0, 1, 2}, {0, 6, 7});
+    auto ctx = peer::placed(d, slot({3}), make_ub({7}, {1}));  // another sequence: its own row
+    d.seq_rm(1, -1, -1);                                       // cell 3 empty again: it counts as position -1
     std::vector<int32_t> b(4);
-    c.set_input_pos_bucket(b, make_ub({7}, {0}), 4, 32);
+    ctx->get_attn(0)->set_input_pos_bucket(b, 32);
     EXPECT_EQ(b, (std::vector<int32_t>{7, 1, 0, 8})) << "an empty cell counts as position -1";
 }
 
@@ -608,15 +666,15 @@ TEST(kv_cache, compaction_moves_cells_down_and_changes_nothing_visible) {
     // 4 sequences x 8 tokens, interleaved; K and V rows carry (seq, pos)
     for (pos_t pos = 0; pos < 8; ++pos) {
         const ubatch ub = make_ub({pos, pos, pos, pos}, {0, 1, 2, 3});
-        const slot_info si = c.find_slot(ub);
-        c.apply_ubatch(si, ub);
+        auto ctx = c.init_ubatches({ub}, {});
+        ctx->apply();
         std::vector<float> rows(32);
         for (uint32_t t = 0; t < 4; ++t)
             for (uint32_t e = 0; e < 8; ++e) rows[t * 8 + e] = static_cast<float>(t * 100 + pos) + 0.01f * e;
         const auto view =
             const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, 4);
-        c.cpy_k(0, view, si);
-        c.cpy_v(0, view, si);
+        ctx->get_attn(0)->cpy_k(0, view);
+        ctx->get_attn(0)->cpy_v(0, view);
     }
     c.seq_rm(1, -1, -1);
     c.seq_rm(3, -1, -1);
@@ -687,13 +745,13 @@ TEST(kv_cache_property, masks_match_a_naive_reference) {
         }
         const auto q = static_cast<seq_id_t>(rng() % 3);
         const ubatch ub = make_ub({next[q], next[q] + 1}, {q, q});
-        const slot_info si = slot({cells[40], cells[41]});
-        c.apply_ubatch(si, ub);
-        const uint32_t n_kv = c.get_n_kv(si);
+        auto ctx = peer::placed(c, slot({cells[40], cells[41]}), ub);
+        kv_cache_context& kc = *ctx->get_attn(0);
+        const uint32_t n_kv = kc.get_n_kv();
         for (bool causal : {true, false}) {
             for (dtype mt : {dtype::f32, dtype::f16}) {
                 std::vector<std::byte> buf(size_t{n_kv} * 2 * type_size(mt));
-                c.set_input_kq_mask(tensor_view::contiguous(mt, buf.data(), n_kv, 2), ub, si, n_kv, causal);
+                kc.set_input_kq_mask(tensor_view::contiguous(mt, buf.data(), n_kv, 2), {.causal = causal});
                 std::vector<float> got(size_t{n_kv} * 2);
                 to_f32(mt, buf.data(), got.data(), static_cast<int64_t>(got.size()));
                 for (uint32_t i = 0; i < 2; ++i)
@@ -776,9 +834,9 @@ TEST(kv_cache_property, sequences_see_what_a_simple_model_says) {
                 a.init(b.view(), &c, {.n_seq_max = n_seq});
                 auto ctx = c.init_batch(a, 4, false);
                 if (!is_fail(ctx->get_status())) {
-                    auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
+                    kv_cache_context& kc = *ctx->get_attn(0);
                     do {
-                        kc.apply();
+                        ctx->apply();
                         const ubatch& ub = kc.get_ubatch();
                         std::vector<float> rows(size_t{ub.n_tokens} * 8);
                         for (uint32_t t = 0; t < ub.n_tokens; ++t)
@@ -787,7 +845,7 @@ TEST(kv_cache_property, sequences_see_what_a_simple_model_says) {
                             dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, ub.n_tokens);
                         kc.cpy_k(0, view);
                         kc.cpy_v(0, view);
-                    } while (kc.next());
+                    } while (ctx->next());
                     recs.insert(recs.end(), added.begin(), added.end());
                 }  // else: the model is unchanged and the check below proves the cache is too
                 tag += 100;

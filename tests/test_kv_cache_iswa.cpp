@@ -42,10 +42,9 @@ kv_cache_iswa_params make_params(uint32_t kv_size, uint32_t n_swa, uint32_t n_se
 memory_status decode(kv_cache_iswa& m, const std::vector<test::run>& groups, uint32_t n_ubatch = 512) {
     memory_context_ptr ctx = test::init_runs(m, m.params().kv.n_seq_max, groups, n_ubatch);
     if (is_fail(ctx->get_status())) return ctx->get_status();
-    auto& ic = dynamic_cast<kv_cache_iswa_context&>(*ctx);
     do {
-        EXPECT_TRUE(ic.apply());
-        const ubatch& ub = ic.get_ubatch();
+        ctx->apply();
+        const ubatch& ub = ctx->get_ubatch();
         for (uint32_t il = 0; il < 4; ++il) {
             std::vector<float> rows(size_t{32} * ub.n_tokens);
             for (uint32_t t = 0; t < ub.n_tokens; ++t)
@@ -54,10 +53,10 @@ memory_status decode(kv_cache_iswa& m, const std::vector<test::run>& groups, uin
                                        static_cast<float>(il * 32 + d) * 1e-4f;
             const auto view = const_tensor_view::contiguous(
                 dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 32, ub.n_tokens);
-            ic.for_layer(il).cpy_k(il, view);
-            ic.for_layer(il).cpy_v(il, view);
+            ctx->get_attn(il)->cpy_k(il, view);
+            ctx->get_attn(il)->cpy_v(il, view);
         }
-    } while (ic.next());
+    } while (ctx->next());
     return memory_status::success;
 }
 
@@ -123,17 +122,17 @@ TEST(kv_cache_iswa, children_get_their_own_masks) {
     a.init(b.view(), &m, {.n_seq_max = 1});
     memory_context_ptr ctx = m.init_batch(a, 512, false);
     auto& ic = dynamic_cast<kv_cache_iswa_context&>(*ctx);
-    ASSERT_TRUE(ic.apply());
-    EXPECT_EQ(&ic.for_layer(0), &ic.get_swa());
-    EXPECT_EQ(&ic.for_layer(1), &ic.get_base());
-    EXPECT_THROW(ic.for_layer(9), error);
+    ic.apply();
+    EXPECT_EQ(ctx->get_attn(0), &ic.get_swa());
+    EXPECT_EQ(ctx->get_attn(1), &ic.get_base());
+    EXPECT_EQ(ctx->get_attn(9), nullptr);
+    EXPECT_EQ(ctx->get_recr(), nullptr);
     for (kv_cache_context* c : {&ic.get_base(), &ic.get_swa()}) {
         const bool swa = c == &ic.get_swa();
-        const size_t n = c->cache().kq_mask_elements(ic.get_ubatch(), c->get_n_kv());
+        const size_t n = c->kq_mask_elements();
         std::vector<float> mask(n);
         c->set_input_kq_mask(tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(mask.data()),
-                                                     static_cast<int64_t>(n), 1),
-                             true);
+                                                     static_cast<int64_t>(n), 1));
         const kv_cells& cells = c->cache().cells(0);
         for (uint32_t i = 0; i < c->get_n_kv(); ++i) {
             const bool visible = !cells.is_empty(i) && (!swa || cells.pos_get(i) > 10 - 4);
@@ -196,7 +195,7 @@ TEST(kv_cache_iswa, sequence_operations_reach_both_caches) {
     // pending shifts of both caches come through one update context
     memory_context_ptr up = m.init_update(false);
     EXPECT_EQ(up->get_status(), memory_status::success);
-    EXPECT_TRUE(up->apply());
+    up->apply();
     EXPECT_FALSE(m.get_base().get_has_shift());
     EXPECT_FALSE(m.get_swa().get_has_shift());
     EXPECT_EQ(m.init_update(false)->get_status(), memory_status::no_update);
@@ -209,11 +208,12 @@ TEST(kv_cache_iswa, init_full_reserves_both) {
     memory_context_ptr ctx = m.init_full();
     auto& ic = dynamic_cast<kv_cache_iswa_context&>(*ctx);
     EXPECT_EQ(ic.get_status(), memory_status::success);
-    EXPECT_TRUE(ic.apply());
+    ic.apply();
     EXPECT_EQ(&ic.get_base().cache(), &m.get_base());
     EXPECT_EQ(&ic.get_swa().cache(), &m.get_swa());
-    const kv_cache_iswa_context failed(memory_status::failed_prepare);
+    kv_cache_iswa_context failed(memory_status::failed_prepare);
     EXPECT_THROW(failed.get_base(), error);
+    EXPECT_EQ(failed.get_attn(0), nullptr);
 }
 
 TEST(kv_cache_iswa, state_round_trips_whole_one_sequence_and_partial) {

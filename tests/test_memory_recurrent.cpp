@@ -181,10 +181,10 @@ int decode(memory_recurrent& m, const std::vector<std::pair<seq_id_t, pos_t>>& t
     a.init(b.view(), &m, {.n_seq_max = m.params().n_seq_max});
     auto ctx = m.init_batch(a, n_ubatch, embd_all);
     if (is_fail(ctx->get_status())) return -1;
-    auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+    memory_recurrent_context& rc = *ctx->get_recr();
     int n = 0;
     do {
-        EXPECT_TRUE(rc.apply());
+        rc.apply();
         const ubatch& ub = rc.get_ubatch();
         rs_slot sl;  // rebuilt from the context's accessors
         sl.head = rc.get_head();
@@ -509,7 +509,7 @@ TEST(memory_recurrent, init_batch_keeps_the_rollback_tail_in_one_ubatch) {
     a.init(b.view(), &m, {});
     auto ctx = m.init_batch(a, 4, false);
     ASSERT_EQ(ctx->get_status(), memory_status::success);
-    auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+    memory_recurrent_context& rc = *ctx->get_recr();
     std::vector<uint32_t> sizes;
     do sizes.push_back(rc.get_ubatch().n_tokens);
     while (rc.next());
@@ -520,18 +520,19 @@ TEST(memory_recurrent, full_and_update_contexts) {
     memory_recurrent m(params(3));
     auto full = m.init_full();
     EXPECT_EQ(full->get_status(), memory_status::success);
-    auto& f = dynamic_cast<memory_recurrent_context&>(*full);
+    memory_recurrent_context& f = *full->get_recr();
+    EXPECT_EQ(full->get_attn(0), nullptr);
     EXPECT_EQ(f.get_n_rs(), 3u);
     EXPECT_EQ(f.get_head(), 0u);
     EXPECT_EQ(f.get_rs_z(), 0);
     EXPECT_EQ(f.s_copy(2), 2);
     EXPECT_THROW((void)f.s_copy(3), error);
-    EXPECT_TRUE(f.apply());
+    f.apply();
     EXPECT_FALSE(f.next());
     auto up = m.init_update(true);
     EXPECT_EQ(up->get_status(), memory_status::no_update);
-    EXPECT_TRUE(up->apply());
-    EXPECT_THROW((void)dynamic_cast<memory_recurrent_context&>(*up).get_n_rs(), error);
+    up->apply();
+    EXPECT_THROW((void)up->get_recr()->get_n_rs(), error);
     EXPECT_TRUE(m.get_can_shift());
 }
 
@@ -544,7 +545,7 @@ TEST(memory_recurrent, context_inputs_need_apply_and_apply_runs_once) {
     batch_allocr a;
     a.init(b.view(), &m, {.n_seq_max = 2});
     auto ctx = m.init_batch(a, 1, false);  // two ubatches of one token
-    auto& rc = dynamic_cast<memory_recurrent_context&>(*ctx);
+    memory_recurrent_context& rc = *ctx->get_recr();
     EXPECT_EQ(rc.n_ubatches(), 2u);
     EXPECT_THROW((void)rc.get_head(), error);
     rc.apply();

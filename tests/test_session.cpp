@@ -109,8 +109,7 @@ TEST_F(session, compression_shrinks_a_cleared_cache_and_changes_nothing_else) {
     a.clear(true);  // zero rows...
     decode(a, 0, 0, 40, rng);
     for (uint32_t i = 0; i < 560; ++i) {  // ...and many cells of zeros
-        const ubatch ub = make_ub({static_cast<pos_t>(40 + i)}, 0);
-        a.apply_ubatch(a.find_slot(ub), ub);
+        a.init_ubatches({make_ub({static_cast<pos_t>(40 + i)}, 0)}, {})->apply();
     }
     session_save_options o;
     const uint64_t plain = save_file(a, path("plain.kvc"), 0, o);

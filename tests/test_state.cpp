@@ -57,16 +57,16 @@ TEST(state, b6_per_sequence_buffer_is_byte_exact) {
     p.kv_size = 16;
     p.n_seq_max = 3;
     kv_cache c(p);
-    slot_info si;
-    si.strm = {0};
-    si.idxs = {{4, 5}};
-    c.apply_ubatch(si, make_ub({0, 1}, 2));
+    c.init_ubatches({make_ub({0, 1, 2, 3}, 0)}, {})->apply();  // seq 2 goes to cells 4 and 5
+    auto ctx = c.init_ubatches({make_ub({0, 1}, 2)}, {});
+    ctx->apply();
+    ASSERT_EQ(ctx->get_attn(0)->get_sinfo().idxs[0], (std::vector<uint32_t>{4, 5}));
     std::vector<float> rows(16);
     for (size_t i = 0; i < 16; ++i) rows[i] = static_cast<float>(i);
     const auto view =
         const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 8, 2);
-    c.cpy_k(0, view, si);
-    c.cpy_v(0, view, si);
+    ctx->get_attn(0)->cpy_k(0, view);
+    ctx->get_attn(0)->cpy_v(0, view);
     const auto buf = state_seq_get_data(c, 2);
     ASSERT_EQ(buf.size(), 136u);
     EXPECT_EQ(state_seq_get_size(c, 2), 136u);

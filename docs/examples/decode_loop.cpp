@@ -84,15 +84,14 @@ void decode(kvc::kv_cache& cache, const kvc::batch& b, std::vector<std::vector<e
     balloc.init(b, &cache, {.n_seq_max = cache.params().n_seq_max, .n_vocab = 1000});  // throws if invalid
     kvc::memory_context_ptr ctx = cache.init_batch(balloc, /*n_ubatch=*/4, /*embd_all=*/false);
     if (kvc::is_fail(ctx->get_status())) throw kvc::error(kvc::errc::invalid_state, "no room");
-    auto& kc = dynamic_cast<kvc::kv_cache_context&>(*ctx);
     do {
-        kc.apply();  // the ubatch's cells now hold its tokens
-        const kvc::ubatch& ub = kc.get_ubatch();
+        ctx->apply();                                   // the ubatch's cells now hold its tokens
+        kvc::kv_cache_context& kc = *ctx->get_attn(0);  // the cache holding layer 0 (here: every layer)
+        const kvc::ubatch& ub = ctx->get_ubatch();
         const uint32_t n = ub.n_tokens, n_kv = kc.get_n_kv();
         std::vector<float> mask(size_t{n_kv} * n);  // [n_kv, n_tokens], row t = token t
-        kc.set_input_kq_mask(
-            kvc::tensor_view::contiguous(kvc::dtype::f32, reinterpret_cast<std::byte*>(mask.data()), n_kv, n),
-            /*causal=*/true);
+        kc.set_input_kq_mask(kvc::tensor_view::contiguous(
+            kvc::dtype::f32, reinterpret_cast<std::byte*>(mask.data()), n_kv, n));
         for (uint32_t t = 0; t < n; ++t) {
             size_t open = 0;
             for (uint32_t c = 0; c < n_kv; ++c) open += mask[size_t{t} * n_kv + c] == 0.0f;
@@ -123,7 +122,7 @@ void decode(kvc::kv_cache& cache, const kvc::batch& b, std::vector<std::vector<e
                     check(err < 1e-5f, "attention over the cache == attention over the model's rows");
                 }
         }
-    } while (kc.next());
+    } while (ctx->next());
 }
 
 }  // namespace

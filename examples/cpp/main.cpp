@@ -40,10 +40,9 @@ bool decode(kvc::kv_cache& cache, const kvc::batch_storage& b, uint32_t n_seq_ma
     balloc.init(b.view(), &cache, {.n_seq_max = n_seq_max});
     kvc::memory_context_ptr ctx = cache.init_batch(balloc, /*n_ubatch=*/4, /*embd_all=*/false);
     if (kvc::is_fail(ctx->get_status())) return false;  // no room: the cache is unchanged
-    auto& kv_ctx = dynamic_cast<kvc::kv_cache_context&>(*ctx);
     do {
-        kv_ctx.apply();
-        const kvc::ubatch& ub = kv_ctx.get_ubatch();
+        ctx->apply();
+        const kvc::ubatch& ub = ctx->get_ubatch();
         for (uint32_t il = 0; il < n_layer; ++il) {
             std::vector<float> k(size_t{ub.n_tokens} * n_embd_kv), v(k.size());
             for (uint32_t t = 0; t < ub.n_tokens; ++t)
@@ -55,10 +54,10 @@ bool decode(kvc::kv_cache& cache, const kvc::batch_storage& b, uint32_t n_seq_ma
                 return kvc::const_tensor_view::contiguous(
                     kvc::dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), n_embd_kv, ub.n_tokens);
             };
-            kv_ctx.cpy_k(il, as_view(k));
-            kv_ctx.cpy_v(il, as_view(v));
+            ctx->get_attn(il)->cpy_k(il, as_view(k));
+            ctx->get_attn(il)->cpy_v(il, as_view(v));
         }
-    } while (kv_ctx.next());
+    } while (ctx->next());
     return true;
 }
 

@@ -24,12 +24,16 @@
 
 #include <kvcache/batch.h>
 #include <kvcache/dtype.h>
+#include <kvcache/executor.h>
 #include <kvcache/kv_cells.h>
+#include <kvcache/kv_storage.h>
 #include <kvcache/memory.h>
 #include <kvcache/ops.h>
 #include <kvcache/tensor.h>
 
 namespace kvc {
+
+struct kv_cache_test_access;
 
 /// Sliding-window attention rule: which past keys a query may see.
 enum class swa_type : uint8_t {
@@ -73,13 +77,15 @@ struct kv_cache_params {
     /// used one exceed this fraction of it (0: only when asked with init_update(true)).
     float compact_threshold = 0.0f;
     buffer_allocator* allocator = nullptr;  ///< null: host memory
+    /// Runs the K-shift's pieces in parallel (e.g. a thread_pool's parallel_for); empty: one thread.
+    executor exec;
 };
 
 /// Where one ubatch goes (spec kv-core §3.5): group k of size() tokens goes to stream strm[k], cells idxs[k].
 /// Token t of the ubatch is group t / size(), cell idxs[group][t % size()].
 struct slot_info {
-    /// first stream touched
-    uint32_t s0 = 0, s1 = 0;                  ///< last stream touched
+    uint32_t s0 = 0;                          ///< first stream touched
+    uint32_t s1 = 0;                          ///< last stream touched
     std::vector<uint32_t> strm;               ///< [n_stream()] stream of each group
     std::vector<std::vector<uint32_t>> idxs;  ///< [n_stream()][size()] cells of each group
 
@@ -90,8 +96,15 @@ struct slot_info {
     bool is_contiguous() const;  ///< one group of consecutive ascending cells
 };
 
+/// Which keys a query may see besides its sequence and window (kv_cache_context::set_input_kq_mask).
+struct kq_mask_options {
+    bool causal = true;  ///< keys after the query are masked (false: encoders)
+    bool alibi = false;  ///< visible keys get -|p_key - p_query| instead of 0
+};
+
 /// The attention KV cache (llama_kv_cache): K/V rows of every own layer, placed in cells of one or
-/// several streams. Implements memory_i.
+/// several streams. Implements memory_i. Engines reach the per-ubatch operations (K/V rows, views,
+/// masks) only through the kv_cache_context that init_batch returns.
 class kv_cache final : public memory_i {
 public:
     explicit kv_cache(kv_cache_params params);  ///< throws kvc::error on an invalid configuration
@@ -131,6 +144,7 @@ public:
     const kv_cells& cells(uint32_t stream) const;  ///< the bookkeeping of a stream; throws on a bad stream
     uint32_t head(uint32_t stream) const;          ///< where the stream's next free-cell search starts
     bool get_has_shift() const;                    ///< some cell of some stream has a pending shift
+    const kv_storage& storage() const { return *storage_; }  ///< where the K/V bytes live
 
     // -- sizes --
     size_t size_k_bytes() const;                                           ///< K storage of every layer
@@ -139,47 +153,17 @@ public:
     size_t layer_k_bytes(uint32_t il) const;  ///< K storage of model layer il (throws if not own)
     size_t layer_v_bytes(uint32_t il) const;  ///< V storage of model layer il (throws if not own)
 
-    // -- placement (what init_batch does; public for tests and custom drivers) --
-    slot_info find_slot(const ubatch& ub, bool cont = false) const;  ///< empty: no room
-    void apply_ubatch(const slot_info& sinfo, const ubatch& ub);  ///< places ub's tokens in the slot's cells
-    /// Slots for every ubatch, found on a trial run that is rolled back; empty if one does not fit.
-    std::vector<slot_info> prepare(std::span<const ubatch> ubatches);
-    /// Cells attention reads for the slot: the used extent of its streams, padded, at most kv_size.
-    uint32_t get_n_kv(const slot_info& sinfo) const;
-
-    // -- K/V data --
-    /// Views of the first n_kv cells of streams s0..s1 of layer il (model index):
-    /// @verbatim
-    ///   K, V:        [n_embd_head, n_head_kv, n_kv, ns]
-    ///   V transposed: [n_kv, n_head_kv, n_embd_head_v, ns] (cells fastest)
-    /// @endverbatim
-    tensor_view get_k(uint32_t il, uint32_t n_kv, const slot_info& sinfo);
-    tensor_view get_v(uint32_t il, uint32_t n_kv, const slot_info& sinfo);  ///< the V view (see get_k)
-    /// Writes the ubatch's K (or V) rows: src is [E, n_tokens] (or [head_dim, n_head, n_tokens]) of f32 or
-    /// f16, contiguous rows; converted to type_k / type_v.
-    void cpy_k(uint32_t il, const_tensor_view src, const slot_info& sinfo);
-    void cpy_v(uint32_t il, const_tensor_view src, const slot_info& sinfo);  ///< the V rows (see cpy_k)
-    /// Row indices for engines that scatter rows themselves (spec kv-core §3.15).
-    std::vector<int64_t> k_idxs(const slot_info& sinfo) const;
-    std::vector<int64_t> v_idxs(uint32_t il, const slot_info& sinfo) const;  ///< the V indices (see k_idxs)
+    // -- inspection --
     /// A stored row decoded to f32 (E values; transposed V gathered), for tests and inspection.
     void read_k_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
     /// The same for V.
     void read_v_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
 
-    // -- attention inputs (host side, after apply) --
-    /// KQ mask [n_kv, n_tps, 1, n_stream_mask] (spec kv-core §4.2-4.3) into dst (f32 or f16, contiguous,
-    /// exactly that many elements). causal: keys after the query are masked; alibi: -|p0 - p1| instead of 0.
-    void set_input_kq_mask(tensor_view dst, const ubatch& ub, const slot_info& sinfo, uint32_t n_kv,
-                           bool causal, bool alibi = false) const;
-    size_t kq_mask_elements(const ubatch& ub, uint32_t n_kv) const;  ///< elements set_input_kq_mask writes
-    /// Pending shift of every cell, [kv_size * n_stream] (0 for empty cells).
+    /// Pending shift of every cell, [kv_size * n_stream] (0 for empty cells): the K-shift input of an engine
+    /// that re-rotates keys itself.
     void set_input_k_shift(std::span<int32_t> dst) const;
-    /// T5 relative position buckets [n_kv, n_tokens] (one stream only).
-    void set_input_pos_bucket(std::span<int32_t> dst, const ubatch& ub, uint32_t n_kv,
-                              uint32_t n_buckets) const;
 
-    // -- maintenance --
+    // -- maintenance (what init_update's context runs) --
     /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
     /// Returns false when there was nothing to do.
     bool update();
@@ -191,88 +175,106 @@ public:
     float fragmentation() const;
 
 private:
+    friend class kv_cache_context;
+    friend struct kv_cache_test_access;  // tests: cells placed exactly as the design notes' examples draw
+                                         // them
     struct layer;
     struct journal;       // cell snapshots taken by a trial placement, for its rollback
     struct staged_state;  // a parsed, checked state waiting to be applied
 
-    void write_cells(io_write_i& io, uint32_t stream, std::span<const uint32_t> cells, seq_id_t seq_id) const;
+    // -- placement: prepare validates each ubatch once; what follows relies on it --
+    void check_ubatch(const ubatch& ub) const;                       // throws kvc::error: never placeable
+    slot_info find_slot(const ubatch& ub, bool cont = false) const;  // empty: no room now
+    void apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j = nullptr);
+    std::vector<slot_info> prepare(std::span<const ubatch> ubatches);  // empty if one does not fit
+    uint32_t get_n_kv(const slot_info& sinfo) const;
+    std::vector<uint64_t> rows_of(const slot_info& sinfo) const;  // stream * kv_size + cell, token order
 
-    layer& own_layer(uint32_t il);
-    const layer& own_layer(uint32_t il) const;
+    // -- attention inputs --
+    void set_input_kq_mask(tensor_view dst, const ubatch& ub, uint32_t n_kv, kq_mask_options opt) const;
+    void set_input_pos_bucket(std::span<int32_t> dst, const ubatch& ub, uint32_t n_kv,
+                              uint32_t n_buckets) const;
+
+    void write_cells(io_write_i& io, uint32_t stream, std::span<const uint32_t> cells, seq_id_t seq_id) const;
+    uint32_t own_layer(uint32_t il) const;  // index into layers_ / the storage; throws if not own
     void check_seq(seq_id_t s, const char* what) const;
-    static void check_ubatch(const ubatch& ub, const char* what);  // arrays consistent with n_tokens
-    // A slot of n_tokens tokens: groups of equal, non-zero size in valid streams and cells.
-    void check_slot(const slot_info& sinfo, size_t n_tokens, const char* what) const;
     void lower_head(uint32_t stream, uint32_t cell);
     bool find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vector<uint32_t>& out) const;
-    void apply_ubatch_journaled(const slot_info& sinfo, const ubatch& ub, journal* j);
-    std::byte* k_row_ptr(const layer& l, uint32_t stream, uint32_t cell) const;
-    std::byte* v_row_ptr(const layer& l, uint32_t stream, uint32_t cell) const;    // non-transposed V
-    size_t v_elem_offset(uint32_t stream, uint32_t channel, uint32_t cell) const;  // transposed V, elements
-    void copy_cell_data(uint32_t src_stream, uint32_t src_cell, uint32_t dst_stream, uint32_t dst_cell);
+    uint64_t row(uint32_t stream, uint32_t cell) const { return uint64_t{stream} * params_.kv_size + cell; }
     void k_shift();
 
     kv_cache_params params_;
     std::vector<layer> layers_;       // own layers, ascending model index
     std::vector<int32_t> layer_map_;  // [model layers] index into layers_, or -1
     std::vector<uint32_t> layer_ids_;
-    uint32_t e_vmax_ = 0;
-    std::vector<kv_cells> streams_;  // [n_stream]
-    std::vector<uint32_t> heads_;    // [n_stream] where the next search starts
+    std::unique_ptr<kv_storage> storage_;  // every K/V byte
+    std::vector<kv_cells> streams_;        // [n_stream]
+    std::vector<uint32_t> heads_;          // [n_stream] where the next search starts
 };
 
-/// The context kv_cache returns from init_batch, init_full and init_update. Engines reach the per-ubatch
-/// inputs through it (dynamic_cast the memory_context_i); everything refers to the current ubatch and
-/// is valid after apply() until next().
+/// The context kv_cache returns from init_batch, init_full and init_update: an engine's way to the
+/// per-ubatch operations (memory_context_i::get_attn(il) returns it for a layer the cache holds).
+/// Everything refers to the current ubatch and is valid after apply() until next().
 class kv_cache_context final : public memory_context_i {
 public:
     /// What the context is for: a batch, a worst-case reservation, pending maintenance, or maintenance
     /// with compaction.
     enum class kind : uint8_t { batch, full, update, compact_update };
 
-    kv_cache_context(kv_cache& cache, memory_status status, kind k);  ///< failure, full or update
-    /// A batch context: the ubatches, the slots prepare() found for them and the batch's output ids.
-    kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches, std::vector<slot_info> sinfos,
-                     std::vector<int32_t> out_ids);
-
     // -- memory_context_i --
     bool next() override;
-    bool apply() override;
+    void apply() override;
     memory_status get_status() const override { return status_; }
     const ubatch& get_ubatch() const override;
     std::span<const int32_t> out_ids() const override { return out_ids_; }
+    kv_cache_context* get_attn(uint32_t il) override;  ///< this, when the cache holds layer il
+    memory_recurrent_context* get_recr() override { return nullptr; }
 
     // -- per ubatch --
-    kv_cache& cache() const { return *cache_; }             ///< the cache this context belongs to
-    uint32_t get_n_kv() const { return n_kv_; }             ///< cells attention reads (kv_cache::get_n_kv)
+    const kv_cache& cache() const { return *cache_; }       ///< the cache this context belongs to
+    uint32_t get_n_kv() const { return n_kv_; }             ///< cells attention reads: used extent, padded
     const slot_info& get_sinfo() const;                     ///< the current ubatch's slot
     size_t n_ubatches() const { return ubatches_.size(); }  ///< ubatches of the batch
-    /// kv_cache::get_k for the current ubatch.
-    tensor_view get_k(uint32_t il) const { return cache_->get_k(il, n_kv_, get_sinfo()); }
-    /// kv_cache::get_v for the current ubatch.
-    tensor_view get_v(uint32_t il) const { return cache_->get_v(il, n_kv_, get_sinfo()); }
-    /// kv_cache::cpy_k for the current ubatch.
-    void cpy_k(uint32_t il, const_tensor_view src) const { cache_->cpy_k(il, src, get_sinfo()); }
-    /// kv_cache::cpy_v for the current ubatch.
-    void cpy_v(uint32_t il, const_tensor_view src) const { cache_->cpy_v(il, src, get_sinfo()); }
-    /// kv_cache::k_idxs for the current ubatch.
-    std::vector<int64_t> k_idxs() const { return cache_->k_idxs(get_sinfo()); }
-    /// kv_cache::v_idxs for the current ubatch.
-    std::vector<int64_t> v_idxs(uint32_t il) const { return cache_->v_idxs(il, get_sinfo()); }
-    /// kv_cache::set_input_kq_mask for the current ubatch.
-    void set_input_kq_mask(tensor_view dst, bool causal, bool alibi = false) const;
-    /// kv_cache::set_input_k_shift.
+    /// Views of the first n_kv cells of the slot's streams of layer il (model index):
+    /// @verbatim
+    ///   K, V:        [n_embd_head, n_head_kv, n_kv, ns]
+    ///   V transposed: [n_kv, n_head_kv, n_embd_head_v, ns] (cells fastest)
+    /// @endverbatim
+    tensor_view get_k(uint32_t il);
+    tensor_view get_v(uint32_t il);  ///< the V view (see get_k)
+    /// Writes the ubatch's K (or V) rows of layer il: src is [E, n_tokens] (or [head_dim, n_head,
+    /// n_tokens]) of f32 or f16, contiguous rows; converted to type_k / type_v.
+    void cpy_k(uint32_t il, const_tensor_view src);
+    void cpy_v(uint32_t il, const_tensor_view src);  ///< the V rows (see cpy_k)
+    /// Row indices for engines that scatter rows themselves (spec kv-core §3.15): stream * kv_size + cell.
+    std::vector<int64_t> k_idxs() const;
+    /// The V indices: rows, or elements of transposed V (every channel of each token).
+    std::vector<int64_t> v_idxs(uint32_t il) const;
+    /// KQ mask [n_kv, n_tokens] (spec kv-core §4.2-4.3) into dst (f32 or f16, contiguous, exactly
+    /// kq_mask_elements() elements).
+    void set_input_kq_mask(tensor_view dst, kq_mask_options opt = {}) const;
+    size_t kq_mask_elements() const;  ///< elements set_input_kq_mask writes: n_kv x n_tokens
+    /// Pending shift of every cell, [kv_size * n_stream] (0 for empty cells).
     void set_input_k_shift(std::span<int32_t> dst) const { cache_->set_input_k_shift(dst); }
-    /// kv_cache::set_input_pos_bucket for the current ubatch.
+    /// T5 relative position buckets [n_kv, n_tokens] (one stream only).
     void set_input_pos_bucket(std::span<int32_t> dst, uint32_t n_buckets) const;
 
 private:
+    friend class kv_cache;
+    friend struct kv_cache_test_access;
+    kv_cache_context(kv_cache& cache, memory_status status, kind k);  // failure, full or update
+    // a batch context: the ubatches, the slots prepare() found for them and the batch's output ids
+    kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches, std::vector<slot_info> sinfos,
+                     std::vector<int32_t> out_ids);
+    void check_applied(const char* what) const;  // a batch context whose current ubatch was applied
+
     kv_cache* cache_;  // borrowed: the cache outlives its contexts
     memory_status status_;
     kind kind_;
     std::vector<ubatch> ubatches_;
     std::vector<slot_info> sinfos_;
     std::vector<int32_t> out_ids_;
+    std::vector<uint64_t> rows_;  // of the applied ubatch
     size_t i_cur_ = 0;
     size_t n_applied_ = 0;  // ubatches applied so far (apply() commits each once)
     uint32_t n_kv_ = 0;

@@ -117,16 +117,18 @@ public:
 
     // -- memory_context_i --
     bool next() override;   ///< advances both children
-    bool apply() override;  ///< applies the base child then the SWA child
+    void apply() override;  ///< applies the base child then the SWA child
     memory_status get_status() const override { return status_; }
     const ubatch& get_ubatch() const override;
     std::span<const int32_t> out_ids() const override { return out_ids_; }
 
+    /// The child of the cache that holds model layer il; null when neither does or on a failed context.
+    kv_cache_context* get_attn(uint32_t il) override;
+    memory_recurrent_context* get_recr() override { return nullptr; }  ///< none
+
     // -- children --
-    kv_cache_context& get_base() const;  ///< the base cache's context; throws on a failed context
-    kv_cache_context& get_swa() const;   ///< the SWA cache's context; throws on a failed context
-    /// The child of the cache that holds model layer il; throws kvc::error when neither does.
-    kv_cache_context& for_layer(uint32_t il) const;
+    kv_cache_context& get_base();  ///< the base cache's context; throws on a failed context
+    kv_cache_context& get_swa();   ///< the SWA cache's context; throws on a failed context
 
 private:
     memory_status status_;

@@ -5,17 +5,22 @@
 /// (kv_cache), recurrent state rows (memory_recurrent), or both (kv_cache_iswa, memory_hybrid).
 ///
 /// A memory_context_i is the plan for one batch (init_batch), for a worst-case reservation (init_full)
-/// or for pending maintenance such as K-shifts (init_update). Creating it changes nothing. apply() is the
-/// only method that mutates the memory: it commits the current ubatch (or runs the update); next() moves
-/// to the following ubatch. If get_status() is a failure, the memory is exactly as it was before the
-/// context was created, and apply() must not be called.
+/// or for pending maintenance such as K-shifts (init_update). Creating it checks the batch (a ubatch the
+/// memory can never place is a kvc::error) and changes nothing; failed_prepare means only "no room now".
+/// apply() is the only method that mutates the memory: it commits the current ubatch (or runs the
+/// update); next() moves to the following ubatch. If get_status() is a failure, the memory is exactly as
+/// it was before the context was created, and apply() must not be called. An engine reaches the
+/// per-layer inputs through get_attn(il) and get_recr(), whatever the memory kind.
 ///
 /// Driver loop of one decode step (spec kv-core §1.5):
 /// @verbatim
 ///   if (auto up = mem.init_update(false); up->get_status() == memory_status::success) up->apply();
 ///   auto ctx = mem.init_batch(balloc, n_ubatch, false);
 ///   if (is_fail(ctx->get_status())) -> the batch does not fit; nothing changed
-///   do { ctx->apply(); /* compute the ubatch with ctx's inputs and views */ } while (ctx->next());
+///   do {
+///       ctx->apply();
+///       for each layer il: ctx->get_attn(il) (K/V, mask, views) or ctx->get_recr() (state rows)
+///   } while (ctx->next());
 /// @endverbatim
 #pragma once
 
@@ -30,17 +35,12 @@
 
 namespace kvc {
 
-struct ubatch;       // batch.h
-class batch_allocr;  // batch.h
-class io_write_i;    // state.h
-class io_read_i;     // state.h
-
-/// What every memory needs to know beyond its layer layout.
-struct memory_params {
-    dtype type_k = dtype::f16;  ///< element type of stored keys
-    dtype type_v = dtype::f16;  ///< element type of stored values
-    bool swa_full = true;  ///< iSWA: size the SWA cache like the full one (allows shifting and any seq_rm)
-};
+struct ubatch;                   // batch.h
+class batch_allocr;              // batch.h
+class io_write_i;                // state.h
+class io_read_i;                 // state.h
+class kv_cache_context;          // kv_cache.h
+class memory_recurrent_context;  // memory_recurrent.h
 
 /// Flags of state_write / state_read.
 using state_seq_flags = uint32_t;
@@ -64,8 +64,10 @@ public:
     virtual ~memory_context_i() = default;
 
     // -- iteration --
-    virtual bool next() = 0;   ///< false when every ubatch has been consumed
-    virtual bool apply() = 0;  ///< commits the current ubatch (or the update); false if that failed
+    virtual bool next() = 0;  ///< false when every ubatch has been consumed
+    /// Commits the current ubatch (or runs the update). Throws kvc::error(invalid_state) on a failed
+    /// context or a ubatch applied twice; cannot fail otherwise.
+    virtual void apply() = 0;
 
     // -- inspection --
     virtual memory_status get_status() const = 0;  ///< a failure means: nothing changed, do not apply()
@@ -73,6 +75,15 @@ public:
     /// Batch indices of the output tokens, in the order the ubatches produce their output rows; an engine
     /// uses it to put rows back into batch order.
     virtual std::span<const int32_t> out_ids() const = 0;
+
+    // -- parts: an engine's way to the per-layer inputs, whatever the memory kind --
+    /// The context of the attention cache that holds model layer il's K/V (the kv_cache itself, the base
+    /// or SWA cache of an iSWA memory, the attention part of a hybrid); null when no attention cache holds
+    /// layer il (recurrent memories, recurrent layers of a hybrid) and on a failed context.
+    virtual kv_cache_context* get_attn(uint32_t il) = 0;
+    /// The recurrent part's context; null when the memory has none (attention caches) and on a failed
+    /// context.
+    virtual memory_recurrent_context* get_recr() = 0;
 };
 
 using memory_context_ptr = std::unique_ptr<memory_context_i>;  ///< contexts are owned by the caller

@@ -104,35 +104,31 @@ private:
 };
 
 /// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.
-/// Engines build attention layers with attn_for_layer(il) and recurrent layers with get_recr().
+/// Engines build attention layers with get_attn(il) and recurrent layers with get_recr().
 class memory_hybrid_context final : public memory_context_i {
 public:
     /// A failed context (no children).
     explicit memory_hybrid_context(memory_status status);
     /// A context over two children (a batch context with its ubatches and output ids, or full / update
-    /// contexts with empty ones).
-    memory_hybrid_context(memory_context_ptr attn, std::unique_ptr<memory_recurrent_context> recr,
-                          std::vector<ubatch> ubatches, std::vector<int32_t> out_ids);
+    /// contexts with empty ones): the attention part's context and the recurrent part's.
+    memory_hybrid_context(memory_context_ptr attn, memory_context_ptr recr, std::vector<ubatch> ubatches,
+                          std::vector<int32_t> out_ids);
 
     // -- memory_context_i --
     bool next() override;   ///< advances both children
-    bool apply() override;  ///< applies the attention child then the recurrent child
+    void apply() override;  ///< applies the attention child then the recurrent child
     memory_status get_status() const override { return status_; }
     const ubatch& get_ubatch() const override;
     std::span<const int32_t> out_ids() const override { return out_ids_; }
-
-    // -- children --
-    /// The attention child (kv_cache_context, or kv_cache_iswa_context with iswa); throws on a failed
-    /// context.
-    memory_context_i& get_attn() const;
-    memory_recurrent_context& get_recr() const;  ///< the recurrent child; throws on a failed context
-    /// The KV cache context of attention layer il (the iSWA child that holds it, with iswa).
-    kv_cache_context& attn_for_layer(uint32_t il) const;
+    /// The KV cache context of attention layer il (the iSWA child that holds it, with iswa); null for a
+    /// layer no attention cache holds and on a failed context.
+    kv_cache_context* get_attn(uint32_t il) override;
+    memory_recurrent_context* get_recr() override;  ///< the recurrent child; null on a failed context
 
 private:
     memory_status status_;
     memory_context_ptr attn_;
-    std::unique_ptr<memory_recurrent_context> recr_;
+    memory_context_ptr recr_;
     std::vector<ubatch> ubatches_;
     std::vector<int32_t> out_ids_;
     size_t i_cur_ = 0;

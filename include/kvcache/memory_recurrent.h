@@ -256,9 +256,9 @@ private:
     std::vector<seq_id_t> saved_next_;
 };
 
-/// The context memory_recurrent returns from init_batch, init_full and init_update. Engines reach the
-/// per-ubatch inputs through it (dynamic_cast the memory_context_i); they refer to the current ubatch
-/// and are valid after apply() until next().
+/// The context memory_recurrent returns from init_batch, init_full and init_update: an engine's way to
+/// the per-ubatch state rows (memory_context_i::get_recr() returns it). They refer to the current
+/// ubatch and are valid after apply() until next().
 class memory_recurrent_context final : public memory_context_i {
 public:
     /// What the context plans.
@@ -273,19 +273,21 @@ public:
     // -- memory_context_i --
     /// Moves to the next ubatch; false after the last.
     bool next() override;
-    /// Places the current ubatch (batch contexts; once each); true. Full and update contexts: no-op.
+    /// Places the current ubatch (batch contexts; once each). Full and update contexts: no-op.
     /// Throws kvc::error on a failed context.
-    bool apply() override;
+    void apply() override;
     /// success, no_update (update contexts) or failed_prepare.
     memory_status get_status() const override { return status_; }
     /// The current ubatch (batch contexts).
     const ubatch& get_ubatch() const override;
     /// Batch indices of the output tokens in processing order.
     std::span<const int32_t> out_ids() const override { return out_ids_; }
+    kv_cache_context* get_attn(uint32_t) override { return nullptr; }  ///< none: no attention layers
+    memory_recurrent_context* get_recr() override;                     ///< this, unless failed
 
     // -- per ubatch (after apply) --
     /// The memory this context belongs to.
-    memory_recurrent& memory() const { return *mem_; }
+    const memory_recurrent& memory() const { return *mem_; }
     /// Number of ubatches.
     size_t n_ubatches() const { return ubatches_.size(); }
     /// Cells in the range (size in full mode).
@@ -303,9 +305,9 @@ public:
     /// History planes the engine carries over (step 5 of the contract).
     std::span<const rs_copy> hist_copies() const { return slot().hist_copy; }
     /// Layer il's r tensor, [n_embd_r, size, 1 + n_rs_seq].
-    tensor_view get_r(uint32_t il) const { return mem_->get_r(il); }
+    tensor_view get_r(uint32_t il) { return mem_->get_r(il); }
     /// Layer il's s tensor, [n_embd_s, size, 1 + n_rs_seq].
-    tensor_view get_s(uint32_t il) const { return mem_->get_s(il); }
+    tensor_view get_s(uint32_t il) { return mem_->get_s(il); }
 
 private:
     const rs_slot& slot() const;

@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include <kvcache/executor.h>
+
 namespace kvc {
 
 /// A fixed pool of worker threads that runs the pieces of a range in parallel.
@@ -28,6 +30,13 @@ public:
     /// done. Pieces are at least `grain` long. An exception thrown by fn is rethrown here (the first one).
     /// One caller at a time: a pool is not shared by concurrent parallel_for calls.
     void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);
+    /// This pool as a memory's executor (kv_cache_params::exec), pieces of at least `grain`; the pool must
+    /// outlive the memory.
+    executor as_executor(size_t grain = 1) {
+        return [this, grain](size_t n, const std::function<void(size_t, size_t)>& fn) {
+            parallel_for(n, fn, grain);
+        };
+    }
 
 private:
     void worker(unsigned index);

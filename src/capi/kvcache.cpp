@@ -71,12 +71,6 @@ struct kvc_memory_context {
     kvc::memory_context_ptr ctx;  // refers to its memory, which outlives it
     kvc_memory* mem = nullptr;    // borrowed: the memory the context was made from (it outlives it)
     purpose made_for = purpose::batch;
-    // ctx as each kind of context, or null; the children of composite contexts are looked up when used
-    // (a failed composite context has none)
-    kvc::kv_cache_context* kv = nullptr;
-    kvc::kv_cache_iswa_context* iswa = nullptr;
-    kvc::memory_hybrid_context* hybrid = nullptr;
-    kvc::memory_recurrent_context* recr = nullptr;
     // The current ubatch has been applied (K/V rows, views, masks and state inputs refer to it only then);
     // a full context counts as applied.
     bool applied = false;
@@ -237,10 +231,9 @@ void require_applied(const kvc_memory_context& c) {
 // The KV context of a memory with one KV cache (the context itself, or a hybrid's attention child), whose
 // current ubatch must be applied (what data, views and masks refer to).
 kvc::kv_cache_context& applied_single_kv(const kvc_memory_context& c, const char* layer_fn) {
-    (void)single_cache(*c.mem, layer_fn);
     require_applied(c);  // an applied context is not a failed one: composite contexts have their children
-    if (c.kv != nullptr) return *c.kv;
-    return dynamic_cast<kvc::kv_cache_context&>(need(c.hybrid, "hybrid context").get_attn());
+    const kvc::kv_cache& cache = single_cache(*c.mem, layer_fn);
+    return need(c.ctx->get_attn(cache.layer_ids()[0]), "KV cache context");
 }
 
 // The KV context of the cache holding model layer il (the context itself, the iSWA child, or the hybrid's
@@ -248,15 +241,12 @@ kvc::kv_cache_context& applied_single_kv(const kvc_memory_context& c, const char
 kvc::kv_cache_context& applied_kv_layer(const kvc_memory_context& c, uint32_t il) {
     (void)layer_cache(*c.mem, il);
     require_applied(c);
-    if (c.iswa != nullptr) return c.iswa->for_layer(il);
-    if (c.hybrid != nullptr) return c.hybrid->attn_for_layer(il);
-    return need(c.kv, "KV cache context");
+    return need(c.ctx->get_attn(il), "KV cache context");
 }
 
 // Copies the recurrent context's inputs for kvc_memory_context_get_rs (after apply, or for a full context).
 void capture_rs(kvc_memory_context& c) {
-    const kvc::memory_recurrent_context& r =
-        c.recr != nullptr ? *c.recr : need(c.hybrid, "hybrid context").get_recr();
+    const kvc::memory_recurrent_context& r = need(c.ctx->get_recr(), "recurrent context");
     kvc_memory_context::rs_inputs& in = c.rs;
     in.head = r.get_head();
     in.n = r.get_n_rs();
@@ -406,10 +396,6 @@ kvc_memory_context* new_context(kvc_memory& m, kvc_memory_context::purpose made_
     c->mem = &m;
     c->made_for = made_for;
     c->ctx = std::move(ctx);
-    c->kv = dynamic_cast<kvc::kv_cache_context*>(c->ctx.get());
-    c->iswa = dynamic_cast<kvc::kv_cache_iswa_context*>(c->ctx.get());
-    c->hybrid = dynamic_cast<kvc::memory_hybrid_context*>(c->ctx.get());
-    c->recr = dynamic_cast<kvc::memory_recurrent_context*>(c->ctx.get());
     if (m.recr != nullptr && made_for != kvc_memory_context::purpose::update) {
         c->rs.s_copy.reserve(m.recr->get_size());
         c->rs.hist_copy.reserve(size_t{m.recr->get_size()} * m.recr->get_n_rs_seq());
@@ -432,7 +418,7 @@ void set_kq_mask(const kvc_memory_context* ctx, std::optional<uint32_t> il, kvc:
                  size_t n_elements, bool causal, bool alibi) {
     const kvc_memory_context& c = need(ctx, "ctx");
     need_ptr(dst, "dst");
-    const kvc::kv_cache_context& k =
+    kvc::kv_cache_context& k =
         il ? applied_kv_layer(c, *il)
            : applied_single_kv(c, type == kvc::dtype::f32 ? "kvc_memory_set_input_kq_mask_layer"
                                                           : "kvc_memory_set_input_kq_mask_f16_layer");
@@ -440,7 +426,7 @@ void set_kq_mask(const kvc_memory_context* ctx, std::optional<uint32_t> il, kvc:
         throw_error(errc::invalid_argument, fmt::format("n_elements = {} is too large", n_elements));
     k.set_input_kq_mask(
         kvc::tensor_view::contiguous(type, static_cast<std::byte*>(dst), static_cast<int64_t>(n_elements)),
-        causal, alibi);
+        {.causal = causal, .alibi = alibi});
 }
 
 // -- session files --
@@ -835,7 +821,7 @@ kvc_status kvc_memory_update(kvc_memory* mem, bool optimize, bool* updated) noex
         kvc_memory& m = need(mem, "mem");
         const kvc::memory_context_ptr ctx = m.mem->init_update(optimize);
         const bool work = ctx->get_status() == kvc::memory_status::success;
-        if (work && !ctx->apply()) throw_error(errc::invalid_state, "the update failed");
+        if (work) ctx->apply();
         if (updated) *updated = work;
     });
 }
@@ -853,7 +839,7 @@ kvc_memory_status kvc_memory_context_status(const kvc_memory_context* ctx) noexc
 kvc_status kvc_memory_context_apply(kvc_memory_context* ctx) noexcept {
     return guarded(__func__, [&] {
         kvc_memory_context& c = need(ctx, "ctx");
-        if (!c.ctx->apply()) throw_error(errc::invalid_state, "apply failed");
+        c.ctx->apply();
         c.applied = true;
         if (c.made_for == kvc_memory_context::purpose::batch && c.mem->recr != nullptr) capture_rs(c);
     });
@@ -934,7 +920,7 @@ kvc_status kvc_memory_cpy_k(kvc_memory_context* ctx, uint32_t il, const float* s
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         need_ptr(src, "src");
-        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
+        kvc::kv_cache_context& k = applied_kv_layer(c, il);
         k.cpy_k(il, f32_rows(src, layer_width(k.cache(), il, false), n_tokens));
     });
 }
@@ -944,7 +930,7 @@ kvc_status kvc_memory_cpy_v(kvc_memory_context* ctx, uint32_t il, const float* s
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         need_ptr(src, "src");
-        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
+        kvc::kv_cache_context& k = applied_kv_layer(c, il);
         k.cpy_v(il, f32_rows(src, layer_width(k.cache(), il, true), n_tokens));
     });
 }
@@ -953,7 +939,7 @@ kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_tensor_vie
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         kvc_tensor_view& v = need(out, "out");
-        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
+        kvc::kv_cache_context& k = applied_kv_layer(c, il);
         to_c(k.get_k(il), v);
     });
 }
@@ -962,23 +948,22 @@ kvc_status kvc_memory_get_v(kvc_memory_context* ctx, uint32_t il, kvc_tensor_vie
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         kvc_tensor_view& v = need(out, "out");
-        const kvc::kv_cache_context& k = applied_kv_layer(c, il);
+        kvc::kv_cache_context& k = applied_kv_layer(c, il);
         to_c(k.get_v(il), v);
     });
 }
 
 int64_t kvc_memory_kq_mask_elements(const kvc_memory_context* ctx) noexcept {
     return guarded_count(__func__, [&] {
-        const kvc::kv_cache_context& k =
-            applied_single_kv(need(ctx, "ctx"), "kvc_memory_kq_mask_elements_layer");
-        return static_cast<int64_t>(k.cache().kq_mask_elements(k.get_ubatch(), k.get_n_kv()));
+        kvc::kv_cache_context& k = applied_single_kv(need(ctx, "ctx"), "kvc_memory_kq_mask_elements_layer");
+        return static_cast<int64_t>(k.kq_mask_elements());
     });
 }
 
 int64_t kvc_memory_kq_mask_elements_layer(const kvc_memory_context* ctx, uint32_t il) noexcept {
     return guarded_count(__func__, [&] {
-        const kvc::kv_cache_context& k = applied_kv_layer(need(ctx, "ctx"), il);
-        return static_cast<int64_t>(k.cache().kq_mask_elements(k.get_ubatch(), k.get_n_kv()));
+        kvc::kv_cache_context& k = applied_kv_layer(need(ctx, "ctx"), il);
+        return static_cast<int64_t>(k.kq_mask_elements());
     });
 }
 
@@ -1009,7 +994,7 @@ kvc_status kvc_memory_set_input_pos_bucket(const kvc_memory_context* ctx, int32_
     return guarded(__func__, [&] {
         const kvc_memory_context& c = need(ctx, "ctx");
         need_ptr(dst, "dst");
-        const kvc::kv_cache_context& k = applied_single_kv(c, "kvc_memory_set_input_pos_bucket_layer");
+        kvc::kv_cache_context& k = applied_single_kv(c, "kvc_memory_set_input_pos_bucket_layer");
         k.set_input_pos_bucket(std::span<int32_t>(dst, n), n_buckets);
     });
 }

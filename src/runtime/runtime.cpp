@@ -190,15 +190,14 @@ decode_result runtime::decode(const batch& b) {
         res.status = ctx->get_status();
         return res;
     }
-    // the context of the cache holding each layer, with that cache's mask
-    auto* iswa = dynamic_cast<kv_cache_iswa_context*>(ctx.get());
-    std::vector<kv_cache_context*> children;
-    if (iswa)
-        children = {&iswa->get_base(), &iswa->get_swa()};
-    else
-        children = {&dynamic_cast<kv_cache_context&>(*ctx)};
+    // the context of the cache holding each layer (iSWA: two caches), and one mask per cache
     std::vector<kv_cache_context*> layer_ctx(hp.n_layer);
-    for (uint32_t il = 0; il < hp.n_layer; ++il) layer_ctx[il] = iswa ? &iswa->for_layer(il) : children[0];
+    std::vector<kv_cache_context*> children;
+    for (uint32_t il = 0; il < hp.n_layer; ++il) {
+        layer_ctx[il] = ctx->get_attn(il);
+        if (std::find(children.begin(), children.end(), layer_ctx[il]) == children.end())
+            children.push_back(layer_ctx[il]);
+    }
     const size_t e_kv = size_t{hp.n_head_kv} * hp.n_embd_head;
     const bool v_trans = base.params().v_trans;
 
@@ -206,16 +205,14 @@ decode_result runtime::decode(const batch& b) {
     std::vector<float> logits;
     std::vector<std::vector<float>> masks(children.size());
     do {
-        if (!ctx->apply()) throw error(errc::invalid_state, "runtime: the memory could not apply a ubatch");
+        ctx->apply();
         ++res.n_ubatches;
         const ubatch& ub = ctx->get_ubatch();
         const uint32_t n = ub.n_tokens;
         for (size_t c = 0; c < children.size(); ++c) {
-            const uint32_t n_kv = children[c]->get_n_kv();
-            masks[c].resize(children[c]->cache().kq_mask_elements(ub, n_kv));
-            children[c]->set_input_kq_mask(
-                tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(masks[c].data()), n_kv, n),
-                true);
+            masks[c].resize(children[c]->kq_mask_elements());
+            children[c]->set_input_kq_mask(tensor_view::contiguous(
+                dtype::f32, reinterpret_cast<std::byte*>(masks[c].data()), children[c]->get_n_kv(), n));
         }
         // index of each token's stream in the views (both caches map sequences to streams alike)
         const slot_info& si = children[0]->get_sinfo();
@@ -225,7 +222,8 @@ decode_result runtime::decode(const batch& b) {
         const rt::attend_fn attend = [&](uint32_t il, const float* q, const float* k, const float*,
                                          const float* v, float* out) {
             kv_cache_context& kc = *layer_ctx[il];
-            const size_t c = &kc == children[0] ? 0 : 1;
+            const auto c =
+                static_cast<size_t>(std::find(children.begin(), children.end(), &kc) - children.begin());
             kc.cpy_k(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(k),
                                                        e_kv, n));
             kc.cpy_v(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(v),

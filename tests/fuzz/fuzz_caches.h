@@ -47,7 +47,7 @@ inline std::unique_ptr<kv_cache> make(int variant, bool seq1 = false) {
         u.seq_id_unq = {s};
         u.n_seqs_unq = 1;
         u.output.assign(u.n_tokens, 0);
-        c->apply_ubatch(c->find_slot(u), u);
+        c->init_ubatches({u}, {})->apply();
     }
     return c;
 }

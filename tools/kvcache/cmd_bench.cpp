@@ -92,10 +92,9 @@ void fill(kv_cache& c, uint32_t n_seq, uint32_t n, bool rows, std::mt19937& rng)
     for (uint32_t s = 0; s < n_seq; ++s)
         for (uint32_t p0 = 0; p0 < n; p0 += 512) {
             const uint32_t m = std::min(512u, n - p0);
-            const ubatch u = tokens_of(static_cast<seq_id_t>(s), static_cast<pos_t>(p0), m);
-            const slot_info si = c.find_slot(u);
-            if (si.empty()) throw error(errc::invalid_state, "bench: the cache is full");
-            c.apply_ubatch(si, u);
+            auto ctx = c.init_ubatches({tokens_of(static_cast<seq_id_t>(s), static_cast<pos_t>(p0), m)}, {});
+            if (is_fail(ctx->get_status())) throw error(errc::invalid_state, "bench: the cache is full");
+            ctx->apply();
             if (!rows) continue;
             for (uint32_t il : c.layer_ids()) {
                 const layer_desc& d = c.params().layers[il];
@@ -104,8 +103,8 @@ void fill(kv_cache& c, uint32_t n_seq, uint32_t n, bool rows, std::mt19937& rng)
                 const auto view =
                     const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(k.data()),
                                                   d.n_head_kv * d.n_embd_head_k, m);
-                c.cpy_k(il, view, si);
-                c.cpy_v(il, view, si);
+                ctx->get_attn(il)->cpy_k(il, view);
+                ctx->get_attn(il)->cpy_v(il, view);
             }
         }
 }
@@ -225,12 +224,6 @@ private:
         kv_cache c(shape(32768, 4, 1, 1, 32, dtype::f16));
         std::mt19937 rng(3);
         fill(c, 4, 8000, false, rng);
-        for (seq_id_t s = 0; s < 4; ++s) {  // the ubatch's own 4 x 128 tokens
-
-            ubatch one = tokens_of(s, 8000, 128);
-            const slot_info si = c.find_slot(one);
-            c.apply_ubatch(si, one);
-        }
         ubatch all = tokens_of(0, 8000, 512);
         for (uint32_t i = 0; i < 512; ++i) {
             all.seq_id_data[i] = static_cast<seq_id_t>(i / 128);
@@ -240,16 +233,14 @@ private:
         all.n_seq_tokens = 128;
         all.seq_id_unq = {0, 1, 2, 3};
         all.n_seqs_unq = 4;
-        slot_info si;
-        si.strm = {0};
-        si.idxs = {std::vector<uint32_t>(512)};
-        for (uint32_t i = 0; i < 512; ++i) si.idxs[0][i] = i;
-        const uint32_t n_kv = 32768;
+        auto ctx = c.init_ubatches({all}, {});
+        ctx->apply();
+        kv_cache_context& kc = *ctx->get_attn(0);
+        const uint32_t n_kv = kc.get_n_kv();  // 32,768: 32,000 + 512 cells used
         std::vector<float> m(size_t{n_kv} * 512);
         const double sm = best_of(reps_, [&] {
-            c.set_input_kq_mask(
-                tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), n_kv, 512), all,
-                si, n_kv, true);
+            kc.set_input_kq_mask(
+                tensor_view::contiguous(dtype::f32, reinterpret_cast<std::byte*>(m.data()), n_kv, 512));
         });
         const double sf = best_of(reps_, [&] {
             std::fill(m.begin(), m.end(), -1.0f);
@@ -290,10 +281,13 @@ private:
     }
 
     void k_shift() {
-        section("K-shift (GB/s of K re-rotated vs memcpy of the same bytes)");
+        section("K-shift on 2 threads (GB/s of K re-rotated vs memcpy of the same bytes)");
         const uint32_t cells = o_.quick ? 4096 : 32768;
+        thread_pool pool(2);
         for (dtype t : {dtype::f16, dtype::q8_0}) {
-            kv_cache c(shape(cells, 1, 4, 8, 128, t));
+            kv_cache_params p = shape(cells, 1, 4, 8, 128, t);
+            p.exec = pool.as_executor(64);
+            kv_cache c(p);
             std::mt19937 rng(5);
             fill(c, 1, cells, true, rng);
             const double s = best_of(

@@ -118,15 +118,15 @@ float synth_value(uint32_t layer, uint64_t seq_key, pos_t pos, uint32_t dim, boo
 // The engine side of a recurrent memory without a model (the contract in memory_recurrent.h): each token
 // folds a deterministic value of (layer, sequence set, position, dim) into the state, new = old / 2 + v,
 // so that state bytes depend on the whole history and are reproducible.
-void recurrent_ubatch(memory_recurrent& mem, const memory_recurrent_context& ctx,
-                      const std::vector<uint64_t>& seq_key) {
+void recurrent_ubatch(memory_recurrent_context& ctx, const std::vector<uint64_t>& seq_key) {
+    const memory_recurrent& mem = ctx.memory();
     const ubatch& ub = ctx.get_ubatch();
     const uint32_t head = ctx.get_head(), n = ctx.get_n_rs(), B = ub.n_seqs, T = ub.n_seq_tokens;
     const uint32_t k = mem.get_n_rs_seq(), size = mem.get_size();
     for (uint32_t il : mem.layer_ids())
         for (const bool is_s : {false, true}) {
             if (!(is_s ? mem.has_s(il) : mem.has_r(il))) continue;
-            const tensor_view v = is_s ? mem.get_s(il) : mem.get_r(il);
+            const tensor_view v = is_s ? ctx.get_s(il) : ctx.get_r(il);
             const auto width = static_cast<size_t>(v.ne[0]);
             const auto row = [&](int64_t i) {
                 return reinterpret_cast<float*>(v.data + static_cast<size_t>(i) * v.nb[1]);
@@ -266,12 +266,14 @@ private:
                                             .n_embd_head_v = n_embd_v / n_head_kv,
                                             .rope = rope});
         n_seq_max_ = n_seq_max;
+        n_layer_ = static_cast<uint32_t>(p.layers.size());
         if (type == "iswa") return memory_iswa_line(k, std::move(p));
         if (type == "hybrid") return memory_hybrid_line(k, std::move(p));
         try {
             if (const auto path = k.get("model")) {  // the layers are the model's; decode runs it
                 model_ = std::make_unique<model>(model::load(*path));
                 p.layers = model_->layers();
+                n_layer_ = static_cast<uint32_t>(p.layers.size());
             }
             cache_ = std::make_unique<kv_cache>(p);
             if (model_)
@@ -356,6 +358,7 @@ private:
         const recurrent_layer_desc d{.n_embd_r = count("n_embd_r", 8, 0),
                                      .n_embd_s = count("n_embd_s", 16, 0)};
         p.layers.assign(n_layer, d);
+        n_layer_ = n_layer;
         n_ubatch_ = count("n_ubatch", 512, 1);
         try {
             rec_ = std::make_unique<memory_recurrent>(p);
@@ -442,28 +445,16 @@ private:
         do {
             ctx->apply();
             ++n_ub;
-            if (rec_) recurrent_ubatch(*rec_, dynamic_cast<memory_recurrent_context&>(*ctx), seq_key);
-            if (cache_) {
-                auto& kc = dynamic_cast<kv_cache_context&>(*ctx);
-                for (uint32_t il : cache_->layer_ids()) write_kv(kc, il, seq_key);
-            }
-            if (iswa_) {
-                auto& ic = dynamic_cast<kv_cache_iswa_context&>(*ctx);
-                for (const kv_cache* c : {&iswa_->get_base(), &iswa_->get_swa()})
-                    for (uint32_t il : c->layer_ids()) write_kv(ic.for_layer(il), il, seq_key);
-            }
-            if (hyb_) {
-                auto& hc = dynamic_cast<memory_hybrid_context&>(*ctx);
-                recurrent_ubatch(hyb_->get_recr(), hc.get_recr(), seq_key);
-                const auto& attn = dynamic_cast<const kv_cache&>(hyb_->get_attn());
-                for (uint32_t il : attn.layer_ids()) write_kv(hc.attn_for_layer(il), il, seq_key);
-            }
+            // the engine side, layer by layer, whatever the memory kind
+            if (memory_recurrent_context* rc = ctx->get_recr()) recurrent_ubatch(*rc, seq_key);
+            for (uint32_t il = 0; il < n_layer_; ++il)
+                if (kv_cache_context* kc = ctx->get_attn(il)) write_kv(*kc, il, seq_key);
         } while (ctx->next());
         fmt::print("decode ok ubatches={}\n", n_ub);
     }
 
     // the engine side of an attention layer without a model: synthetic K/V rows of the current ubatch
-    static void write_kv(const kv_cache_context& kc, uint32_t il, const std::vector<uint64_t>& seq_key) {
+    static void write_kv(kv_cache_context& kc, uint32_t il, const std::vector<uint64_t>& seq_key) {
         const ubatch& ub = kc.get_ubatch();
         const layer_desc& d = kc.cache().params().layers[il];
         const uint32_t e_k = d.n_head_kv * d.n_embd_head_k, e_v = d.n_head_kv * d.n_embd_head_v;
@@ -727,6 +718,7 @@ private:
     std::unique_ptr<memory_hybrid> hyb_;     // type=hybrid
     memory_i* mem_ = nullptr;                // the one of them in use
     std::unique_ptr<runtime> rt_;            // with a model
+    uint32_t n_layer_ = 0;                   // model layers of the memory
     uint32_t n_seq_max_ = 1;
     uint32_t n_ubatch_ = 512;
 };
