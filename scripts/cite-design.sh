@@ -63,8 +63,7 @@ rewrite() {
         if command -v clang-format >/dev/null; then
             clang-format -i "${code[@]}"
             # a citation the rewrap split ("design/x.md" | "/// §8") moves whole to the next line
-            local pass
-            for pass in 1 2 3; do
+            for _ in 1 2 3; do
                 perl -0pi -e 's{ (design/[a-z-]+\.md)\n([ \t]*//[/!<]?) §}{\n$2 $1 §}g' "${code[@]}"
                 clang-format -i "${code[@]}"
             done
