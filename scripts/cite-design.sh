@@ -81,7 +81,7 @@ check() {
     while IFS= read -r -d '' f; do
         while IFS= read -r line; do
             local rest
-            rest=$(sed -E 's#design/(kv-cache|batch|recurrent)\.md\)? §[0-9][0-9.-]*##g' <<<"${line#*:}")
+            rest=$(sed -E 's#design/(kv-cache|batch|recurrent)\.md\)? §[0-9][0-9.-]*(, §[0-9][0-9.-]*)*##g' <<<"${line#*:}")
             if grep -qE '\b[Dd]ecisions? [0-9]|\b[Ss]pec (kv-core|batch-recurrent|opscript|Appendix|§)|§[0-9]|DESIGN\.md|\b[Tt]he specs?\b|\bspecs\b|\bspec.s\b' <<<"$rest"; then
                 echo "$f:$line"
                 bad=1
@@ -96,11 +96,13 @@ check() {
     local cite note sec
     while IFS= read -r cite; do
         note=${cite%% *}
-        sec=${cite##*§}
-        sec=${sec%%-*}
-        sec=${sec%.}
-        grep -qE "^#+ §${sec//./\\.}( |$)" "docs/$note" || { echo "no §$sec in docs/$note"; bad=1; }
-    done < <(files | xargs -0 grep -ohE 'design/(kv-cache|batch|recurrent)\.md\)? §[0-9][0-9.-]*' | tr -d ')' | sort -u)
+        while IFS= read -r sec; do
+            sec=${sec%%-*}
+            sec=${sec%.}
+            grep -qE "^#+ §${sec//./\\.}( |$)" "docs/$note" || { echo "no §$sec in docs/$note"; bad=1; }
+        done < <(grep -oE '§[0-9][0-9.-]*' <<<"$cite" | tr -d '§')
+    done < <(files | xargs -0 grep -ohE 'design/(kv-cache|batch|recurrent)\.md\)? §[0-9][0-9.-]*(, §[0-9][0-9.-]*)*' |
+        tr -d ')' | sort -u)
     while IFS= read -r cite; do
         grep -qE "^\*\*${cite//./\\.} " "$design/kv-cache.md" || { echo "no $cite in $design/kv-cache.md"; bad=1; }
     done < <(files | xargs -0 grep -ohE 'design/kv-cache\.md\)? B\.[0-9]+' | grep -oE 'B\.[0-9]+' | sort -u)
