@@ -43,6 +43,8 @@ kv_cache_context::kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches
 
 bool kv_cache_context::next() {
     if (kind_ != kind::batch || i_cur_ >= ubatches_.size()) return false;
+    n_kv_ = 0;  // nothing of the next ubatch is known before its apply()
+    rows_.clear();
     return ++i_cur_ < ubatches_.size();
 }
 

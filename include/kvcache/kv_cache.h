@@ -232,7 +232,8 @@ public:
 
     // -- per ubatch --
     const kv_cache& cache() const { return *cache_; }       ///< the cache this context belongs to
-    uint32_t get_n_kv() const { return n_kv_; }             ///< cells attention reads: used extent, padded
+    /// Cells attention reads: the used extent of the slot's streams, padded (0 until apply()).
+    uint32_t get_n_kv() const { return n_kv_; }
     const slot_info& get_sinfo() const;                     ///< the current ubatch's slot
     size_t n_ubatches() const { return ubatches_.size(); }  ///< ubatches of the batch
     /// Views of the first n_kv cells of the slot's streams of layer il (model index):
