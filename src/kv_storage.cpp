@@ -165,7 +165,7 @@ public:
                 io.write(row_ptr(kv_part::k, li, rows[j]), row_bytes);
                 continue;
             }
-            if (table.cos_sin.empty() || table_for != d) {
+            if (table.c.empty() || table_for != d) {
                 table = ops::make_rope_table(l.n_embd_head_k, d, l.rope, false);
                 table_for = d;
             }

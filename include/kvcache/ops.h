@@ -45,10 +45,13 @@ void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, con
 
 /// The same in two steps, for many rows at one position (a K-shift moves whole runs of cells by the
 /// same delta): the (cos, sin) of every rotated pair, then their application to rows.
+/// Per rotated dim i of a head: x'[i] = x[i] * c[i] + x[partner(i)] * s[i], where partner(i) is the other
+/// dim of i's pair (i ^ 1 for normal RoPE, i +- n_rot / 2 for NeoX), so that rows rotate as vectors.
 struct rope_table {
     rope_type type = rope_type::normal;  ///< rotation kind
     uint32_t n_rot = 0;                  ///< rotated dims of a head
-    std::vector<float> cos_sin;          ///< [n_rot / 2][2]
+    std::vector<float> c;                ///< [n_rot] cos of the dim's pair
+    std::vector<float> s;                ///< [n_rot] -sin for the pair's first dim, +sin for its second
 };
 /// The (cos, sin) table of position `pos` (arguments as for rope()).
 rope_table make_rope_table(uint32_t head_dim, pos_t pos, const rope_params& p, bool with_magnitude = true);
