@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <kvcache/kv_cells.h>
 
+#include "detail/kv_cells_tables.h"
+
 namespace kvc {
 
 namespace {
@@ -19,9 +21,31 @@ uint64_t bit(uint32_t i) {
 
 }  // namespace
 
-kv_cells::kv_cells(uint32_t n_cells, uint32_t n_seq_max) : n_seq_max_(n_seq_max) {
+kv_cells::kv_cells() : t_(std::make_unique<tables>()) {}
+
+kv_cells::kv_cells(const kv_cells& other)
+    : n_seq_max_(other.n_seq_max_),
+      pos_(other.pos_),
+      ext_(other.ext_),
+      shift_(other.shift_),
+      seq_(other.seq_),
+      n_used_(other.n_used_),
+      has_shift_(other.has_shift_),
+      t_(std::make_unique<tables>(*other.t_)) {}
+
+kv_cells& kv_cells::operator=(const kv_cells& other) {
+    if (this != &other) *this = kv_cells(other);
+    return *this;
+}
+
+kv_cells::kv_cells(kv_cells&&) noexcept = default;
+kv_cells& kv_cells::operator=(kv_cells&&) noexcept = default;
+kv_cells::~kv_cells() = default;
+
+kv_cells::kv_cells(uint32_t n_cells, uint32_t n_seq_max)
+    : n_seq_max_(n_seq_max), t_(std::make_unique<tables>()) {
     if (n_seq_max < 1) throw error(errc::invalid_argument, "kv_cells: n_seq_max must be at least 1, got 0");
-    seq_pos_.resize(n_seq_max);
+    t_->seq_pos.resize(n_seq_max);
     resize(n_cells);
 }
 
@@ -31,9 +55,9 @@ void kv_cells::resize(uint32_t n) {
     shift_.assign(n, 0);
     seq_.assign(n, seq_set{});
     const size_t words = (static_cast<size_t>(n) + 63) / 64;
-    used_.assign(words, 0);
-    any_used_.assign((words + 63) / 64, 0);
-    any_free_.assign((words + 63) / 64, 0);
+    t_->used.assign(words, 0);
+    t_->any_used.assign((words + 63) / 64, 0);
+    t_->any_free.assign((words + 63) / 64, 0);
     reset();
 }
 
@@ -42,11 +66,11 @@ void kv_cells::reset() {
     std::fill(ext_.begin(), ext_.end(), cell_ext{});
     std::fill(shift_.begin(), shift_.end(), 0);
     for (seq_set& s : seq_) s.clear();
-    std::fill(used_.begin(), used_.end(), 0);
-    std::fill(any_used_.begin(), any_used_.end(), 0);
-    std::fill(any_free_.begin(), any_free_.end(), 0);
-    for (size_t w = 0; w < used_.size(); ++w) any_free_[w / 64] |= uint64_t{1} << (w % 64);
-    for (auto& index : seq_pos_) index.clear();
+    std::fill(t_->used.begin(), t_->used.end(), 0);
+    std::fill(t_->any_used.begin(), t_->any_used.end(), 0);
+    std::fill(t_->any_free.begin(), t_->any_free.end(), 0);
+    for (size_t w = 0; w < t_->used.size(); ++w) t_->any_free[w / 64] |= uint64_t{1} << (w % 64);
+    for (auto& index : t_->seq_pos) index.clear();
     n_used_ = 0;
     has_shift_ = false;
 }
@@ -79,19 +103,19 @@ void kv_cells::check_used(uint32_t i, const char* what) const {
 
 void kv_cells::mark_used(uint32_t i) {
     const size_t w = i / 64;
-    used_[w] |= bit(i);
-    any_used_[w / 64] |= uint64_t{1} << (w % 64);
+    t_->used[w] |= bit(i);
+    t_->any_used[w / 64] |= uint64_t{1} << (w % 64);
     const uint32_t n = size();
     const uint64_t valid = (w + 1) * 64 <= n ? all_bits : (uint64_t{1} << (n % 64)) - 1;
-    if (used_[w] == valid) any_free_[w / 64] &= ~(uint64_t{1} << (w % 64));
+    if (t_->used[w] == valid) t_->any_free[w / 64] &= ~(uint64_t{1} << (w % 64));
     ++n_used_;
 }
 
 void kv_cells::mark_free(uint32_t i) {
     const size_t w = i / 64;
-    used_[w] &= ~bit(i);
-    any_free_[w / 64] |= uint64_t{1} << (w % 64);
-    if (used_[w] == 0) any_used_[w / 64] &= ~(uint64_t{1} << (w % 64));
+    t_->used[w] &= ~bit(i);
+    t_->any_free[w / 64] |= uint64_t{1} << (w % 64);
+    if (t_->used[w] == 0) t_->any_used[w / 64] &= ~(uint64_t{1} << (w % 64));
     --n_used_;
 }
 
@@ -99,14 +123,14 @@ uint32_t kv_cells::next_used(uint32_t from) const {
     const uint32_t n = size();
     if (from >= n) return n;
     size_t w = from / 64;
-    const uint64_t here = used_[w] & (all_bits << (from % 64));
+    const uint64_t here = t_->used[w] & (all_bits << (from % 64));
     if (here) return static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(here)));
     // next word with a used cell, through the summary
-    for (size_t next = w + 1; next < used_.size();) {
-        const uint64_t s = any_used_[next / 64] & (all_bits << (next % 64));
+    for (size_t next = w + 1; next < t_->used.size();) {
+        const uint64_t s = t_->any_used[next / 64] & (all_bits << (next % 64));
         if (s) {
             w = (next / 64) * 64 + static_cast<size_t>(std::countr_zero(s));
-            return static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(used_[w])));
+            return static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(t_->used[w])));
         }
         next = (next / 64 + 1) * 64;
     }
@@ -118,14 +142,14 @@ uint32_t kv_cells::next_free(uint32_t from) const {
     if (from >= n) return n;
     size_t w = from / 64;
     // bits past the end of the last word read as free; the final min() clips them
-    const uint64_t here = ~used_[w] & (all_bits << (from % 64));
+    const uint64_t here = ~t_->used[w] & (all_bits << (from % 64));
     if (here) return std::min(n, static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(here))));
-    for (size_t next = w + 1; next < used_.size();) {
-        const uint64_t s = any_free_[next / 64] & (all_bits << (next % 64));
+    for (size_t next = w + 1; next < t_->used.size();) {
+        const uint64_t s = t_->any_free[next / 64] & (all_bits << (next % 64));
         if (s) {
             w = (next / 64) * 64 + static_cast<size_t>(std::countr_zero(s));
-            return std::min(n,
-                            static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(~used_[w]))));
+            return std::min(
+                n, static_cast<uint32_t>(w * 64 + static_cast<size_t>(std::countr_zero(~t_->used[w]))));
         }
         next = (next / 64 + 1) * 64;
     }
@@ -138,10 +162,10 @@ uint32_t kv_cells::used_min() const {
 }
 
 uint32_t kv_cells::used_max_p1() const {
-    for (size_t sw = any_used_.size(); sw-- > 0;) {
-        if (!any_used_[sw]) continue;
-        const size_t w = sw * 64 + 63 - static_cast<size_t>(std::countl_zero(any_used_[sw]));
-        return static_cast<uint32_t>(w * 64 + 64 - static_cast<size_t>(std::countl_zero(used_[w])));
+    for (size_t sw = t_->any_used.size(); sw-- > 0;) {
+        if (!t_->any_used[sw]) continue;
+        const size_t w = sw * 64 + 63 - static_cast<size_t>(std::countl_zero(t_->any_used[sw]));
+        return static_cast<uint32_t>(w * 64 + 64 - static_cast<size_t>(std::countl_zero(t_->used[w])));
     }
     return 0;
 }
@@ -184,73 +208,16 @@ std::optional<uint32_t> kv_cells::find_contiguous(uint32_t n, uint32_t hint) con
 
 // -- per-sequence index --
 
-const kv_cells::seq_index::entry* kv_cells::seq_index::lower_bound(int64_t p) const {
-    if (p > std::numeric_limits<pos_t>::max()) return end();
-    if (p < 0) p = 0;
-    return std::lower_bound(begin(), end(), entry{static_cast<pos_t>(p), 0});
-}
-
-void kv_cells::seq_index::insert(entry e) {
-    if (empty()) {
-        clear();
-        v_.push_back(e);
-    } else if (v_.back() < e) {
-        v_.push_back(e);  // decoding: the new position is the largest
-    } else if (head_ > 0 && e < *begin()) {
-        v_[--head_] = e;
-    } else {
-        v_.insert(v_.begin() + (std::lower_bound(begin(), end(), e) - v_.data()), e);
-    }
-}
-
-void kv_cells::seq_index::erase(entry e) {
-    const entry* it = std::lower_bound(begin(), end(), e);
-    assert(it != end() && *it == e);
-    const auto at = static_cast<size_t>(it - begin());
-    erase(at, at + 1);
-}
-
-void kv_cells::seq_index::erase(size_t first, size_t last) {
-    if (first == last) return;
-    if (last == size()) {
-        v_.resize(head_ + first);
-    } else if (first == 0) {
-        head_ += last;  // drop the front in O(1); compact once the dead part dominates
-        if (head_ >= 64 && 2 * head_ >= v_.size()) {
-            v_.erase(v_.begin(), v_.begin() + static_cast<ptrdiff_t>(head_));
-            head_ = 0;
-        }
-    } else {
-        const auto base = v_.begin() + static_cast<ptrdiff_t>(head_);
-        v_.erase(base + static_cast<ptrdiff_t>(first), base + static_cast<ptrdiff_t>(last));
-    }
-    if (empty()) clear();
-}
-
-void kv_cells::seq_index::merge(std::span<const entry> sorted) {
-    if (sorted.empty()) return;
-    if (empty() || v_.back() < sorted.front()) {
-        v_.insert(v_.end(), sorted.begin(), sorted.end());
-        return;
-    }
-    std::vector<entry> out;
-    out.reserve(size() + sorted.size());
-    std::merge(begin(), end(), sorted.begin(), sorted.end(), std::back_inserter(out));
-    v_ = std::move(out);
-    head_ = 0;
-}
-
 void kv_cells::index_add(uint32_t i) {
-    for (seq_id_t s : seq_[i]) seq_pos_[s].insert({pos_[i], i});
+    for (seq_id_t s : seq_[i]) t_->seq_pos[s].insert({pos_[i], i});
 }
 
 void kv_cells::index_remove(uint32_t i) {
-    for (seq_id_t s : seq_[i]) seq_pos_[s].erase({pos_[i], i});
+    for (seq_id_t s : seq_[i]) t_->seq_pos[s].erase({pos_[i], i});
 }
 
-std::pair<kv_cells::seq_index::entry*, kv_cells::seq_index::entry*> kv_cells::range(seq_id_t s, pos_t p0,
-                                                                                    pos_t p1) {
-    seq_index& index = seq_pos_[s];
+std::pair<kv_cells::entry*, kv_cells::entry*> kv_cells::range(seq_id_t s, pos_t p0, pos_t p1) {
+    detail::seq_index& index = t_->seq_pos[s];
     auto* lo = index.lower_bound(p0);
     auto* hi = p1 < 0 ? index.end() : index.lower_bound(p1);
     return {lo, std::max(lo, hi)};  // p1 <= p0: empty
@@ -258,25 +225,25 @@ std::pair<kv_cells::seq_index::entry*, kv_cells::seq_index::entry*> kv_cells::ra
 
 pos_t kv_cells::seq_pos_min(seq_id_t s) const {
     check_seq(s, "seq_pos_min");
-    const seq_index& index = seq_pos_[s];
+    const detail::seq_index& index = t_->seq_pos[s];
     return index.empty() ? pos_none : index.begin()->first;
 }
 
 pos_t kv_cells::seq_pos_max(seq_id_t s) const {
     check_seq(s, "seq_pos_max");
-    const seq_index& index = seq_pos_[s];
+    const detail::seq_index& index = t_->seq_pos[s];
     return index.empty() ? pos_none : (index.end() - 1)->first;
 }
 
 uint32_t kv_cells::seq_pos_count(seq_id_t s, pos_t p) const {
     check_seq(s, "seq_pos_count");
-    const seq_index& index = seq_pos_[s];
+    const detail::seq_index& index = t_->seq_pos[s];
     return static_cast<uint32_t>(index.lower_bound(int64_t{p} + 1) - index.lower_bound(p));
 }
 
 uint32_t kv_cells::seq_n_cells(seq_id_t s) const {
     check_seq(s, "seq_n_cells");
-    return static_cast<uint32_t>(seq_pos_[s].size());
+    return static_cast<uint32_t>(t_->seq_pos[s].size());
 }
 
 void kv_cells::seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& out) const {
@@ -285,7 +252,7 @@ void kv_cells::seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& 
 
 std::span<const std::pair<pos_t, uint32_t>> kv_cells::seq_entries(seq_id_t s, pos_t p0, pos_t p1) const {
     check_seq(s, "seq_entries");
-    const seq_index& index = seq_pos_[s];
+    const detail::seq_index& index = t_->seq_pos[s];
     const auto* lo = index.lower_bound(p0);
     const auto* hi = p1 < 0 ? index.end() : index.lower_bound(p1);
     return {lo, std::max(lo, hi)};
@@ -331,7 +298,7 @@ void kv_cells::seq_add(uint32_t i, seq_id_t s) {
         throw error(errc::invalid_state,
                     fmt::format("kv_cells::seq_add: cell {} already holds seq {}", i, s));
     seq_[i].insert(s);
-    seq_pos_[s].insert({pos_[i], i});
+    t_->seq_pos[s].insert({pos_[i], i});
 }
 
 void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
@@ -347,7 +314,7 @@ void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
         if (pos[j] < 0)
             throw error(errc::invalid_argument, fmt::format("kv_cells::fill: negative position {}", pos[j]));
     }
-    scratch_.clear();
+    t_->scratch.clear();
     for (size_t j = 0; j < cells.size(); ++j) {
         const uint32_t i = cells[j];
         if (pos_[i] != pos_none) {  // given twice: undo the cells filled so far
@@ -358,10 +325,11 @@ void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
         if (!ext.empty()) ext_[i] = ext[j];
         seq_[i].insert(s);
         mark_used(i);
-        scratch_.emplace_back(pos[j], i);
+        t_->scratch.emplace_back(pos[j], i);
     }
-    if (!std::is_sorted(scratch_.begin(), scratch_.end())) std::sort(scratch_.begin(), scratch_.end());
-    seq_pos_[s].merge(scratch_);
+    if (!std::is_sorted(t_->scratch.begin(), t_->scratch.end()))
+        std::sort(t_->scratch.begin(), t_->scratch.end());
+    t_->seq_pos[s].merge(t_->scratch);
 }
 
 bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {
@@ -370,7 +338,7 @@ bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {
     if (!seq_[i].contains(s))
         throw error(errc::invalid_state, fmt::format("kv_cells::seq_rm: cell {} does not hold seq {}", i, s));
     seq_[i].erase(s);
-    seq_pos_[s].erase({pos_[i], i});
+    t_->seq_pos[s].erase({pos_[i], i});
     if (!seq_[i].empty()) return false;
     make_empty(i);
     return true;
@@ -381,7 +349,7 @@ bool kv_cells::seq_keep(uint32_t i, seq_id_t s) {
     check_seq(s, "seq_keep");
     if (seq_[i].contains(s)) {
         for (seq_id_t other : seq_[i])
-            if (other != s) seq_pos_[other].erase({pos_[i], i});
+            if (other != s) t_->seq_pos[other].erase({pos_[i], i});
         seq_[i].clear();
         seq_[i].insert(s);
         return false;
@@ -460,7 +428,7 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
         // Every cell in the range goes, whatever its sequences: in each index that is one slice.
         for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq_max_); ++q) {
             auto [lo, hi] = range(q, p0, p1);
-            seq_index& index = seq_pos_[q];
+            detail::seq_index& index = t_->seq_pos[q];
             index.erase(static_cast<size_t>(lo - index.begin()), static_cast<size_t>(hi - index.begin()));
         }
         const int64_t hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
@@ -481,7 +449,7 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
             lowest = std::min(lowest, i);
         }
     }
-    seq_index& index = seq_pos_[s];
+    detail::seq_index& index = t_->seq_pos[s];
     index.erase(static_cast<size_t>(lo - index.begin()), static_cast<size_t>(hi - index.begin()));
     return lowest;
 }
@@ -490,14 +458,14 @@ void kv_cells::seq_cp_range(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     check_seq(src, "seq_cp_range");
     check_seq(dst, "seq_cp_range");
     if (src == dst) return;
-    scratch_.clear();
+    t_->scratch.clear();
     auto [lo, hi] = range(src, p0, p1);
     for (const auto* e = lo; e < hi; ++e) {
         if (seq_[e->second].contains(dst)) continue;  // idempotent
         seq_[e->second].insert(dst);
-        scratch_.push_back(*e);
+        t_->scratch.push_back(*e);
     }
-    seq_pos_[dst].merge(scratch_);
+    t_->seq_pos[dst].merge(t_->scratch);
 }
 
 uint32_t kv_cells::seq_keep_all(seq_id_t s) {
@@ -516,12 +484,12 @@ uint32_t kv_cells::seq_keep_all(seq_id_t s) {
         }
     }
     for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq_max_); ++q)
-        if (q != s) seq_pos_[q].clear();  // no other sequence holds any cell now
+        if (q != s) t_->seq_pos[q].clear();  // no other sequence holds any cell now
     return lowest;
 }
 
 void kv_cells::reorder(seq_id_t s, size_t lo, size_t hi) {
-    seq_index& index = seq_pos_[s];
+    detail::seq_index& index = t_->seq_pos[s];
     auto* b = index.begin();
     const size_t n = index.size();
     const bool left_ok = lo == 0 || lo == hi || !(b[lo] < b[lo - 1]);
@@ -532,28 +500,29 @@ void kv_cells::reorder(seq_id_t s, size_t lo, size_t hi) {
 void kv_cells::apply_moves() {
     // Entries of other sequences for cells that moved: group by sequence, locate every entry while the
     // index is still sorted, rewrite, re-sort, drop removed cells (position -1 sorts first).
-    std::sort(moves_.begin(), moves_.end(), [](const move& a, const move& b) { return a.seq < b.seq; });
-    std::vector<seq_index::entry*> at;
-    for (size_t k = 0; k < moves_.size();) {
-        const seq_id_t q = moves_[k].seq;
-        seq_index& index = seq_pos_[q];
+    std::sort(t_->moves.begin(), t_->moves.end(),
+              [](const tables::move& a, const tables::move& b) { return a.seq < b.seq; });
+    std::vector<entry*> at;
+    for (size_t k = 0; k < t_->moves.size();) {
+        const seq_id_t q = t_->moves[k].seq;
+        detail::seq_index& index = t_->seq_pos[q];
         const size_t group = k;
         at.clear();
-        for (; k < moves_.size() && moves_[k].seq == q; ++k) {
-            auto* e = std::lower_bound(index.begin(), index.end(), moves_[k].old_entry);
-            assert(e != index.end() && *e == moves_[k].old_entry);
+        for (; k < t_->moves.size() && t_->moves[k].seq == q; ++k) {
+            auto* e = std::lower_bound(index.begin(), index.end(), t_->moves[k].old_entry);
+            assert(e != index.end() && *e == t_->moves[k].old_entry);
             at.push_back(e);
         }
         size_t removed = 0;
         for (size_t j = 0; j < at.size(); ++j) {
-            const int64_t np = moves_[group + j].new_pos;
+            const int64_t np = t_->moves[group + j].new_pos;
             at[j]->first = np < 0 ? pos_none : static_cast<pos_t>(np);
             removed += np < 0;
         }
         std::sort(index.begin(), index.end());
         index.erase(0, removed);
     }
-    moves_.clear();
+    t_->moves.clear();
 }
 
 uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
@@ -578,7 +547,7 @@ uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
         const uint32_t i = e->second;
         const int64_t np = int64_t{pos_[i]} + d;
         for (seq_id_t q : seq_[i])
-            if (q != s) moves_.push_back({q, *e, np});
+            if (q != s) t_->moves.push_back({q, *e, np});
         e->first = static_cast<pos_t>(np < 0 ? pos_none : np);
         if (np < 0) {
             make_empty(i);
@@ -589,7 +558,7 @@ uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
             shift_[i] += d;
         }
     }
-    seq_index& index = seq_pos_[s];
+    detail::seq_index& index = t_->seq_pos[s];
     const auto first = static_cast<size_t>(lo - index.begin()),
                last = static_cast<size_t>(hi - index.begin());
     index.erase(first, first + gone);
@@ -616,12 +585,12 @@ void kv_cells::seq_div_range(seq_id_t s, pos_t p0, pos_t p1, int d) {
         const uint32_t i = e->second;
         const pos_t np = pos_[i] / d;
         for (seq_id_t q : seq_[i])
-            if (q != s) moves_.push_back({q, *e, np});
+            if (q != s) t_->moves.push_back({q, *e, np});
         shift_[i] += np - pos_[i];  // new - old (decision 1)
         pos_[i] = np;
         e->first = np;
     }
-    seq_index& index = seq_pos_[s];
+    detail::seq_index& index = t_->seq_pos[s];
     const auto first = static_cast<size_t>(lo - index.begin()),
                last = static_cast<size_t>(hi - index.begin());
     std::sort(lo, hi);  // equal quotients may reorder by cell index
@@ -746,7 +715,7 @@ void kv_cells::validate() const {
     for (uint32_t i = 0; i < size(); ++i) {
         const bool u = pos_[i] != pos_none;
         used += u;
-        if (((used_[i / 64] >> (i % 64)) & 1) != u) fail(fmt::format("used bit of cell {} is wrong", i));
+        if (((t_->used[i / 64] >> (i % 64)) & 1) != u) fail(fmt::format("used bit of cell {} is wrong", i));
         if (pos_[i] < pos_none) fail(fmt::format("cell {} has position {}", i, pos_[i]));
         if (!u && (!seq_[i].empty() || shift_[i] != 0 || !(ext_[i] == cell_ext{})))
             fail(fmt::format("empty cell {} keeps sequences, shift or extension", i));
@@ -759,18 +728,18 @@ void kv_cells::validate() const {
     if (used != n_used_) fail(fmt::format("used count {} but {} cells are used", n_used_, used));
     for (uint32_t s = 0; s < n_seq_max_; ++s) {
         std::sort(index[s].begin(), index[s].end());
-        const seq_index& have = seq_pos_[s];
+        const detail::seq_index& have = t_->seq_pos[s];
         if (!std::equal(index[s].begin(), index[s].end(), have.begin(), have.end()))
             fail(fmt::format("index of seq {} disagrees with the cells", s));
     }
-    for (size_t w = 0; w < used_.size(); ++w) {
+    for (size_t w = 0; w < t_->used.size(); ++w) {
         const uint32_t n = size();
         const uint64_t valid = (w + 1) * 64 <= n ? all_bits : (uint64_t{1} << (n % 64)) - 1;
-        if (used_[w] & ~valid) fail(fmt::format("word {} has bits past the end", w));
-        const bool any_u = (any_used_[w / 64] >> (w % 64)) & 1;
-        const bool any_f = (any_free_[w / 64] >> (w % 64)) & 1;
-        if (any_u != (used_[w] != 0)) fail(fmt::format("used summary of word {} is wrong", w));
-        if (any_f != (used_[w] != valid)) fail(fmt::format("free summary of word {} is wrong", w));
+        if (t_->used[w] & ~valid) fail(fmt::format("word {} has bits past the end", w));
+        const bool any_u = (t_->any_used[w / 64] >> (w % 64)) & 1;
+        const bool any_f = (t_->any_free[w / 64] >> (w % 64)) & 1;
+        if (any_u != (t_->used[w] != 0)) fail(fmt::format("used summary of word {} is wrong", w));
+        if (any_f != (t_->used[w] != valid)) fail(fmt::format("free summary of word {} is wrong", w));
     }
 }
 

@@ -20,10 +20,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <utility>  // std::pair, std::as_const
+#include <utility>  // std::pair
 #include <vector>
 
 #include <kvcache/seq_set.h>
@@ -56,9 +57,14 @@ struct cells_snapshot {
 /// pending shift and M-RoPE extension, with per-sequence position indexes.
 class kv_cells {
 public:
-    kv_cells() = default;  ///< no cells
+    kv_cells();  ///< no cells
     /// n_seq_max: sequence ids accepted are [0, n_seq_max). Throws on n_seq_max < 1.
     explicit kv_cells(uint32_t n_cells, uint32_t n_seq_max = 1);
+    kv_cells(const kv_cells& other);             ///< a deep copy
+    kv_cells& operator=(const kv_cells& other);  ///< a deep copy
+    kv_cells(kv_cells&&) noexcept;               ///< takes other's cells
+    kv_cells& operator=(kv_cells&&) noexcept;    ///< takes other's cells
+    ~kv_cells();
 
     // -- size --
     uint32_t size() const { return static_cast<uint32_t>(pos_.size()); }  ///< number of cells
@@ -174,40 +180,9 @@ private:
     uint32_t next_free(uint32_t from) const;  // first empty index >= from, or size()
     void restore(uint32_t target, const cells_snapshot& snap, size_t j);
 
-    // The (position, cell) pairs of one sequence, sorted, in a vector whose front can be dropped in O(1)
-    // (a sliding window drops its oldest cells) and whose back grows in O(1) (decoding appends the
-    // largest position). Ends give min/max; a position range is a contiguous slice, so bulk operations
-    // work on slices instead of node by node.
-    class seq_index {
-    public:
-        using entry = std::pair<pos_t, uint32_t>;
-
-        bool empty() const { return head_ == v_.size(); }
-        size_t size() const { return v_.size() - head_; }
-        entry* begin() { return v_.data() + head_; }
-        entry* end() { return v_.data() + v_.size(); }
-        const entry* begin() const { return v_.data() + head_; }
-        const entry* end() const { return v_.data() + v_.size(); }
-        // First entry with position >= p (p may exceed int32: then end()).
-        const entry* lower_bound(int64_t p) const;
-        entry* lower_bound(int64_t p) { return begin() + (std::as_const(*this).lower_bound(p) - begin()); }
-
-        void insert(entry e);
-        void erase(entry e);                    // e must be present
-        void erase(size_t first, size_t last);  // entries [first, last) counted from begin()
-        void merge(std::span<const entry> sorted);
-        void clear() {
-            v_.clear();
-            head_ = 0;
-        }
-
-    private:
-        std::vector<entry> v_;  // [head_, size) live, sorted
-        size_t head_ = 0;
-    };
-
+    using entry = std::pair<pos_t, uint32_t>;  // (position, cell) in a sequence's index
     // [lo, hi) slice of s's index with positions in [p0, p1) (p0 < 0: 0, p1 < 0: no bound)
-    std::pair<seq_index::entry*, seq_index::entry*> range(seq_id_t s, pos_t p0, pos_t p1);
+    std::pair<entry*, entry*> range(seq_id_t s, pos_t p0, pos_t p1);
     // After positions in s's index changed by a map that keeps [lo, hi) ordered: restore the order.
     void reorder(seq_id_t s, size_t lo, size_t hi);
     // Other sequences' entries of moved cells: (seq, old entry, new position); new < 0 = cell removed.
@@ -219,23 +194,12 @@ private:
     std::vector<pos_t> shift_;   // [n]  delta to apply to the stored K rows at the next K-shift
     std::vector<seq_set> seq_;   // [n]  sequences holding the cell
 
-    // Occupancy by words: bit i of used_[i / 64] = cell i used. Summaries over words: bit w of
-    // any_used_[w / 64] = used_[w] != 0; bit w of any_free_[w / 64] = word w has an empty cell.
-    std::vector<uint64_t> used_;
-    std::vector<uint64_t> any_used_;
-    std::vector<uint64_t> any_free_;
     uint32_t n_used_ = 0;
     bool has_shift_ = false;
 
-    std::vector<seq_index> seq_pos_;  // [n_seq_max]
-
-    struct move {
-        seq_id_t seq;
-        seq_index::entry old_entry;
-        int64_t new_pos;
-    };
-    std::vector<move> moves_;                // scratch of seq_add_range / seq_div_range
-    std::vector<seq_index::entry> scratch_;  // scratch of seq_cp_range
+    // The occupancy bitmap and the per-sequence position indexes (src/detail/kv_cells_tables.h).
+    struct tables;
+    std::unique_ptr<tables> t_;
 };
 
 }  // namespace kvc
