@@ -1,6 +1,7 @@
 /// @file
-/// Reference CPU kernels the memories and the runtime need. Plain, single-threaded, exact: they define
-/// what the results must be; engines bring their own fast kernels.
+/// RoPE (normal, NeoX; YaRN parameters), the one kernel the memories need themselves: the K-shift
+/// re-rotates stored keys with it. Exact: it defines what the results must be (the runtime's attention
+/// kernels live in the runtime layer).
 #pragma once
 
 #include <cstdint>
@@ -33,7 +34,7 @@ struct rope_params {
     int32_t n_ctx_orig = 0;              ///< training context (YaRN)
 };
 
-/// Reference CPU kernels (plain, single-threaded, exact).
+/// RoPE rotation (exact; the vector path gives the scalar path's bits).
 namespace ops {
 
 /// Rotates the first n_rot dims of each of n_head heads of head_dim values in x (f32, contiguous) as

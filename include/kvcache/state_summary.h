@@ -35,15 +35,15 @@ struct state_summary {
     struct sequence {
         seq_id_t seq = 0;      ///< its id
         uint32_t n_cells = 0;  ///< cells holding it
-        /// smallest position
-        pos_t pos_min = -1, pos_max = -1;  ///< largest position
+        pos_t pos_min = -1;    ///< smallest position
+        pos_t pos_max = -1;    ///< largest position
     };
     /// the i-th layer of the payload (payloads do not record model indices)
     struct layer {
-        /// K element type
-        dtype type_k = dtype::f32, type_v = dtype::f32;  ///< V element type
-        /// K bytes, summed over streams
-        uint64_t k_bytes = 0, v_bytes = 0;  ///< V bytes, summed over streams
+        dtype type_k = dtype::f32;  ///< K element type
+        dtype type_v = dtype::f32;  ///< V element type
+        uint64_t k_bytes = 0;       ///< K bytes, summed over streams
+        uint64_t v_bytes = 0;       ///< V bytes, summed over streams
     };
     /// One stream of the payload.
     struct stream {

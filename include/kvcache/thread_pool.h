@@ -1,6 +1,7 @@
 /// @file
-/// A small fixed pool of worker threads for the reference runtime's loops (and the K-shift): the caller
-/// splits a range, the pool runs the pieces, the caller waits. No task queue, no futures.
+/// A small fixed pool of worker threads for the reference runtime's loops (and, as a memory's executor,
+/// the K-shift): the caller splits a range, the pool runs the pieces, the caller waits. No task queue, no
+/// futures.
 #pragma once
 
 #include <condition_variable>
