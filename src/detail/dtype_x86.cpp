@@ -4,6 +4,8 @@
 //
 // Each kernel mirrors its scalar twin in dtype.cpp operation for operation (same products, same
 // rounding, same NaN handling of max/min), so that the output bytes are identical.
+#include <cstring>
+
 #include "detail/dtype_kernels.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -24,6 +26,19 @@ namespace {
 #define KVC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")))
 
 // ---------------------------------------------------------------- AVX2 + F16C
+
+// Block scales through F16C rather than a call to the software conversion per block: the same bits as
+// fp32_to_fp16 / fp16_to_fp32 for every input (all 2^32 floats and 2^16 halves were compared).
+KVC_AVX2 inline void store_scale_f16c(uint8_t* y, float d) {
+    const auto h = static_cast<uint16_t>(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+    std::memcpy(y, &h, sizeof h);
+}
+
+KVC_AVX2 inline float load_scale_f16c(const uint8_t* x) {
+    uint16_t h;
+    std::memcpy(&h, x, sizeof h);
+    return _cvtsh_ss(h);
+}
 
 KVC_AVX2 void avx2_f32_to_f16(const float* x, uint8_t* y, int64_t n) {
     int64_t i = 0;
@@ -123,7 +138,7 @@ KVC_AVX2 void avx2_f32_to_q8_0(const float* x, uint8_t* y, int64_t n) {
         if (nan) amax = NAN;
         const float d = q8_0_scale(amax);
         const __m256 id = _mm256_set1_ps(inverse_scale(d));
-        store_scale(y, d);
+        store_scale_f16c(y, d);
         __m256i q[4];
         for (int k = 0; k < 4; ++k) {
             __m256 r = avx2_round_away(_mm256_mul_ps(v[k], id));
@@ -141,7 +156,7 @@ KVC_AVX2 void avx2_f32_to_q8_0(const float* x, uint8_t* y, int64_t n) {
 
 KVC_AVX2 void avx2_q8_0_to_f32(const uint8_t* x, float* y, int64_t n) {
     for (int64_t b = 0; b < n / qk8_0; ++b, x += sizeof(block_q8_0), y += qk8_0) {
-        const __m256 d = _mm256_set1_ps(load_scale(x));
+        const __m256 d = _mm256_set1_ps(load_scale_f16c(x));
         for (int k = 0; k < 4; ++k) {
             const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + 2 + 8 * k));
             const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
@@ -174,7 +189,7 @@ KVC_AVX2 void avx2_f32_to_q4_0(const float* x, uint8_t* y, int64_t n) {
         if (nan) max = NAN;
         const float d = q4_0_scale(max);
         const __m256 id = _mm256_set1_ps(inverse_scale(d));
-        store_scale(y, d);
+        store_scale_f16c(y, d);
         __m256i q[4];
         for (int k = 0; k < 4; ++k) {
             __m256 t = _mm256_add_ps(_mm256_mul_ps(v[k], id), _mm256_set1_ps(8.5f));
@@ -194,7 +209,7 @@ KVC_AVX2 void avx2_q4_0_to_f32(const uint8_t* x, float* y, int64_t n) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const __m256i eight = _mm256_set1_epi32(8);
     for (int64_t b = 0; b < n / qk4_0; ++b, x += sizeof(block_q4_0), y += qk4_0) {
-        const __m256 d = _mm256_set1_ps(load_scale(x));
+        const __m256 d = _mm256_set1_ps(load_scale_f16c(x));
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 2));
         const __m128i lo = _mm_and_si128(bytes, low4);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
@@ -282,7 +297,7 @@ KVC_AVX512 void avx512_f32_to_q8_0(const float* x, uint8_t* y, int64_t n) {
         if (nan) amax = NAN;
         const float d = q8_0_scale(amax);
         const __m512 id = _mm512_set1_ps(inverse_scale(d));
-        store_scale(y, d);
+        store_scale_f16c(y, d);
         const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
         const __m512 r0 = _mm512_min_ps(_mm512_max_ps(avx512_round_away(_mm512_mul_ps(v0, id)), lo), hi);
         const __m512 r1 = _mm512_min_ps(_mm512_max_ps(avx512_round_away(_mm512_mul_ps(v1, id)), lo), hi);
@@ -293,7 +308,7 @@ KVC_AVX512 void avx512_f32_to_q8_0(const float* x, uint8_t* y, int64_t n) {
 
 KVC_AVX512 void avx512_q8_0_to_f32(const uint8_t* x, float* y, int64_t n) {
     for (int64_t b = 0; b < n / qk8_0; ++b, x += sizeof(block_q8_0), y += qk8_0) {
-        const __m512 d = _mm512_set1_ps(load_scale(x));
+        const __m512 d = _mm512_set1_ps(load_scale_f16c(x));
         for (int k = 0; k < 2; ++k) {
             const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 2 + 16 * k));
             const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
@@ -319,7 +334,7 @@ KVC_AVX512 void avx512_f32_to_q4_0(const float* x, uint8_t* y, int64_t n) {
         if (nan) max = NAN;
         const float d = q4_0_scale(max);
         const __m512 id = _mm512_set1_ps(inverse_scale(d));
-        store_scale(y, d);
+        store_scale_f16c(y, d);
         const __m512 half = _mm512_set1_ps(8.5f), zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.0f);
         const __m512 t0 = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(_mm512_mul_ps(v0, id), half), zero), top);
         const __m512 t1 = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(_mm512_mul_ps(v1, id), half), zero), top);
@@ -333,7 +348,7 @@ KVC_AVX512 void avx512_q4_0_to_f32(const uint8_t* x, float* y, int64_t n) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const __m512i eight = _mm512_set1_epi32(8);
     for (int64_t b = 0; b < n / qk4_0; ++b, x += sizeof(block_q4_0), y += qk4_0) {
-        const __m512 d = _mm512_set1_ps(load_scale(x));
+        const __m512 d = _mm512_set1_ps(load_scale_f16c(x));
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 2));
         const __m128i lo = _mm_and_si128(bytes, low4);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
