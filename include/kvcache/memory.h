@@ -26,14 +26,13 @@
 #include <vector>
 
 #include <kvcache/dtype.h>
+#include <kvcache/io.h>
 #include <kvcache/types.h>
 
 namespace kvc {
 
 struct ubatch;       // batch.h
 class batch_allocr;  // batch.h
-class io_write_i;    // state.h
-class io_read_i;     // state.h
 
 /// What every memory needs to know beyond its layer layout.
 struct memory_params {
