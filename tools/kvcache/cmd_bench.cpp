@@ -199,7 +199,7 @@ private:
                     b.add(1, c.seq_pos_max(id[0]) + 1, id, true);
                 }
                 batch_allocr a;
-                a.init(b.view(), &c, {.n_seq_max = n_seq});
+                a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
                 auto ctx = c.init_batch(a, 512, false);
                 do ctx->apply();
                 while (ctx->next());

@@ -428,7 +428,7 @@ private:
         }
         batch_allocr a;
         try {
-            a.init(b.view(), mem_, {.n_seq_max = n_seq_max_});
+            a.init(b.view(), positions_of(mem_), {.n_seq_max = n_seq_max_});
         } catch (const error& e) {
             fmt::print("decode failed invalid-batch: {}\n", e.what());
             return;
