@@ -17,9 +17,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <kvcache/kv_cache.h>
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
 #include <kvcache/state.h>
-#include <kvcache/tiny_model.h>
 #include <kvcache/version.h>
 
 #include "commands.h"

@@ -20,7 +20,7 @@
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/runtime.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 

@@ -21,7 +21,7 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/ops.h>
-#include <kvcache/thread_pool.h>
+#include <kvcache/runtime/thread_pool.h>
 #include <kvcache/types.h>
 
 namespace kvc {
