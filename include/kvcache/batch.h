@@ -9,7 +9,6 @@
 /// arrays may change once init() returns. ubatches own their data.
 #pragma once
 
-#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -136,10 +135,6 @@ struct memory_positions {
 /// The memory_positions of a memory (a memory_i, or anything with seq_pos_min / seq_pos_max), borrowed:
 /// `mem` must outlive the result.
 template <class Memory>
-requires requires(const Memory& m, seq_id_t s) {
-    { m.seq_pos_min(s) } -> std::convertible_to<pos_t>;
-    { m.seq_pos_max(s) } -> std::convertible_to<pos_t>;
-}
 memory_positions positions_of(const Memory& mem) {
     return {[&mem](seq_id_t s) -> pos_t { return mem.seq_pos_min(s); },
             [&mem](seq_id_t s) -> pos_t { return mem.seq_pos_max(s); }};
@@ -147,7 +142,7 @@ memory_positions positions_of(const Memory& mem) {
 
 /// The same through a pointer; null gives `{}` (no memory).
 template <class Memory>
-memory_positions positions_of(const Memory* mem) {
+memory_positions positions_of(Memory* mem) {
     return mem ? positions_of(*mem) : memory_positions{};
 }
 
