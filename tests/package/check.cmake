@@ -72,6 +72,9 @@ message("${step_output}")
 
 # C: pkg-config, static link flags
 set(ENV{PKG_CONFIG_PATH} "${prefix}/${LIBDIR}/pkgconfig")
+# Programs linked by hand with pkg-config's flags have no run path: with a shared build (KVC_BUILD_SHARED)
+# they find libkvcache.so.0 in the prefix as a user's would, through the loader's path.
+set(ENV{LD_LIBRARY_PATH} "${prefix}/${LIBDIR}:$ENV{LD_LIBRARY_PATH}")
 step("pkg-config --cflags" "${PKG_CONFIG}" --cflags kvcache)
 separate_arguments(cflags UNIX_COMMAND "${step_output}")
 step("pkg-config --libs --static" "${PKG_CONFIG}" --libs --static kvcache)
