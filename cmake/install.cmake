@@ -2,7 +2,7 @@
 #
 #   <prefix>/include/kvcache/*.h                  public headers, version.h included
 #   <prefix>/include/kvcache/runtime/*.h          public headers of the runtime library
-#   <prefix>/<libdir>/libkvcache.{a,so*}          the core library and the C API (SONAME libkvcache.so.<major>)
+#   <prefix>/<libdir>/libkvcache.{a,so*}          the core and the C API (SONAME libkvcache.so.<major>)
 #   <prefix>/<libdir>/libkvcache_runtime.{a,so*}  the runtime library (SONAME libkvcache_runtime.so.<major>)
 #   <prefix>/<libdir>/cmake/kvcache/              find_package(kvcache CONFIG) -> kvcache::kvcache,
 #                                                 kvcache::runtime (which links kvcache::kvcache)
