@@ -42,7 +42,7 @@ void fill(kv_cache& c, uint32_t n_seq, uint32_t per_seq) {
             for (uint32_t k = p; k < std::min(per_seq, p + 8); ++k)
                 b.add(1, static_cast<pos_t>(k), std::vector<seq_id_t>{static_cast<seq_id_t>(s)}, false);
         batch_allocr a;
-        a.init(b.view(), &c, {.n_seq_max = n_seq});
+        a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
         auto ctx = c.init_batch(a, 4096, false);
         do ctx->apply();
         while (ctx->next());
@@ -71,7 +71,7 @@ void bm_decode_step(benchmark::State& state) {
         for (uint32_t s = 0; s < n_seq; ++s)
             b.add(1, c.seq_pos_max(static_cast<seq_id_t>(s)) + 1,
                   std::vector<seq_id_t>{static_cast<seq_id_t>(s)}, true);
-        a.init(b.view(), &c, {.n_seq_max = n_seq});
+        a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
         auto ctx = c.init_batch(a, 512, false);
         do ctx->apply();
         while (ctx->next());
@@ -102,7 +102,7 @@ mask_setup& mask_fixture() {
         for (seq_id_t q = 0; q < 4; ++q)
             for (int k = 0; k < 128; ++k) b.add(1, 8064 + k, std::vector<seq_id_t>{q}, true);
         batch_allocr a;
-        a.init(b.view(), s.cache.get(), {.n_seq_max = 4});
+        a.init(b.view(), positions_of(s.cache.get()), {.n_seq_max = 4});
         s.holder = s.cache->init_batch(a, 512, false);
         s.holder->apply();
         s.dst.resize(size_t{32768} * 512 * 4);

@@ -34,7 +34,7 @@ void next_tokens(batch_storage& b, batch_allocr& a, const memory_recurrent& m, u
         const pos_t p = m.seq_pos_max(ids[0]) + 1;
         for (uint32_t t = 0; t < per_seq; ++t) b.add(1, p + static_cast<pos_t>(t), ids, true);
     }
-    a.init(b.view(), &m, {.n_seq_max = m.params().n_seq_max});
+    a.init(b.view(), positions_of(m), {.n_seq_max = m.params().n_seq_max});
 }
 
 // init_batch + apply of every ubatch; returns the rows an engine moves (per layer and tensor).

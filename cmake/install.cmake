@@ -1,15 +1,19 @@
 # Install rules of libkvcache (included by the top-level CMakeLists.txt after every target is defined).
 #
 #   <prefix>/include/kvcache/*.h                  public headers, version.h included
-#   <prefix>/<libdir>/libkvcache.{a,so*}          the library (SONAME libkvcache.so.<major>)
-#   <prefix>/<libdir>/cmake/kvcache/              find_package(kvcache CONFIG) -> kvcache::kvcache
+#   <prefix>/include/kvcache/runtime/*.h          public headers of the runtime library
+#   <prefix>/<libdir>/libkvcache.{a,so*}          the core and the C API (SONAME libkvcache.so.<major>)
+#   <prefix>/<libdir>/libkvcache_runtime.{a,so*}  the runtime library (SONAME libkvcache_runtime.so.<major>)
+#   <prefix>/<libdir>/cmake/kvcache/              find_package(kvcache CONFIG) -> kvcache::kvcache,
+#                                                 kvcache::runtime (which links kvcache::kvcache)
 #   <prefix>/<libdir>/pkgconfig/kvcache.pc        pkg-config kvcache (--static for libkvcache.a)
+#   <prefix>/<libdir>/pkgconfig/kvcache-runtime.pc  pkg-config kvcache-runtime (requires kvcache)
 #   <prefix>/bin/kvcache                          the CLI (KVC_BUILD_TOOLS)
 include(CMakePackageConfigHelpers)
 
 set(kvc_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvcache)
 
-install(TARGETS kvcache EXPORT kvcacheTargets
+install(TARGETS kvcache kvcache_runtime EXPORT kvcacheTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
@@ -57,7 +61,10 @@ else()
   string(APPEND kvc_pc_libs_private " -pthread")
 endif()
 configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache.pc.in ${PROJECT_BINARY_DIR}/package/kvcache.pc @ONLY)
-install(FILES ${PROJECT_BINARY_DIR}/package/kvcache.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache-runtime.pc.in ${PROJECT_BINARY_DIR}/package/kvcache-runtime.pc
+               @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/package/kvcache.pc ${PROJECT_BINARY_DIR}/package/kvcache-runtime.pc
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 
 if(KVC_BUILD_TOOLS)
   install(TARGETS kvcache_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

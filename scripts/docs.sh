@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# API documentation (run by CI): Doxygen over include/kvcache/*.h with docs/Doxyfile, HTML into
-# KVC_DOCS_DIR (default build/docs; the pages are in KVC_DOCS_DIR/html). Fails on any Doxygen warning,
-# an undocumented public declaration included.
+# API documentation (run by CI): Doxygen over include/kvcache/*.h and include/kvcache/runtime/*.h with
+# docs/Doxyfile, HTML into KVC_DOCS_DIR (default build/docs; the pages are in KVC_DOCS_DIR/html). Fails on
+# any Doxygen warning, an undocumented public declaration included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v doxygen >/dev/null || { echo "docs: doxygen not found (scripts/install-deps.sh --ci)" >&2; exit 1; }

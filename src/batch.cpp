@@ -5,7 +5,6 @@
 
 #include <fmt/format.h>
 #include <kvcache/batch.h>
-#include <kvcache/memory.h>
 
 namespace kvc {
 
@@ -132,7 +131,7 @@ void batch_allocr::clear() {
     out_ids_.clear();
 }
 
-void batch_allocr::init(const batch& b, const memory_i* memory, const batch_options& opt) {
+void batch_allocr::init(const batch& b, const memory_positions& memory, const batch_options& opt) {
     clear();
     try {
         const auto fail = [](errc code, const std::string& msg) { throw error(code, "batch: " + msg); };
@@ -220,7 +219,7 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
         } else {
             std::vector<int64_t> next(seq_id_unq_.size());
             for (size_t k = 0; k < seq_id_unq_.size(); ++k)
-                next[k] = memory ? int64_t{memory->seq_pos_max(seq_id_unq_[k])} + 1 : 0;
+                next[k] = memory ? int64_t{memory.seq_pos_max(seq_id_unq_[k])} + 1 : 0;
             for (uint32_t i = 0; i < n; ++i) {
                 const int64_t p = next[unq(seq_ids_[i][0])];
                 if (p > std::numeric_limits<pos_t>::max())
@@ -256,8 +255,8 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
             const seq_id_t p = seq_ids_[i][0];
             for (int32_t q = 1; q < n_seq_id_[i]; ++q) {
                 const seq_id_t t = seq_ids_[i][q];
-                const pos_t tmin = memory->seq_pos_min(t), tmax = memory->seq_pos_max(t);
-                const pos_t pmin = memory->seq_pos_min(p), pmax = memory->seq_pos_max(p);
+                const pos_t tmin = memory.seq_pos_min(t), tmax = memory.seq_pos_max(t);
+                const pos_t pmin = memory.seq_pos_min(p), pmax = memory.seq_pos_max(p);
                 if (tmin != pmin || tmax != pmax)
                     fail(
                         errc::invalid_state,
@@ -292,7 +291,7 @@ void batch_allocr::init(const batch& b, const memory_i* memory, const batch_opti
             for (; at < seq_pos.size() && seq_pos[at].first == k; ++at) ++distinct;
             const seq_id_t s = seq_id_unq_[k];
             const pos_t y = seq_pos_min_[k];
-            const pos_t x = memory ? memory->seq_pos_max(s) : -1;
+            const pos_t x = memory ? memory.seq_pos_max(s) : -1;
             if (n_pos_ == 1) {
                 if (x >= 0 && int64_t{y} != int64_t{x} + 1)
                     fail(errc::invalid_state, fmt::format("seq {} starts at pos {} but the memory ends at "

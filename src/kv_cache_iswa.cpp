@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache_iswa.h>
-#include <kvcache/state.h>
 
 namespace kvc {
 

@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 #include <kvcache/kv_storage.h>
-#include <kvcache/state.h>
+#include <kvcache/io.h>
 
 #include "detail/copy.h"
 

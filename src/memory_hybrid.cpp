@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/memory_hybrid.h>
-#include <kvcache/state.h>
 
 namespace kvc {
 

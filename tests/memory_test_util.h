@@ -26,7 +26,7 @@ inline memory_context_ptr init_runs(memory_i& mem, uint32_t n_seq_max, const std
         }
     b.set_output(static_cast<int32_t>(n) - 1, true);
     batch_allocr a;
-    a.init(b.view(), &mem, {.n_seq_max = n_seq_max});
+    a.init(b.view(), positions_of(mem), {.n_seq_max = n_seq_max});
     return mem.init_batch(a, n_ubatch, false);
 }
 

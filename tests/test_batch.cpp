@@ -96,12 +96,12 @@ TEST(batch_allocr, empty_memory_fills_positions_sequence_and_last_output) {
     test_batch t{.tokens = {5, 6, 7}};
     batch_allocr a;
     fake_memory mem;
-    a.init(t.view(), &mem, {});
+    a.init(t.view(), positions_of(mem), {});
     EXPECT_EQ(positions(a), (std::vector<pos_t>{0, 1, 2}));
     EXPECT_EQ(outputs(a), (std::vector<int>{0, 0, 1}));
     EXPECT_EQ(a.seq_ids(1)[0], 0);
     EXPECT_EQ(a.get_n_outputs(), 1u);
-    a.init(t.view(), &mem, {.output_all = true});
+    a.init(t.view(), positions_of(mem), {.output_all = true});
     EXPECT_EQ(outputs(a), (std::vector<int>{1, 1, 1}));
 }
 
@@ -110,7 +110,7 @@ TEST(batch_allocr, automatic_positions_continue_each_sequence_from_the_memory) {
     mem.ranges[0] = {0, 9};
     test_batch t{.tokens = {1, 2, 3, 4}, .seqs = {{0}, {1}, {0}, {1}}};
     batch_allocr a;
-    a.init(t.view(), &mem, {.n_seq_max = 2});
+    a.init(t.view(), positions_of(mem), {.n_seq_max = 2});
     EXPECT_EQ(positions(a), (std::vector<pos_t>{10, 0, 11, 1}));
 }
 
@@ -118,7 +118,7 @@ TEST(batch_allocr, shared_token_resynchronises_its_sequences) {
     fake_memory mem;
     test_batch t{.tokens = {1, 2, 3}, .seqs = {{0, 1}, {0}, {1}}};
     batch_allocr a;
-    a.init(t.view(), &mem, {.n_seq_max = 2});
+    a.init(t.view(), positions_of(mem), {.n_seq_max = 2});
     EXPECT_EQ(positions(a), (std::vector<pos_t>{0, 1, 1}));
     EXPECT_TRUE(a.has_coupled());
 }
@@ -129,7 +129,7 @@ TEST(batch_allocr, positions_against_the_memory) {
     batch_allocr a;
     const auto try_pos = [&](std::vector<pos_t> p) {
         test_batch t{.tokens = std::vector<token_t>(p.size(), 1), .pos = std::move(p)};
-        a.init(t.view(), &mem, {});
+        a.init(t.view(), positions_of(mem), {});
     };
     EXPECT_NO_THROW(try_pos({10, 10, 11}));  // duplicates allowed
     try {
@@ -165,7 +165,7 @@ TEST(batch_allocr, mrope_positions_must_move_forward) {
     batch_allocr a;
     test_batch tok{.tokens = {1, 2}, .pos = {8, 9}};
     try {
-        a.init(tok.view(), &mem, {.n_pos = 4});
+        a.init(tok.view(), positions_of(mem), {.n_pos = 4});
         FAIL();
     } catch (const error& e) {
         EXPECT_STREQ(e.what(),
@@ -173,18 +173,18 @@ TEST(batch_allocr, mrope_positions_must_move_forward) {
                      "after it");
     }
     tok.pos = {20, 21};  // jumps are fine for M-RoPE
-    EXPECT_NO_THROW(a.init(tok.view(), &mem, {.n_pos = 4}));
+    EXPECT_NO_THROW(a.init(tok.view(), positions_of(mem), {.n_pos = 4}));
     EXPECT_EQ(a.pos(1, 3), 21) << "token positions are broadcast to every section";
 
     // embeddings: 4 sections x 2 tokens, may start at the memory's last position (image chunks)
     test_batch emb{.embd = {0, 0, 0, 0}, .pos = {8, 8, 1, 2, 3, 4, 0, 0}};
-    EXPECT_NO_THROW(a.init(emb.view(), &mem, {.n_embd = 2, .n_pos = 4}));
+    EXPECT_NO_THROW(a.init(emb.view(), positions_of(mem), {.n_embd = 2, .n_pos = 4}));
     EXPECT_EQ(a.pos(1, 2), 4);
     emb.pos = {7, 8, 1, 2, 3, 4, 0, 0};
-    EXPECT_THROW(a.init(emb.view(), &mem, {.n_embd = 2, .n_pos = 4}), error);
+    EXPECT_THROW(a.init(emb.view(), positions_of(mem), {.n_embd = 2, .n_pos = 4}), error);
     emb.pos.clear();
     try {
-        a.init(emb.view(), &mem, {.n_embd = 2, .n_pos = 4});
+        a.init(emb.view(), positions_of(mem), {.n_embd = 2, .n_pos = 4});
         FAIL();
     } catch (const error& e) {
         EXPECT_STREQ(e.what(),
@@ -200,7 +200,7 @@ TEST(batch_allocr, coupled_sequences_must_not_have_diverged) {
     test_batch t{.tokens = {1}, .pos = {6}, .seqs = {{0, 1}}};
     batch_allocr a;
     try {
-        a.init(t.view(), &mem, {.n_seq_max = 2});
+        a.init(t.view(), positions_of(mem), {.n_seq_max = 2});
         FAIL();
     } catch (const error& e) {
         EXPECT_STREQ(e.what(),
@@ -208,14 +208,14 @@ TEST(batch_allocr, coupled_sequences_must_not_have_diverged) {
                      "[0, 3], seq 0: [0, 5])");
     }
     mem.ranges[1] = {0, 5};
-    EXPECT_NO_THROW(a.init(t.view(), &mem, {.n_seq_max = 2}));
+    EXPECT_NO_THROW(a.init(t.view(), positions_of(mem), {.n_seq_max = 2}));
 }
 
 TEST(batch_allocr, all_outputs_override_warns) {
     test_batch t{.tokens = {1, 2}, .logits = {0, 0}};
     batch_allocr a;
     testing::internal::CaptureStderr();
-    a.init(t.view(), nullptr, {.output_all = true});
+    a.init(t.view(), {}, {.output_all = true});
     const std::string err = testing::internal::GetCapturedStderr();
     EXPECT_NE(err.find("marking all as outputs"), std::string::npos);
     EXPECT_EQ(outputs(a), (std::vector<int>{1, 1}));
@@ -283,7 +283,7 @@ TEST(batch_allocr, each_rejection_names_the_token_and_values) {
         r.make(t, opt);
         batch_allocr a;
         try {
-            a.init(t.view(), nullptr, opt);
+            a.init(t.view(), {}, opt);
             ADD_FAILURE() << r.name << ": accepted";
         } catch (const error& e) {
             EXPECT_STREQ(e.what(), r.message) << r.name;
@@ -301,7 +301,7 @@ TEST(batch_allocr, half_given_sequence_arrays_are_rejected) {
     b.n_seq_id = counts.data();
     batch_allocr a;
     try {
-        a.init(b, nullptr, {});
+        a.init(b, {}, {});
         FAIL();
     } catch (const error& e) {
         EXPECT_STREQ(e.what(), "batch: n_seq_id is set but seq_id is null; give both or neither");
@@ -310,7 +310,7 @@ TEST(batch_allocr, half_given_sequence_arrays_are_rejected) {
     const seq_id_t* rows[] = {&zero, nullptr};
     b.seq_id = rows;
     try {
-        a.init(b, nullptr, {});
+        a.init(b, {}, {});
         FAIL();
     } catch (const error& e) {
         EXPECT_STREQ(e.what(), "batch: seq_id[1] is null");
@@ -326,7 +326,7 @@ std::vector<int32_t> idx_of(const ubatch& u) {
 TEST(split, simple_cuts_consecutive_chunks) {
     test_batch t{.tokens = {1, 2, 3, 4, 5}, .seqs = {{0}, {1}, {0}, {1}, {0}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 2});
+    a.init(t.view(), {}, {.n_seq_max = 2});
     const ubatch u1 = a.split_simple(2);
     EXPECT_EQ(idx_of(u1), (std::vector<int32_t>{0, 1}));
     EXPECT_FALSE(u1.equal_seqs);
@@ -344,7 +344,7 @@ TEST(split, equal_sequential_worked_example) {
     // spec batch-recurrent §3.11: [A0 A1 A2 B0 B1 C0], n_ubatch = 4
     test_batch t{.tokens = {1, 2, 3, 4, 5, 6}, .seqs = {{0}, {0}, {0}, {1}, {1}, {2}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 3, .output_all = true});
+    a.init(t.view(), {}, {.n_seq_max = 3, .output_all = true});
     const ubatch u1 = a.split_equal(4, true);
     EXPECT_EQ(idx_of(u1), (std::vector<int32_t>{0, 3, 5}));
     EXPECT_EQ(u1.n_seqs, 3u);
@@ -364,7 +364,7 @@ TEST(split, equal_never_exceeds_n_ubatch) {
     // decision 14: five single-token sequences, n_ubatch = 4 -> 4 + 1 (upstream could make 5)
     test_batch t{.tokens = {1, 2, 3, 4, 5}, .seqs = {{0}, {1}, {2}, {3}, {4}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 5});
+    a.init(t.view(), {}, {.n_seq_max = 5});
     EXPECT_EQ(a.split_equal(4, false).n_tokens, 4u);
     EXPECT_EQ(a.split_equal(4, false).n_tokens, 1u);
 }
@@ -373,7 +373,7 @@ TEST(split, equal_rounds_are_lock_step) {
     // two sequences of 3 tokens, n_ubatch 4 -> 2 rounds of 2 sequences, then the rest
     test_batch t{.tokens = {1, 2, 3, 4, 5, 6}, .seqs = {{0}, {1}, {0}, {1}, {0}, {1}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 2});
+    a.init(t.view(), {}, {.n_seq_max = 2});
     const ubatch u = a.split_equal(4, true);
     EXPECT_EQ(idx_of(u), (std::vector<int32_t>{0, 2, 1, 3}));  // block of seq 0, then block of seq 1
     EXPECT_EQ(u.n_seq_tokens, 2u);
@@ -383,7 +383,7 @@ TEST(split, equal_rounds_are_lock_step) {
 TEST(split, sequential_equal_refuses_coupled_sequences) {
     test_batch t{.tokens = {1, 2}, .seqs = {{0, 1}, {0}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 2});
+    a.init(t.view(), {}, {.n_seq_max = 2});
     testing::internal::CaptureStderr();
     EXPECT_TRUE(a.split_equal(8, true).empty());
     EXPECT_NE(testing::internal::GetCapturedStderr().find("sequential split"), std::string::npos);
@@ -396,7 +396,7 @@ TEST(split, equal_keeps_sequence_order_when_sets_interleave) {
     // seq 0 sees {0,1}, {0}, {0,1}: taking both {0,1} tokens together would run token 2 before token 1
     test_batch t{.tokens = {1, 2, 3}, .pos = {0, 1, 1}, .seqs = {{0, 1}, {0}, {0, 1}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 2});
+    a.init(t.view(), {}, {.n_seq_max = 2});
     EXPECT_EQ(idx_of(a.split_equal(8, false)), (std::vector<int32_t>{0}));
     EXPECT_EQ(idx_of(a.split_equal(8, false)), (std::vector<int32_t>{1}));
     EXPECT_EQ(idx_of(a.split_equal(8, false)), (std::vector<int32_t>{2}));
@@ -414,7 +414,7 @@ std::vector<uint32_t> equal_sizes(batch_allocr& a, uint32_t n_ubatch, bool seque
 TEST(split, equal_keep_tail_takes_fewer_rounds_before_the_tail) {
     test_batch t{.tokens = std::vector<token_t>(10, 1)};
     batch_allocr a;
-    a.init(t.view(), nullptr, {});
+    a.init(t.view(), {}, {});
     EXPECT_EQ(equal_sizes(a, 4, true, 0), (std::vector<uint32_t>{4, 4, 2}));  // today's split
     a.split_reset();
     EXPECT_EQ(equal_sizes(a, 4, true, 3), (std::vector<uint32_t>{4, 3, 3}));
@@ -427,7 +427,7 @@ TEST(split, equal_keep_tail_leaves_out_sets_that_would_split_a_tail) {
     // rounds would split seq 0's tail, so seq 0 goes alone
     test_batch t{.tokens = std::vector<token_t>(8, 1), .seqs = {{0}, {1}, {0}, {1}, {0}, {1}, {1}, {1}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 2});
+    a.init(t.view(), {}, {.n_seq_max = 2});
     const ubatch u1 = a.split_equal(16, true, 3);
     EXPECT_EQ(idx_of(u1), (std::vector<int32_t>{0, 2, 4}));
     EXPECT_EQ(idx_of(a.split_equal(16, true, 3)), (std::vector<int32_t>{1, 3, 5, 6, 7}));
@@ -439,14 +439,14 @@ TEST(split, equal_keep_tail_leaves_out_sets_that_would_split_a_tail) {
 TEST(split, equal_keep_tail_yields_to_n_ubatch) {
     test_batch t{.tokens = std::vector<token_t>(5, 1)};
     batch_allocr a;
-    a.init(t.view(), nullptr, {});
+    a.init(t.view(), {}, {});
     EXPECT_EQ(equal_sizes(a, 2, true, 5), (std::vector<uint32_t>{2, 2, 1}));  // decision 14 wins
 }
 
 TEST(split, seq_takes_one_sequence_set_at_a_time) {
     test_batch t{.tokens = {1, 2, 3, 4, 5}, .pos = {0, 1, 1, 2, 3}, .seqs = {{0}, {1}, {0}, {0, 1}, {1}}};
     batch_allocr a;
-    a.init(t.view(), nullptr, {.n_seq_max = 2});
+    a.init(t.view(), {}, {.n_seq_max = 2});
     const ubatch u1 = a.split_seq(8);
     EXPECT_EQ(idx_of(u1), (std::vector<int32_t>{0, 2}));  // stops before the shared token 3
     EXPECT_EQ(u1.n_seqs, 1u);
@@ -504,7 +504,7 @@ TEST(split_property, every_split_reassembles_the_batch_in_sequence_order) {
     for (int iter = 0; iter < 3000; ++iter) {
         random_case rc = random_batch(rng, iter % 2 == 0);
         batch_allocr a;
-        a.init(rc.t.view(), nullptr, {.n_seq_max = rc.n_seq_max, .n_vocab = 100});
+        a.init(rc.t.view(), {}, {.n_seq_max = rc.n_seq_max, .n_vocab = 100});
         const uint32_t n_ubatch = 1 + rng() % 12;
         for (int strategy = 0; strategy < 4; ++strategy) {
             a.split_reset();
@@ -591,7 +591,7 @@ TEST(split_property, equal_keep_tail_keeps_each_sequences_last_tokens_together) 
     for (int iter = 0; iter < 3000; ++iter) {
         random_case rc = random_batch(rng, false);
         batch_allocr a;
-        a.init(rc.t.view(), nullptr, {.n_seq_max = rc.n_seq_max});
+        a.init(rc.t.view(), {}, {.n_seq_max = rc.n_seq_max});
         const uint32_t n_ubatch = 1 + rng() % 12, keep = rng() % 6;
         const bool sequential = rng() % 2;
         std::vector<int> ubatch_of(a.get_n_tokens(), -1);
@@ -628,7 +628,7 @@ TEST(batch_storage, owns_arrays_and_checks_capacity) {
     EXPECT_EQ(b.n_tokens, 2);
     EXPECT_EQ(b.seq_id[0][1], 2);
     batch_allocr a;
-    a.init(b, nullptr, {.n_seq_max = 3});
+    a.init(b, {}, {.n_seq_max = 3});
     EXPECT_EQ(outputs(a), (std::vector<int>{0, 1}));
     s.clear();
     EXPECT_EQ(s.size(), 0);
@@ -644,7 +644,7 @@ TEST(batch_storage, get_one_is_a_view) {
     fake_memory mem;
     mem.ranges[0] = {0, 4};
     batch_allocr a;
-    a.init(b, &mem, {});
+    a.init(b, positions_of(mem), {});
     EXPECT_EQ(positions(a), (std::vector<pos_t>{5, 6, 7}));
 }
 

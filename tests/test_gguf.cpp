@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <kvcache/gguf.h>
+#include <kvcache/runtime/gguf.h>
 #include <kvcache/state.h>
 
 namespace kvc {

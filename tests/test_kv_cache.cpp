@@ -159,7 +159,7 @@ TEST(kv_cache, a_batch_that_does_not_fit_changes_nothing) {
     kv_cache c(small_params(8, 2));
     batch_allocr a;
     const auto t6 = tokens(6);
-    a.init(batch::get_one(t6), &c, {.n_seq_max = 2});
+    a.init(batch::get_one(t6), positions_of(c), {.n_seq_max = 2});
     auto ctx = c.init_batch(a, 4, false);
     ASSERT_EQ(ctx->get_status(), memory_status::success);
     EXPECT_EQ(c.cells(0).get_used(), 0u) << "creating a context changes nothing";
@@ -168,7 +168,7 @@ TEST(kv_cache, a_batch_that_does_not_fit_changes_nothing) {
     EXPECT_EQ(c.seq_pos_max(0), 5);
     const std::string before = c.cells(0).picture();
     const uint32_t head = c.head(0);
-    a.init(batch::get_one(tokens(3)), &c, {.n_seq_max = 2});  // 6 + 3 > 8
+    a.init(batch::get_one(tokens(3)), positions_of(c), {.n_seq_max = 2});  // 6 + 3 > 8
     auto fail = c.init_batch(a, 4, false);
     EXPECT_EQ(fail->get_status(), memory_status::failed_prepare);
     EXPECT_EQ(c.cells(0).picture(), before);
@@ -181,7 +181,7 @@ TEST(kv_cache, context_applies_each_ubatch_once_and_reports_n_kv) {
     kv_cache c(p);
     batch_allocr a;
     const auto t = tokens(10);
-    a.init(batch::get_one(t), &c, {});
+    a.init(batch::get_one(t), positions_of(c), {});
     auto base = c.init_batch(a, 4, false);
     kv_cache_context* ctx = base->get_attn(0);
     ASSERT_NE(ctx, nullptr);
@@ -213,7 +213,7 @@ TEST(kv_cache, seq_ids_beyond_the_cache_are_errors) {
     batch b = batch::get_one(t);
     b.seq_id = rows;
     b.n_seq_id = &one;
-    a.init(b, nullptr, {.n_seq_max = 4});  // the allocator was told 4 sequences, the cache has 2
+    a.init(b, {}, {.n_seq_max = 4});  // the allocator was told 4 sequences, the cache has 2
     EXPECT_THROW(c.init_batch(a, 8, false), error);
     EXPECT_THROW(c.seq_rm(2, -1, -1), error);
     EXPECT_THROW(c.seq_cp(0, 2, -1, -1), error);
@@ -291,7 +291,7 @@ TEST(kv_cache, one_stream_per_sequence) {
     batch b = batch::get_one(t);
     b.seq_id = rows;
     b.n_seq_id = ones;
-    a.init(b, &c, {.n_seq_max = 2});
+    a.init(b, positions_of(c), {.n_seq_max = 2});
     auto base = c.init_batch(a, 8, false);
     ASSERT_EQ(base->get_status(), memory_status::success);
     kv_cache_context& ctx = *base->get_attn(0);

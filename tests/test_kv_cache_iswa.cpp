@@ -119,7 +119,7 @@ TEST(kv_cache_iswa, children_get_their_own_masks) {
     const seq_id_t ids[] = {0};
     b.add(1, 10, ids, true);
     batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = 1});
+    a.init(b.view(), positions_of(m), {.n_seq_max = 1});
     memory_context_ptr ctx = m.init_batch(a, 512, false);
     auto& ic = dynamic_cast<kv_cache_iswa_context&>(*ctx);
     ic.apply();

@@ -128,7 +128,7 @@ TEST(kv_cache_property, sequences_see_what_a_simple_model_says) {
                     b.add(1, next[q]++, std::vector<seq_id_t>{q}, false);
                 }
                 batch_allocr a;
-                a.init(b.view(), &c, {.n_seq_max = n_seq});
+                a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
                 auto ctx = c.init_batch(a, 4, false);
                 if (!is_fail(ctx->get_status())) {
                     kv_cache_context& kc = *ctx->get_attn(0);

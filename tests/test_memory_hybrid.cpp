@@ -385,7 +385,7 @@ TEST(memory_hybrid_property, parts_stay_in_step_with_an_oracle_of_token_lists) {
                     }
                 }
                 batch_allocr a;
-                a.init(b.view(), &m, {.n_seq_max = n_seq});
+                a.init(b.view(), positions_of(m), {.n_seq_max = n_seq});
                 memory_context_ptr ctx = m.init_batch(a, 3, false);  // small ubatches: several per batch
                 ASSERT_EQ(ctx->get_status(), memory_status::success);
                 do {

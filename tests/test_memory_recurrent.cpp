@@ -178,7 +178,7 @@ int decode(memory_recurrent& m, const std::vector<std::pair<seq_id_t, pos_t>>& t
         b.add(1, p, ids, false);
     }
     batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = m.params().n_seq_max});
+    a.init(b.view(), positions_of(m), {.n_seq_max = m.params().n_seq_max});
     auto ctx = m.init_batch(a, n_ubatch, embd_all);
     if (is_fail(ctx->get_status())) return -1;
     memory_recurrent_context& rc = *ctx->get_recr();
@@ -474,7 +474,7 @@ TEST(memory_recurrent, init_batch_splits_sequentially_and_refuses_shared_tokens)
     b.add(1, 1, both, true);
     b.add(1, 2, both, true);
     batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = 4});
+    a.init(b.view(), positions_of(m), {.n_seq_max = 4});
     testing::internal::CaptureStderr();
     auto ctx = m.init_batch(a, 8, false);
     testing::internal::GetCapturedStderr();
@@ -494,8 +494,8 @@ TEST(memory_recurrent, init_batch_rejects_sequence_ids_beyond_its_cells) {
     b.add(1, 0, s, true);
     batch_allocr a;
     // the engine allows more sequences than the memory has cells: the allocator's position query fails
-    EXPECT_THROW(a.init(b.view(), &m, {.n_seq_max = 8}), error);
-    a.init(b.view(), nullptr, {.n_seq_max = 8});  // and so does init_batch, for a batch checked without it
+    EXPECT_THROW(a.init(b.view(), positions_of(m), {.n_seq_max = 8}), error);
+    a.init(b.view(), {}, {.n_seq_max = 8});  // and so does init_batch, for a batch checked without it
     EXPECT_THROW((void)m.init_batch(a, 8, false), error);
     EXPECT_EQ(m.get_used(), 0u);
 }
@@ -506,7 +506,7 @@ TEST(memory_recurrent, init_batch_keeps_the_rollback_tail_in_one_ubatch) {
     const seq_id_t s[] = {0};
     for (pos_t p = 0; p < 10; ++p) b.add(1, p, s, false);
     batch_allocr a;
-    a.init(b.view(), &m, {});
+    a.init(b.view(), positions_of(m), {});
     auto ctx = m.init_batch(a, 4, false);
     ASSERT_EQ(ctx->get_status(), memory_status::success);
     memory_recurrent_context& rc = *ctx->get_recr();
@@ -543,7 +543,7 @@ TEST(memory_recurrent, context_inputs_need_apply_and_apply_runs_once) {
     b.add(1, 0, s0, false);
     b.add(1, 0, s1, true);
     batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = 2});
+    a.init(b.view(), positions_of(m), {.n_seq_max = 2});
     auto ctx = m.init_batch(a, 1, false);  // two ubatches of one token
     memory_recurrent_context& rc = *ctx->get_recr();
     EXPECT_EQ(rc.n_ubatches(), 2u);

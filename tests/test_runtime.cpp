@@ -11,10 +11,10 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
-#include <kvcache/tiny_model.h>
 
 namespace kvc {
 namespace {

@@ -277,7 +277,7 @@ void fill(memory_i& m, seq_id_t s, pos_t p0, uint32_t n, uint32_t n_seq_max) {
     }
     b.set_output(static_cast<int32_t>(n) - 1, true);
     batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = n_seq_max});
+    a.init(b.view(), positions_of(m), {.n_seq_max = n_seq_max});
     memory_context_ptr ctx = m.init_batch(a, 512, false);
     ASSERT_FALSE(is_fail(ctx->get_status()));
     do ctx->apply();

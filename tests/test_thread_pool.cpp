@@ -3,7 +3,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-#include <kvcache/thread_pool.h>
+#include <kvcache/runtime/thread_pool.h>
 
 namespace kvc {
 namespace {

@@ -11,9 +11,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvcache/dtype.h>
-#include <kvcache/gguf.h>
+#include <kvcache/runtime/gguf.h>
+#include <kvcache/runtime/tiny_model.h>
 #include <kvcache/state.h>
-#include <kvcache/tiny_model.h>
 
 namespace kvc {
 namespace {

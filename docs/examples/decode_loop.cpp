@@ -81,7 +81,8 @@ std::vector<float> attend_direct(const std::vector<entry>& hist, kvc::pos_t pos,
 void decode(kvc::kv_cache& cache, const kvc::batch& b, std::vector<std::vector<entry>>& hist) {
     if (auto up = cache.init_update(false); up->get_status() == kvc::memory_status::success) up->apply();
     kvc::batch_allocr balloc;
-    balloc.init(b, &cache, {.n_seq_max = cache.params().n_seq_max, .n_vocab = 1000});  // throws if invalid
+    balloc.init(b, kvc::positions_of(cache),
+                {.n_seq_max = cache.params().n_seq_max, .n_vocab = 1000});  // throws if invalid
     kvc::memory_context_ptr ctx = cache.init_batch(balloc, /*n_ubatch=*/4, /*embd_all=*/false);
     if (kvc::is_fail(ctx->get_status())) throw kvc::error(kvc::errc::invalid_state, "no room");
     do {

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
-#include <kvcache/tiny_model.h>
 
 namespace fs = std::filesystem;
 

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include <kvcache/runtime.h>
-#include <kvcache/tiny_model.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
 
 namespace {
 

@@ -37,7 +37,7 @@ float value(kvc::seq_id_t seq, kvc::pos_t pos, uint32_t il, uint32_t e, bool is_
 // Decodes one batch: validates it, places every ubatch and writes each token's K/V rows.
 bool decode(kvc::kv_cache& cache, const kvc::batch_storage& b, uint32_t n_seq_max) {
     kvc::batch_allocr balloc;
-    balloc.init(b.view(), &cache, {.n_seq_max = n_seq_max});
+    balloc.init(b.view(), kvc::positions_of(cache), {.n_seq_max = n_seq_max});
     kvc::memory_context_ptr ctx = cache.init_batch(balloc, /*n_ubatch=*/4, /*embd_all=*/false);
     if (kvc::is_fail(ctx->get_status())) return false;  // no room: the cache is unchanged
     do {

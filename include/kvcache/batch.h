@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
@@ -20,7 +21,6 @@
 
 namespace kvc {
 
-class memory_i;
 class batch_storage;
 
 /// The caller's input. All arrays have n_tokens entries unless noted; null optional arrays are filled in
@@ -122,13 +122,37 @@ struct batch_options {
     bool output_all = false;  ///< every token is an output (embeddings / pooling mode)
 };
 
+/// The memory a batch continues, as batch_allocr::init sees it: the first and the last position it holds
+/// of each sequence, -1 when it holds none (memory_i::seq_pos_min / seq_pos_max). Empty (`{}`): no
+/// memory, so positions start at 0 and nothing is checked against a stored history.
+struct memory_positions {
+    std::function<pos_t(seq_id_t)> seq_pos_min;  ///< first stored position of seq s, -1 if none
+    std::function<pos_t(seq_id_t)> seq_pos_max;  ///< last stored position of seq s, -1 if none
+    /// A memory is given (both functions are set).
+    explicit operator bool() const { return seq_pos_min && seq_pos_max; }
+};
+
+/// The memory_positions of a memory (a memory_i, or anything with seq_pos_min / seq_pos_max), borrowed:
+/// `mem` must outlive the result.
+template <class Memory>
+memory_positions positions_of(const Memory& mem) {
+    return {[&mem](seq_id_t s) -> pos_t { return mem.seq_pos_min(s); },
+            [&mem](seq_id_t s) -> pos_t { return mem.seq_pos_max(s); }};
+}
+
+/// The same through a pointer; null gives `{}` (no memory).
+template <class Memory>
+memory_positions positions_of(Memory* mem) {
+    return mem ? positions_of(*mem) : memory_positions{};
+}
+
 /// Validates a batch, fills in what the caller left out, and cuts it into ubatches.
 class batch_allocr {
 public:
-    /// Validates b against opt and the memory's contents (may be null: no memory), fills positions,
+    /// Validates b against opt and the memory's contents (`{}`: no memory), fills positions,
     /// sequence ids and output flags, and resets the split state. Throws kvc::error naming the token and
     /// the values on the first rule broken; the allocator then holds no batch. Never changes the memory.
-    void init(const batch& b, const memory_i* memory, const batch_options& opt);
+    void init(const batch& b, const memory_positions& memory, const batch_options& opt);
 
     // -- the validated batch --
     uint32_t get_n_tokens() const { return n_tokens_; }    ///< tokens of the batch

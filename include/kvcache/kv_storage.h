@@ -24,12 +24,11 @@
 
 #include <kvcache/dtype.h>
 #include <kvcache/executor.h>
+#include <kvcache/io.h>
 #include <kvcache/ops.h>
 #include <kvcache/tensor.h>
 
 namespace kvc {
-
-class io_write_i;  // state.h
 
 /// The shape of one layer's rows.
 struct kv_storage_layer {

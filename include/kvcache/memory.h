@@ -31,14 +31,13 @@
 #include <vector>
 
 #include <kvcache/dtype.h>
+#include <kvcache/io.h>
 #include <kvcache/types.h>
 
 namespace kvc {
 
 struct ubatch;                   // batch.h
 class batch_allocr;              // batch.h
-class io_write_i;                // state.h
-class io_read_i;                 // state.h
 class kv_cache_context;          // kv_cache.h
 class memory_recurrent_context;  // memory_recurrent.h
 

@@ -788,7 +788,7 @@ kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch, uint32
         opt.n_embd = b.n_embd;
         opt.n_pos = m.n_pos;
         opt.output_all = embd_all;
-        c->balloc.init(b.view(), m.mem.get(), opt);
+        c->balloc.init(b.view(), positions_of(m.mem.get()), opt);
         kvc::memory_context_ptr ctx = m.mem->init_batch(c->balloc, n_ubatch, embd_all);
         *out = new_context(m, kvc_memory_context::purpose::batch, std::move(ctx), std::move(c));
     });

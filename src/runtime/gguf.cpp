@@ -1,5 +1,5 @@
-// GGUF reader and writer (include/kvcache/gguf.h). The reader never trusts a count, length or offset
-// before checking it against the bytes that remain, so a malformed file costs at most a few small
+// GGUF reader and writer (include/kvcache/runtime/gguf.h). The reader never trusts a count, length or
+// offset before checking it against the bytes that remain, so a malformed file costs at most a few small
 // allocations bounded by the file size and ends in kvc::error.
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -18,7 +18,7 @@
 #include <utility>
 
 #include <fmt/format.h>
-#include <kvcache/gguf.h>
+#include <kvcache/runtime/gguf.h>
 #include <kvcache/state.h>
 
 namespace kvc {

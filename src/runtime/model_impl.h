@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include <kvcache/gguf.h>
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/gguf.h>
+#include <kvcache/runtime/runtime.h>
 
 namespace kvc::rt {
 

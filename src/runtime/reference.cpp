@@ -69,7 +69,7 @@ decode_result reference_memory::decode(const batch& b) {
         with_pos.pos = pos.data();
     }
     batch_allocr balloc;
-    balloc.init(with_pos, nullptr, {.n_seq_max = p_->n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
+    balloc.init(with_pos, {}, {.n_seq_max = p_->n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
     const size_t hd = hp.n_embd_head, e_kv = size_t{hp.n_head_kv} * hd;
     const uint32_t group = hp.n_head / hp.n_head_kv;
     decode_result res;

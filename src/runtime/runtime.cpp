@@ -183,7 +183,8 @@ decode_result runtime::decode(const batch& b) {
     if (auto up = mem_->init_update(false); up->get_status() == memory_status::success) up->apply();
 
     batch_allocr balloc;
-    balloc.init(b, mem_, {.n_seq_max = base.params().n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
+    balloc.init(b, positions_of(mem_),
+                {.n_seq_max = base.params().n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
     decode_result res;
     auto ctx = mem_->init_batch(balloc, params_.n_ubatch, false);
     if (is_fail(ctx->get_status())) {

@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <exception>
 
-#include <kvcache/thread_pool.h>
+#include <kvcache/runtime/thread_pool.h>
 
 namespace kvc {
 

@@ -1,12 +1,12 @@
-// The tiny llama model (include/kvcache/tiny_model.h). Everything mirrors
+// The tiny llama model (include/kvcache/runtime/tiny_model.h). Everything mirrors
 // /work/shared/tools/llama-peer/make_tiny_llama.py step for step (metadata order, PRNG, scales and
 // the double arithmetic before the f32 store), so the default options give the same bytes.
 #include <cmath>
 #include <cstring>
 
 #include <fmt/format.h>
-#include <kvcache/gguf.h>
-#include <kvcache/tiny_model.h>
+#include <kvcache/runtime/gguf.h>
+#include <kvcache/runtime/tiny_model.h>
 
 namespace kvc {
 

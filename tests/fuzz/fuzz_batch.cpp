@@ -117,7 +117,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
     kvc::batch_allocr a;
     try {
-        a.init(b, (flags & 0x40) ? &mem : nullptr, opt);
+        a.init(b, (flags & 0x40) ? kvc::positions_of(mem) : kvc::memory_positions{}, opt);
     } catch (const kvc::error&) {
         check(a.get_n_tokens() == 0);
         return 0;

@@ -3,8 +3,8 @@
 // lets a tensor point outside the bytes), and its lookups must agree with its lists.
 #include <variant>
 
-#include <kvcache/gguf.h>
-#include <kvcache/tiny_model.h>
+#include <kvcache/runtime/gguf.h>
+#include <kvcache/runtime/tiny_model.h>
 
 #include "fuzz_caches.h"
 

@@ -54,7 +54,7 @@ void decode(memory_i& m, uint32_t n_seq_max, const std::vector<std::pair<seq_id_
         b.add(1, p, ids, false);
     }
     batch_allocr a;
-    a.init(b.view(), &m, {.n_seq_max = n_seq_max});
+    a.init(b.view(), positions_of(m), {.n_seq_max = n_seq_max});
     const auto ctx = m.init_batch(a, 512, false);
     check(ctx->get_status() == memory_status::success);
     do {

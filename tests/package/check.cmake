@@ -1,7 +1,9 @@
 # ctest package.examples: installs the build into a temporary prefix and builds the examples against
 # it the way a user would, then runs them (each must exit 0).
-#   examples/cpp  CMake, find_package(kvcache CONFIG) with CMAKE_PREFIX_PATH=<prefix>
+#   examples/cpp  CMake, find_package(kvcache CONFIG) with CMAKE_PREFIX_PATH=<prefix>: kvcache::kvcache
+#                 (main.cpp) and kvcache::runtime (runtime.cpp)
 #   examples/c    cc $(pkg-config --cflags kvcache) main.c $(pkg-config --libs --static kvcache)
+#   examples/cpp/runtime.cpp  c++ $(pkg-config --cflags kvcache-runtime) ... --libs --static kvcache-runtime
 # Run with cmake -P and -D: BUILD_DIR SOURCE_DIR LIBDIR GENERATOR MAKE_PROGRAM CXX CC PKG_CONFIG, and
 # optionally LINK_FLAGS (e.g. the sanitizer runtime of a KVC_SANITIZE build) and CXX_FLAGS.
 # Works in a fresh directory under BUILD_DIR/package-test, removed afterwards (KEEP=1 keeps it).
@@ -45,8 +47,9 @@ function(step name)
 endfunction()
 
 step("cmake --install" ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${prefix}")
-foreach(f "include/kvcache/kv_cache.h" "include/kvcache/version.h" "${LIBDIR}/cmake/kvcache/kvcacheConfig.cmake"
-          "${LIBDIR}/cmake/kvcache/kvcacheConfigVersion.cmake" "${LIBDIR}/pkgconfig/kvcache.pc")
+foreach(f "include/kvcache/kv_cache.h" "include/kvcache/version.h" "include/kvcache/runtime/runtime.h"
+          "${LIBDIR}/cmake/kvcache/kvcacheConfig.cmake" "${LIBDIR}/cmake/kvcache/kvcacheConfigVersion.cmake"
+          "${LIBDIR}/pkgconfig/kvcache.pc" "${LIBDIR}/pkgconfig/kvcache-runtime.pc")
   if(NOT EXISTS "${prefix}/${f}")
     cleanup()
     message(FATAL_ERROR "package check: ${f} not installed")
@@ -64,9 +67,14 @@ step("configure examples/cpp" ${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/cpp" -
 step("build examples/cpp" ${CMAKE_COMMAND} --build "${work}/cpp")
 step("run examples/cpp" "${work}/cpp/kvcache_example")
 message("${step_output}")
+step("run examples/cpp runtime" "${work}/cpp/kvcache_example_runtime")
+message("${step_output}")
 
 # C: pkg-config, static link flags
 set(ENV{PKG_CONFIG_PATH} "${prefix}/${LIBDIR}/pkgconfig")
+# Programs linked by hand with pkg-config's flags have no run path: with a shared build (KVC_BUILD_SHARED)
+# they find libkvcache.so.0 in the prefix as a user's would, through the loader's path.
+set(ENV{LD_LIBRARY_PATH} "${prefix}/${LIBDIR}:$ENV{LD_LIBRARY_PATH}")
 step("pkg-config --cflags" "${PKG_CONFIG}" --cflags kvcache)
 separate_arguments(cflags UNIX_COMMAND "${step_output}")
 step("pkg-config --libs --static" "${PKG_CONFIG}" --libs --static kvcache)
@@ -76,6 +84,17 @@ separate_arguments(link_flags UNIX_COMMAND "${LINK_FLAGS}")
 step("build examples/c" "${CC}" -std=c11 ${c_flags} ${cflags} "${SOURCE_DIR}/examples/c/main.c"
      -o "${work}/kvcache_example_c" ${libs} ${link_flags})
 step("run examples/c" "${work}/kvcache_example_c")
+message("${step_output}")
+
+# C++ with the runtime: pkg-config kvcache-runtime (which requires kvcache)
+step("pkg-config --cflags kvcache-runtime" "${PKG_CONFIG}" --cflags kvcache-runtime)
+separate_arguments(cflags UNIX_COMMAND "${step_output}")
+step("pkg-config --libs --static kvcache-runtime" "${PKG_CONFIG}" --libs --static kvcache-runtime)
+separate_arguments(libs UNIX_COMMAND "${step_output}")
+separate_arguments(cxx_flags UNIX_COMMAND "${CXX_FLAGS}")
+step("build examples/cpp/runtime.cpp (pkg-config)" "${CXX}" -std=c++20 -O2 ${cxx_flags} ${cflags}
+     "${SOURCE_DIR}/examples/cpp/runtime.cpp" -o "${work}/kvcache_example_runtime_pc" ${libs} ${link_flags})
+step("run examples/cpp/runtime.cpp (pkg-config)" "${work}/kvcache_example_runtime_pc")
 message("${step_output}")
 
 cleanup()

@@ -17,9 +17,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <kvcache/kv_cache.h>
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
 #include <kvcache/state.h>
-#include <kvcache/tiny_model.h>
 #include <kvcache/version.h>
 
 #include "commands.h"
@@ -198,7 +198,7 @@ private:
                     b.add(1, c.seq_pos_max(id[0]) + 1, id, true);
                 }
                 batch_allocr a;
-                a.init(b.view(), &c, {.n_seq_max = n_seq});
+                a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
                 auto ctx = c.init_batch(a, 512, false);
                 do ctx->apply();
                 while (ctx->next());

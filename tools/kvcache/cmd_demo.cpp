@@ -16,9 +16,9 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
 #include <kvcache/session.h>
-#include <kvcache/tiny_model.h>
 #include <kvcache/version.h>
 
 #include "commands.h"

@@ -20,7 +20,7 @@
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
-#include <kvcache/runtime.h>
+#include <kvcache/runtime/runtime.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
@@ -431,7 +431,7 @@ private:
         }
         batch_allocr a;
         try {
-            a.init(b.view(), mem_, {.n_seq_max = n_seq_max_});
+            a.init(b.view(), positions_of(mem_), {.n_seq_max = n_seq_max_});
         } catch (const error& e) {
             fmt::print("decode failed invalid-batch: {}\n", e.what());
             return;

@@ -4,7 +4,7 @@
 #include <string>
 
 #include <fmt/format.h>
-#include <kvcache/tiny_model.h>
+#include <kvcache/runtime/tiny_model.h>
 
 #include "commands.h"
 

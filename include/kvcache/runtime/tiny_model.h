@@ -5,6 +5,12 @@
 /// 0x5EED1234, all f32), so logits can be compared with llama.cpp on the same weights.
 #pragma once
 
+// Layer guard: this header belongs to the runtime library (kvcache_runtime). The core library and the C
+// API are built with KVC_LAYER_CORE / KVC_LAYER_CAPI and must not depend on the runtime.
+#if defined(KVC_LAYER_CORE) || defined(KVC_LAYER_CAPI)
+#error "kvcache layers: a runtime header (<kvcache/runtime/...>) included from the core library or the C API"
+#endif
+
 #include <cstdint>
 #include <string>
 #include <vector>

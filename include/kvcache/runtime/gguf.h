@@ -8,6 +8,12 @@
 /// versions other than 2 and 3 and for arrays of arrays); a malformed file never crashes the reader.
 #pragma once
 
+// Layer guard: this header belongs to the runtime library (kvcache_runtime). The core library and the C
+// API are built with KVC_LAYER_CORE / KVC_LAYER_CAPI and must not depend on the runtime.
+#if defined(KVC_LAYER_CORE) || defined(KVC_LAYER_CAPI)
+#error "kvcache layers: a runtime header (<kvcache/runtime/...>) included from the core library or the C API"
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>

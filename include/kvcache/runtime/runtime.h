@@ -10,6 +10,12 @@
 /// tied embedding). Plain f32 arithmetic, multi-threaded with a thread_pool.
 #pragma once
 
+// Layer guard: this header belongs to the runtime library (kvcache_runtime). The core library and the C
+// API are built with KVC_LAYER_CORE / KVC_LAYER_CAPI and must not depend on the runtime.
+#if defined(KVC_LAYER_CORE) || defined(KVC_LAYER_CAPI)
+#error "kvcache layers: a runtime header (<kvcache/runtime/...>) included from the core library or the C API"
+#endif
+
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -21,7 +27,7 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/ops.h>
-#include <kvcache/thread_pool.h>
+#include <kvcache/runtime/thread_pool.h>
 #include <kvcache/types.h>
 
 namespace kvc {

@@ -1,0 +1,56 @@
+# The layers of kvcache and how the build enforces them (included by the top-level CMakeLists.txt and by
+# tests/layers/include_order.cmake).
+#
+#   core     libkvcache (target kvcache): types, dtype, tensor, batch, memories, state, session
+#   runtime  libkvcache_runtime (target kvcache_runtime, kvcache::runtime): GGUF, models, kernels, thread
+#            pool, tiny model, reference; links the core
+#   capi     the C API (src/capi, headers kvcache.h): compiled into libkvcache, on the public C++ API only
+#
+# A layer may use the layers below it, never one above: the core never sees a runtime header (the guard
+# in every include/kvcache/runtime/ header refuses KVC_LAYER_CORE and KVC_LAYER_CAPI) and does not link
+# the runtime; the C API and the runtime see only include/kvcache/ (no src/, so no src/detail/). The
+# tests in tests/layers/ prove each rule by building targets that break it.
+
+# Puts a target in a layer: the definition its guards check and the include folders it may see.
+function(kvc_layer target layer)
+  if(layer STREQUAL "core")
+    target_compile_definitions(${target} PRIVATE KVC_LAYER_CORE)
+    target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include
+                                                 ${PROJECT_SOURCE_DIR}/src)
+  elseif(layer STREQUAL "runtime")
+    target_compile_definitions(${target} PRIVATE KVC_LAYER_RUNTIME)
+    target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
+  elseif(layer STREQUAL "capi")
+    target_compile_definitions(${target} PRIVATE KVC_LAYER_CAPI)
+    target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
+  else()
+    message(FATAL_ERROR "kvc_layer: unknown layer '${layer}' (core, runtime, capi)")
+  endif()
+endfunction()
+
+# The order inside the public headers, lowest first (tests/layers/include_order.cmake): a header, and the
+# source of the same name in src/, includes only headers of its own rank or a lower one. So batch.h /
+# batch.cpp never include memory.h, and memory.h never includes state.h. Every public header has a rank.
+set(KVC_INCLUDE_RANKS
+  "0 types.h version.h"
+  "1 dtype.h seq_set.h io.h executor.h"
+  "2 tensor.h ops.h kv_storage.h"
+  "3 kv_cells.h batch.h"
+  "4 memory.h"
+  "5 kv_cache.h memory_recurrent.h kv_cache_iswa.h memory_hybrid.h"
+  "6 state.h state_summary.h session.h"
+  "7 runtime/gguf.h runtime/thread_pool.h runtime/tiny_model.h runtime/runtime.h"
+  "8 kvcache.h"
+)
+# Sources whose header has another name.
+set(KVC_SOURCE_HEADERS
+  "ops_rope.cpp ops.h"
+  "kv_cache_context.cpp kv_cache.h"
+)
+# The highest rank each folder of src/ may include (sources without a header of their own).
+set(KVC_SOURCE_RANKS
+  "src 6"
+  "src/detail 6"
+  "src/runtime 7"
+  "src/capi 8"
+)
