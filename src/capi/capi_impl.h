@@ -143,6 +143,9 @@ const kv_cache& layer_cache(const kvc_memory& m, uint32_t il);
 /// attention child): the errors of layer_cache, and invalid_state for a failed context.
 kv_cache_context& attn_of(const kvc_memory_context& c, uint32_t il);
 
+/// Throws invalid_state: c failed (the status says how), so it has no `what`.
+[[noreturn]] void throw_failed(const kvc_memory_context& c, const char* what);
+
 /// The recurrent part of m: unsupported for a memory without recurrent state.
 memory_recurrent& recurrent_of(const kvc_memory& m);
 

@@ -229,11 +229,17 @@ const kv_cache& layer_cache(const kvc_memory& m, uint32_t il) {
     throw_error(errc::unsupported, "this memory holds no K/V (a recurrent memory)");
 }
 
+void throw_failed(const kvc_memory_context& c, const char* what) {
+    const char* status =
+        c.ctx->get_status() == memory_status::failed_compute ? "FAILED_COMPUTE" : "FAILED_PREPARE";
+    throw_error(errc::invalid_state,
+                fmt::format("the context failed (status KVC_MEMORY_STATUS_{}): it has no {}", status, what));
+}
+
 kv_cache_context& attn_of(const kvc_memory_context& c, uint32_t il) {
     if (kv_cache_context* k = c.ctx->get_attn(il)) return *k;
     (void)layer_cache(*c.mem, il);  // no K/V at all, or none for layer il
-    throw_error(errc::invalid_state,
-                "the context failed (status KVC_MEMORY_STATUS_FAILED_PREPARE): it has no ubatch");
+    throw_failed(c, "ubatch");      // only a failed context has no part for a layer the memory has
 }
 
 memory_recurrent& recurrent_of(const kvc_memory& m) {
@@ -265,7 +271,6 @@ void log_trampoline(log_level level, const char* message, void* user_data) {
 }  // namespace kvc::capi
 
 using namespace kvc::capi;
-using kvc::errc;
 
 // -- the C functions (C linkage from their declarations in kvcache.h) --
 

@@ -14,13 +14,15 @@
 using namespace kvc::capi;
 using kvc::errc;
 
-// kvc_rs_view::hist_copy points at the context's own kvc::rs_copy array.
-static_assert(std::is_standard_layout_v<kvc_rs_copy> && std::is_standard_layout_v<kvc::rs_copy> &&
-              sizeof(kvc_rs_copy) == sizeof(kvc::rs_copy) && alignof(kvc_rs_copy) == alignof(kvc::rs_copy) &&
-              offsetof(kvc_rs_copy, src) == offsetof(kvc::rs_copy, src) &&
-              offsetof(kvc_rs_copy, dst) == offsetof(kvc::rs_copy, dst) &&
-              std::is_same_v<decltype(kvc_rs_copy::src), decltype(kvc::rs_copy::src)> &&
-              std::is_same_v<decltype(kvc_rs_copy::dst), decltype(kvc::rs_copy::dst)>);
+// kvc_rs_view::hist_copy points at the context's own kvc::rs_copy array: the two structs must match.
+static_assert(std::is_standard_layout_v<kvc_rs_copy>);
+static_assert(std::is_standard_layout_v<kvc::rs_copy>);
+static_assert(sizeof(kvc_rs_copy) == sizeof(kvc::rs_copy));
+static_assert(alignof(kvc_rs_copy) == alignof(kvc::rs_copy));
+static_assert(offsetof(kvc_rs_copy, src) == offsetof(kvc::rs_copy, src));
+static_assert(offsetof(kvc_rs_copy, dst) == offsetof(kvc::rs_copy, dst));
+static_assert(std::is_same_v<decltype(kvc_rs_copy::src), decltype(kvc::rs_copy::src)>);
+static_assert(std::is_same_v<decltype(kvc_rs_copy::dst), decltype(kvc::rs_copy::dst)>);
 
 namespace {
 
@@ -139,9 +141,8 @@ kvc_status kvc_memory_context_get_rs(const kvc_memory_context* ctx, kvc_rs_view*
         kvc_rs_view& v = need(out, "out");
         const kvc::memory_recurrent_context* r = c.ctx->get_recr();
         if (r == nullptr) {
-            (void)recurrent_of(*c.mem);  // a memory without recurrent state
-            throw_error(errc::invalid_state,
-                        "the context failed (status KVC_MEMORY_STATUS_FAILED_PREPARE): it has no state rows");
+            (void)recurrent_of(*c.mem);     // a memory without recurrent state
+            throw_failed(c, "state rows");  // only a failed context has no recurrent part then
         }
         const std::span<const int64_t> s_copy = r->s_copies();  // throws before apply, past the last ubatch
         const std::span<const kvc::rs_copy> hist = r->hist_copies();
