@@ -136,6 +136,7 @@ std::vector<int64_t> kv_cache_context::v_idxs(uint32_t il) const {
 }
 
 size_t kv_cache_context::kq_mask_elements() const {
+    check_applied("kq_mask_elements");
     return size_t{n_kv_} * get_ubatch().n_tokens;
 }
 

@@ -637,9 +637,10 @@ const ubatch& memory_recurrent_context::get_ubatch() const {
 
 const rs_slot& memory_recurrent_context::slot() const {
     if (!slot_)
-        throw error(errc::invalid_state, kind_ == kind::batch
-                                             ? "memory context: apply() the current ubatch first"
-                                             : "memory context: an update context has no state rows");
+        throw error(errc::invalid_state,
+                    kind_ != kind::batch         ? "memory context: an update context has no state rows"
+                    : i_cur_ >= ubatches_.size() ? "memory context: no current ubatch"
+                                                 : "memory context: apply() the current ubatch first");
     return *slot_;
 }
 

@@ -1,4 +1,5 @@
 // Session files (decision 11) and llama.cpp's per-sequence files.
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -126,33 +127,62 @@ struct parsed_session {
     std::span<const uint8_t> payload;  // into the file, or into the storage given to parse
 };
 
-parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vector<uint8_t>& storage) {
-    const size_t size = file.size();
+// Checks the fixed header of a kvcache session file of `size` bytes: magic, version, header checksum and
+// flags. head: the file's first min(size, session_header_size) bytes.
+void check_session_header(std::span<const uint8_t> head, uint64_t size) {
     if (size < 4) bad_file(errc::corrupt_data, fmt::format("not a kvcache session file ({} bytes)", size));
-    const auto magic = load_at<uint32_t>(file, off_magic);
+    const auto magic = load_at<uint32_t>(head, off_magic);
     if (magic != session_magic)
         bad_file(errc::corrupt_data, fmt::format("not a kvcache session file: {}", what_else(magic)));
     if (size < 8)
         bad_file(errc::corrupt_data,
                  fmt::format("truncated: {} bytes, the header has {}", size, session_header_size));
-    parsed_session p;
-    session_info& info = p.info;
-    info.version = load_at<uint32_t>(file, off_version);
-    if (info.version != session_version)
+    const auto version = load_at<uint32_t>(head, off_version);
+    if (version != session_version)
         bad_file(errc::unsupported, fmt::format("unsupported format version {} (this build reads version {})",
-                                                info.version, session_version));
+                                                version, session_version));
     if (size < session_header_size)
         bad_file(errc::corrupt_data,
                  fmt::format("truncated: {} bytes, the header has {}", size, session_header_size));
-    const auto header_sum = load_at<uint64_t>(file, off_header_checksum);
-    if (xxh3(file.data(), off_header_checksum) != header_sum)
+    const auto header_sum = load_at<uint64_t>(head, off_header_checksum);
+    if (xxh3(head.data(), off_header_checksum) != header_sum)
         bad_file(errc::corrupt_data,
                  fmt::format("header checksum mismatch (stored {:016x}, computed {:016x}): "
                              "the file is damaged",
-                             header_sum, xxh3(file.data(), off_header_checksum)));
+                             header_sum, xxh3(head.data(), off_header_checksum)));
+    const auto flags = load_at<uint32_t>(head, off_flags);
+    if (flags & ~session_flag_zstd) bad_file(errc::unsupported, fmt::format("unknown flags {:#x}", flags));
+}
+
+// Checks the 12-byte header of a llama.cpp sequence file of `size` bytes and that its tokens follow;
+// returns their number. head: the file's first min(size, 12) bytes or more.
+uint32_t check_llama_header(std::span<const uint8_t> head, uint64_t size) {
+    if (size < 12) bad_file(errc::corrupt_data, fmt::format("truncated: {} bytes, the header has 12", size));
+    const auto magic = load_at<uint32_t>(head, 0);
+    if (magic != llama_seq_file_magic)
+        bad_file(errc::corrupt_data,
+                 fmt::format("not a llama.cpp sequence file: {}",
+                             magic == session_magic ? "a kvcache session file (load_file reads it)"
+                                                    : what_else(magic)));
+    const auto version = load_at<uint32_t>(head, 4);
+    if (version != llama_seq_file_version)
+        bad_file(errc::unsupported, fmt::format("unsupported llama.cpp sequence file version {} (this build "
+                                                "reads version {})",
+                                                version, llama_seq_file_version));
+    const auto n_tokens = load_at<uint32_t>(head, 8);
+    if (uint64_t{n_tokens} * 4 > size - 12)
+        bad_file(errc::corrupt_data,
+                 fmt::format("truncated: {} tokens announced, {} bytes left", n_tokens, size - 12));
+    return n_tokens;
+}
+
+parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vector<uint8_t>& storage) {
+    const size_t size = file.size();
+    check_session_header(file.first(std::min(size, session_header_size)), size);
+    parsed_session p;
+    session_info& info = p.info;
+    info.version = load_at<uint32_t>(file, off_version);
     info.file_flags = load_at<uint32_t>(file, off_flags);
-    if (info.file_flags & ~session_flag_zstd)
-        bad_file(errc::unsupported, fmt::format("unknown flags {:#x}", info.file_flags));
     info.seq_id = load_at<int32_t>(file, off_seq);
     info.state_flags = load_at<uint32_t>(file, off_state_flags);
     const auto n_tokens = load_at<uint32_t>(file, off_n_tokens);
@@ -310,29 +340,38 @@ std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path,
     return about_file("load_llama_seq_file", path, [&] {
         const std::vector<uint8_t> file = read_file_bytes(path);
         const std::span<const uint8_t> b(file);
-        if (b.size() < 12)
-            bad_file(errc::corrupt_data, fmt::format("truncated: {} bytes, the header has 12", b.size()));
-        const auto magic = load_at<uint32_t>(b, 0);
-        if (magic != llama_seq_file_magic)
-            bad_file(errc::corrupt_data,
-                     fmt::format("not a llama.cpp sequence file: {}",
-                                 magic == session_magic ? "a kvcache session file (load_file "
-                                                          "reads it)"
-                                                        : what_else(magic)));
-        const auto version = load_at<uint32_t>(b, 4);
-        if (version != llama_seq_file_version)
-            bad_file(errc::unsupported,
-                     fmt::format("unsupported llama.cpp sequence file version {} (this build "
-                                 "reads version {})",
-                                 version, llama_seq_file_version));
-        const auto n_tokens = load_at<uint32_t>(b, 8);
-        if (uint64_t{n_tokens} * 4 > b.size() - 12)
-            bad_file(errc::corrupt_data,
-                     fmt::format("truncated: {} tokens announced, {} bytes left", n_tokens, b.size() - 12));
+        const uint32_t n_tokens = check_llama_header(b, b.size());
         std::vector<token_t> tokens(n_tokens);
         if (n_tokens) std::memcpy(tokens.data(), b.data() + 12, size_t{n_tokens} * 4);
         state_set_payload(mem, b.subspan(12 + size_t{n_tokens} * 4), dest, 0);
         return tokens;
+    });
+}
+
+session_header read_session_header(const std::string& path) {
+    return about_file("read_session_header", path, [&] {
+        io_file_reader r(path);
+        const uint64_t size = r.size();
+        std::vector<uint8_t> bytes(static_cast<size_t>(std::min<uint64_t>(size, session_header_size)));
+        r.read(bytes.data(), bytes.size());
+        const std::span<const uint8_t> head(bytes);
+        const uint32_t magic = size < 4 ? 0 : load_at<uint32_t>(head, 0);
+        session_header h;
+        if (magic == llama_seq_file_magic) {
+            h.format = session_file_format::llama_seq;
+            h.n_tokens = check_llama_header(head, size);
+            h.version = llama_seq_file_version;
+            return h;
+        }
+        if (magic != session_magic)
+            bad_file(errc::corrupt_data,
+                     fmt::format("neither a kvcache session file nor a llama.cpp sequence file: {}",
+                                 size < 4 ? fmt::format("{} bytes", size) : what_else(magic)));
+        check_session_header(head, size);
+        h.format = session_file_format::kvcache;
+        h.version = load_at<uint32_t>(head, off_version);
+        h.n_tokens = load_at<uint32_t>(head, off_n_tokens);
+        return h;
     });
 }
 

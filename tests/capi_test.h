@@ -112,11 +112,25 @@ static inline int same_state(const kvc_memory* mem, const uint8_t* before, size_
     return same;
 }
 
+/* The status of a context (the call must succeed). */
+static inline kvc_memory_status status_of(const kvc_memory_context* ctx) {
+    kvc_memory_status st = (kvc_memory_status)-1;
+    CHECK_OK(kvc_memory_context_get_status(ctx, &st));
+    return st;
+}
+
+/* Moves to the next ubatch (the call must succeed); whether there is one. */
+static inline bool next_ubatch(kvc_memory_context* ctx) {
+    bool more = false;
+    CHECK_OK(kvc_memory_context_next(ctx, &more));
+    return more;
+}
+
 /* Runs every ubatch of the batch: apply, write K/V rows of both layers from kv_value. */
 static inline void decode(kvc_memory* mem, const kvc_batch* batch, uint32_t n_ubatch) {
     kvc_memory_context* ctx = NULL;
     CHECK_OK(kvc_memory_init_batch(mem, batch, n_ubatch, false, &ctx));
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_SUCCESS);
     do {
         CHECK_OK(kvc_memory_context_apply(ctx));
         kvc_ubatch_view ub;
@@ -133,7 +147,7 @@ static inline void decode(kvc_memory* mem, const kvc_batch* batch, uint32_t n_ub
             }
         }
         free(rows);
-    } while (kvc_memory_context_next(ctx));
+    } while (next_ubatch(ctx));
     kvc_memory_context_free(ctx);
 }
 

@@ -211,7 +211,7 @@ static void test_decode_loop(void) {
     kvc_memory_context* ctx = NULL;
     CHECK_OK(kvc_memory_init_batch(mem, b, 3, false, &ctx));
     kvc_batch_free(b); /* the context copied what it needs */
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_SUCCESS);
 
     const int32_t* out_ids = NULL;
     size_t n_out = 0;
@@ -233,15 +233,21 @@ static void test_decode_loop(void) {
         CHECK(ub.output[ub.n_tokens - 1] == (ubatch == 1));
 
         /* nothing refers to a ubatch before it is applied */
-        CHECK_ERR(kvc_memory_cpy_k(ctx, 0, rows, ub.n_tokens), KVC_ERR_INVALID_STATE, "not applied");
-        CHECK(kvc_memory_kq_mask_elements(ctx) == KVC_ERR_INVALID_STATE);
+        CHECK_ERR(kvc_memory_cpy_k(ctx, 0, rows, ub.n_tokens), KVC_ERR_INVALID_STATE,
+                  "kvc_memory_cpy_k: cpy_k: apply() the current ubatch first");
+        CHECK(kvc_memory_kq_mask_elements(ctx, 0) == KVC_ERR_INVALID_STATE);
+        CHECK_MSG("kvc_memory_kq_mask_elements: kq_mask_elements: apply() the current ubatch first");
+        CHECK(kvc_memory_context_n_kv(ctx, 1) == 0);
         kvc_tensor_view v;
         CHECK_ERR(kvc_memory_get_k(ctx, 0, &v), KVC_ERR_INVALID_STATE,
-                  "kvc_memory_get_k: the current ubatch");
+                  "kvc_memory_get_k: get_k: apply() the current ubatch first");
+        float m0[4];
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, m0, 4, true, false),
+                  KVC_ERR_INVALID_STATE, "apply() the current ubatch first");
 
         CHECK_OK(kvc_memory_context_apply(ctx));
         CHECK_ERR(kvc_memory_context_apply(ctx), KVC_ERR_INVALID_STATE, "already applied");
-        const int64_t n_kv = kvc_memory_context_n_kv(ctx);
+        const int64_t n_kv = kvc_memory_context_n_kv(ctx, 0);
         CHECK(n_kv == (ubatch == 0 ? 4 : 8)); /* used cells padded to n_kv_pad 4 */
 
         for (uint32_t il = 0; il < 2; ++il) {
@@ -279,38 +285,53 @@ static void test_decode_loop(void) {
                 }
 
         /* masks: token at position p sees cells 0..p (causal) or every cell of its sequence */
-        const int64_t n_mask = kvc_memory_kq_mask_elements(ctx);
+        const int64_t n_mask = kvc_memory_kq_mask_elements(ctx, 0);
         CHECK(n_mask == n_kv * (int64_t)ub.n_tokens);
         float mask[8 * 3];
         uint16_t mask16[8 * 3];
-        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask, true, false));
+        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, mask, (size_t)n_mask, true, false));
         for (uint32_t t = 0; t < ub.n_tokens; ++t) check_mask_row(mask + t * n_kv, n_kv, ub.pos[t]);
-        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask, false, false));
+        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, mask, (size_t)n_mask, false, false));
         for (uint32_t t = 0; t < ub.n_tokens; ++t)
             check_mask_row(mask + t * n_kv, n_kv, first_pos + (int32_t)ub.n_tokens - 1);
-        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask, true, true)); /* ALiBi */
+        CHECK_OK(
+            kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, mask, (size_t)n_mask, true, true)); /* ALiBi */
         CHECK(mask[(ub.n_tokens - 1) * n_kv] == -(float)ub.pos[ub.n_tokens - 1]);
-        CHECK_OK(kvc_memory_set_input_kq_mask_f16(ctx, mask16, (size_t)n_mask, true, false));
+        CHECK_OK(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F16, mask16, (size_t)n_mask, true, false));
         CHECK(mask16[0] == 0x0000 && mask16[n_kv - 1] == 0xFC00);
-        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask - 1, true, false),
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, mask, (size_t)n_mask - 1, true, false),
                   KVC_ERR_INVALID_ARGUMENT, "contiguous elements");
-        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, NULL, (size_t)n_mask, true, false),
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, NULL, (size_t)n_mask, true, false),
                   KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
-        CHECK_ERR(kvc_memory_set_input_kq_mask_f16(ctx, mask16, 1, true, false), KVC_ERR_INVALID_ARGUMENT,
-                  "kvc_memory_set_input_kq_mask_f16: ");
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 1, KVC_TYPE_F16, mask16, 1, true, false),
+                  KVC_ERR_INVALID_ARGUMENT, "kvc_memory_set_input_kq_mask: ");
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_Q8_0, mask, (size_t)n_mask, true, false),
+                  KVC_ERR_INVALID_ARGUMENT,
+                  "type = 8 (q8_0) is not a mask type (KVC_TYPE_F32 or KVC_TYPE_F16)");
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, (kvc_type)77, mask, (size_t)n_mask, true, false),
+                  KVC_ERR_INVALID_ARGUMENT, "type = 77 is not an element type");
+        CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 2, KVC_TYPE_F32, mask, (size_t)n_mask, true, false),
+                  KVC_ERR_OUT_OF_RANGE, "model layer 2 has no K/V in this memory");
+        CHECK(kvc_memory_kq_mask_elements(ctx, 1) == n_mask); /* the layers of a cache share it */
+        CHECK(kvc_memory_kq_mask_elements(ctx, 2) == KVC_ERR_OUT_OF_RANGE);
+        CHECK(kvc_memory_context_n_kv(ctx, 1) == n_kv &&
+              kvc_memory_context_n_kv(ctx, 2) == KVC_ERR_OUT_OF_RANGE);
 
         int32_t buckets[8 * 3];
-        CHECK_OK(kvc_memory_set_input_pos_bucket(ctx, buckets, (size_t)n_mask, 32));
+        CHECK_OK(kvc_memory_set_input_pos_bucket(ctx, 0, buckets, (size_t)n_mask, 32));
         CHECK(buckets[0 * n_kv + ub.pos[0]] == 0); /* relative position 0 */
-        CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, buckets, 3, 32), KVC_ERR_INVALID_ARGUMENT,
+        CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 0, buckets, 3, 32), KVC_ERR_INVALID_ARGUMENT,
                   "pos_bucket");
-        CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, NULL, 3, 32), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+        CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 0, NULL, 3, 32), KVC_ERR_INVALID_ARGUMENT,
+                  "dst is NULL");
+        CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 3, buckets, (size_t)n_mask, 32), KVC_ERR_OUT_OF_RANGE,
+                  "model layer 3");
 
         first_pos += (int32_t)ub.n_tokens;
         ++ubatch;
-    } while (kvc_memory_context_next(ctx));
+    } while (next_ubatch(ctx));
     CHECK(ubatch == 2);
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     CHECK(kvc_memory_context_n_tokens(ctx) == KVC_ERR_INVALID_STATE); /* past the last ubatch */
     CHECK_MSG("no current ubatch");
     kvc_ubatch_view ub;
@@ -339,13 +360,13 @@ static void test_decode_loop(void) {
 
     /* a full context: every cell, nothing to apply */
     CHECK_OK(kvc_memory_init_full(mem, &ctx));
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
-    CHECK(kvc_memory_context_n_kv(ctx) == 16);
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK(kvc_memory_context_n_kv(ctx, 0) == 16);
     kvc_tensor_view v;
     CHECK_OK(kvc_memory_get_k(ctx, 0, &v));
     CHECK(v.ne[2] == 16 && k_at(&v, 1, 1, 3) == kv_value(0, 3, 5, 0));
     CHECK_OK(kvc_memory_context_apply(ctx));
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     CHECK(kvc_memory_context_n_tokens(ctx) == KVC_ERR_INVALID_STATE);
     CHECK_OK(kvc_memory_context_out_ids(ctx, &out_ids, &n_out));
     CHECK(n_out == 0);
@@ -385,13 +406,17 @@ static void test_batch_errors_and_no_fit(void) {
     b = seq_batch(1, 0, 10);
     kvc_memory_context* ctx = (kvc_memory_context*)&g_checks;
     CHECK_OK(kvc_memory_init_batch(mem, b, 4, false, &ctx));
-    CHECK(ctx != NULL && kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
+    CHECK(ctx != NULL && status_of(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
     CHECK_ERR(kvc_memory_context_apply(ctx), KVC_ERR_INVALID_STATE, "failed context");
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     CHECK(kvc_memory_context_n_tokens(ctx) == KVC_ERR_INVALID_STATE);
-    CHECK(kvc_memory_context_n_kv(ctx) == 0);
+    CHECK(kvc_memory_context_n_kv(ctx, 0) == KVC_ERR_INVALID_STATE);
+    CHECK_MSG("kvc_memory_context_n_kv: the context failed (status KVC_MEMORY_STATUS_FAILED_PREPARE)");
+    CHECK(kvc_memory_context_n_kv(ctx, 2) == KVC_ERR_OUT_OF_RANGE); /* a bad layer is named first */
     kvc_tensor_view v;
-    CHECK_ERR(kvc_memory_get_k(ctx, 0, &v), KVC_ERR_INVALID_STATE, "not applied");
+    CHECK_ERR(kvc_memory_get_k(ctx, 0, &v), KVC_ERR_INVALID_STATE, "kvc_memory_get_k: the context failed");
+    float f[4];
+    CHECK_ERR(kvc_memory_cpy_k(ctx, 0, f, 1), KVC_ERR_INVALID_STATE, "the context failed");
     kvc_memory_context_free(ctx);
     CHECK(same_state(mem, before, n_before));
     kvc_batch_free(b);
@@ -456,26 +481,30 @@ static void test_sequence_ops(void) {
     CHECK_OK(kvc_memory_seq_add(mem, 0, 3, -1, -2));
     CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
     CHECK(pos == 2);
-    CHECK(kvc_memory_k_shift_elements(mem) == 16);
+    CHECK(kvc_memory_k_shift_elements(mem, 0) == 16);
     int32_t shift[16];
-    CHECK_OK(kvc_memory_set_input_k_shift(mem, shift, 16));
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, 0, shift, 16));
     CHECK(shift[0] == 0 && shift[3] == -2 && shift[4] == -2 && shift[5] == 0);
-    CHECK_ERR(kvc_memory_set_input_k_shift(mem, shift, 15), KVC_ERR_INVALID_ARGUMENT, "need 16 elements");
-    CHECK_ERR(kvc_memory_set_input_k_shift(mem, NULL, 16), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, 0, shift, 15), KVC_ERR_INVALID_ARGUMENT, "need 16 elements");
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, 0, NULL, 16), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+    CHECK(kvc_memory_k_shift_elements(mem, 1) == 16); /* the layers of a cache share it */
+    CHECK(kvc_memory_k_shift_elements(mem, 2) == KVC_ERR_OUT_OF_RANGE);
+    CHECK_MSG("kvc_memory_k_shift_elements: model layer 2 has no K/V in this memory");
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, 9, shift, 16), KVC_ERR_OUT_OF_RANGE, "model layer 9");
 
     kvc_memory_context* up = NULL;
     CHECK_OK(kvc_memory_init_update(mem, false, &up));
-    CHECK(kvc_memory_context_status(up) == KVC_MEMORY_STATUS_SUCCESS);
-    CHECK(!kvc_memory_context_next(up));
+    CHECK(status_of(up) == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK(!next_ubatch(up));
     CHECK(kvc_memory_context_n_tokens(up) == KVC_ERR_INVALID_STATE);
     CHECK_OK(kvc_memory_context_apply(up));
     CHECK_ERR(kvc_memory_get_k(up, 0, &v), KVC_ERR_INVALID_STATE, "no current slot");
     kvc_memory_context_free(up);
     CHECK(k_at(&v, 0, 0, 3) != k_before); /* rotated back by 2 positions (v still views layer 0) */
-    CHECK_OK(kvc_memory_set_input_k_shift(mem, shift, 16));
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, 0, shift, 16));
     CHECK(shift[3] == 0 && shift[4] == 0);
     CHECK_OK(kvc_memory_init_update(mem, false, &up));
-    CHECK(kvc_memory_context_status(up) == KVC_MEMORY_STATUS_NO_UPDATE);
+    CHECK(status_of(up) == KVC_MEMORY_STATUS_NO_UPDATE);
     CHECK_OK(kvc_memory_context_apply(up)); /* nothing to do, harmless */
     kvc_memory_context_free(up);
     kvc_memory_context_free(full);
@@ -534,8 +563,8 @@ static void test_sequence_ops(void) {
     CHECK_ERR(kvc_memory_can_shift(NULL, &flag), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
     CHECK_ERR(kvc_memory_can_shift(mem, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
     CHECK_ERR(kvc_memory_update(NULL, false, &flag), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
-    CHECK(kvc_memory_k_shift_elements(NULL) == KVC_ERR_INVALID_ARGUMENT);
-    CHECK_ERR(kvc_memory_set_input_k_shift(NULL, shift, 16), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK(kvc_memory_k_shift_elements(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_ERR(kvc_memory_set_input_k_shift(NULL, 0, shift, 16), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
 
     CHECK_OK(kvc_memory_clear(mem, true));
     CHECK_OK(kvc_memory_seq_pos_max(mem, 0, &pos));
@@ -572,7 +601,7 @@ static void test_split_streams(void) {
     p.type_v = KVC_TYPE_F16;
     kvc_memory* mem = NULL;
     CHECK_OK(kvc_kv_cache_create(&p, &mem));
-    CHECK(kvc_memory_k_shift_elements(mem) == 16);
+    CHECK(kvc_memory_k_shift_elements(mem, 0) == 16);
     kvc_batch* b = kvc_batch_init(4, 0, 2);
     const int32_t s0 = 0, s1 = 1, both[2] = {0, 1};
     CHECK_OK(kvc_batch_add(b, 1, 0, &s0, 1, false));
@@ -584,12 +613,13 @@ static void test_split_streams(void) {
     CHECK_OK(kvc_memory_get_k(ctx, 0, &v));
     CHECK(v.ne[3] == 2 && v.nb[3] == 8 * 32); /* a stream is kv_size rows of 8 f32 */
     CHECK_OK(kvc_memory_get_v(ctx, 1, &v));
-    CHECK(v.type == KVC_TYPE_F16 && v.ne[0] == 4 && v.ne[1] == 2 && v.ne[2] == kvc_memory_context_n_kv(ctx));
+    CHECK(v.type == KVC_TYPE_F16 && v.ne[0] == 4 && v.ne[1] == 2 &&
+          v.ne[2] == kvc_memory_context_n_kv(ctx, 1));
     CHECK(v.ne[3] == 2 && v.nb[0] == 2 && v.nb[1] == 8 && v.nb[2] == 16 && v.nb[3] == 8 * 16);
-    const int64_t n_mask = kvc_memory_kq_mask_elements(ctx);
-    CHECK(n_mask == 2 * kvc_memory_context_n_kv(ctx));
+    const int64_t n_mask = kvc_memory_kq_mask_elements(ctx, 0);
+    CHECK(n_mask == 2 * kvc_memory_context_n_kv(ctx, 0));
     int32_t buckets[64];
-    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, buckets, (size_t)n_mask, 32), KVC_ERR_UNSUPPORTED,
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 0, buckets, (size_t)n_mask, 32), KVC_ERR_UNSUPPORTED,
               "unified");
     kvc_memory_context_free(ctx);
 
@@ -600,7 +630,7 @@ static void test_split_streams(void) {
     CHECK_OK(kvc_memory_init_batch(mem, b, 4, false, &ctx));
     kvc_set_log_callback(NULL, NULL);
     CHECK(g_split_warnings == 1);
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
     kvc_memory_context_free(ctx);
     kvc_batch_free(b);
     kvc_memory_free(mem);
@@ -828,45 +858,46 @@ static void test_null_contexts(void) {
     kvc_memory_context* ctx = NULL;
     kvc_tensor_view v;
     kvc_ubatch_view ub;
+    kvc_memory_status st = KVC_MEMORY_STATUS_NO_UPDATE;
+    bool more = true;
     float f[4];
     uint16_t h[4];
     int32_t i[4];
     const int32_t* ids = NULL;
     size_t n = 0;
-    CHECK(kvc_memory_context_status(NULL) == KVC_MEMORY_STATUS_FAILED_PREPARE);
-    CHECK_MSG("kvc_memory_context_status: ctx is NULL");
-    CHECK(!kvc_memory_context_next(NULL));
-    CHECK_MSG("kvc_memory_context_next: ctx is NULL");
+    /* a NULL context is an argument error, never a memory status or the end of the ubatches */
+    CHECK_ERR(kvc_memory_context_get_status(NULL, &st), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_context_get_status: ctx is NULL");
+    CHECK(st == KVC_MEMORY_STATUS_NO_UPDATE); /* out pointers are written only on success */
+    CHECK_ERR(kvc_memory_context_next(NULL, &more), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_context_next: ctx is NULL");
+    CHECK(more);
     CHECK_ERR(kvc_memory_context_apply(NULL), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
-    CHECK(kvc_memory_context_n_kv(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK(kvc_memory_context_n_kv(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_MSG("kvc_memory_context_n_kv: ctx is NULL");
     CHECK(kvc_memory_context_n_tokens(NULL) == KVC_ERR_INVALID_ARGUMENT);
-    CHECK(kvc_memory_kq_mask_elements(NULL) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK(kvc_memory_kq_mask_elements(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_MSG("kvc_memory_kq_mask_elements: ctx is NULL");
     CHECK_ERR(kvc_memory_context_get_ubatch(NULL, &ub), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
     CHECK_ERR(kvc_memory_context_out_ids(NULL, &ids, &n), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
     CHECK_ERR(kvc_memory_cpy_k(NULL, 0, f, 1), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_cpy_k: ctx is NULL");
     CHECK_ERR(kvc_memory_cpy_v(NULL, 0, f, 1), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_cpy_v: ctx is NULL");
     CHECK_ERR(kvc_memory_get_k(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
     CHECK_ERR(kvc_memory_get_v(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
-    CHECK_ERR(kvc_memory_set_input_kq_mask(NULL, f, 4, true, false), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
-    CHECK_ERR(kvc_memory_set_input_kq_mask_f16(NULL, h, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
-              "ctx is NULL");
-    CHECK_ERR(kvc_memory_set_input_pos_bucket(NULL, i, 4, 32), KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_kq_mask(NULL, 0, KVC_TYPE_F32, f, 4, true, false),
+              KVC_ERR_INVALID_ARGUMENT, "kvc_memory_set_input_kq_mask: ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_kq_mask(NULL, 0, KVC_TYPE_F16, h, 4, true, false),
+              KVC_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(NULL, 0, i, 4, 32), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_set_input_pos_bucket: ctx is NULL");
     kvc_rs_view rs;
-    CHECK(kvc_memory_context_n_kv_layer(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
-    CHECK_MSG("kvc_memory_context_n_kv_layer: ctx is NULL");
-    CHECK(kvc_memory_kq_mask_elements_layer(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
-    CHECK_ERR(kvc_memory_set_input_kq_mask_layer(NULL, 0, f, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
-              "kvc_memory_set_input_kq_mask_layer: ctx is NULL");
-    CHECK_ERR(kvc_memory_set_input_kq_mask_f16_layer(NULL, 0, h, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
-              "ctx is NULL");
-    CHECK_ERR(kvc_memory_set_input_pos_bucket_layer(NULL, 0, i, 4, 32), KVC_ERR_INVALID_ARGUMENT,
-              "ctx is NULL");
     CHECK_ERR(kvc_memory_context_get_rs(NULL, &rs), KVC_ERR_INVALID_ARGUMENT,
               "kvc_memory_context_get_rs: ctx is NULL");
     CHECK_ERR(kvc_memory_get_r(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_get_r: ctx is NULL");
     CHECK_ERR(kvc_memory_get_s(NULL, 0, &v), KVC_ERR_INVALID_ARGUMENT, "kvc_memory_get_s: ctx is NULL");
-    CHECK(kvc_memory_k_shift_elements_layer(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
-    CHECK_ERR(kvc_memory_set_input_k_shift_layer(NULL, 0, i, 4), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK(kvc_memory_k_shift_elements(NULL, 0) == KVC_ERR_INVALID_ARGUMENT);
+    CHECK_MSG("kvc_memory_k_shift_elements: mem is NULL");
+    CHECK_ERR(kvc_memory_set_input_k_shift(NULL, 0, i, 4), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
     CHECK_ERR(kvc_memory_init_full(NULL, &ctx), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
     CHECK_ERR(kvc_memory_init_update(NULL, false, &ctx), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
     CHECK_ERR(kvc_memory_clear(NULL, true), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
@@ -880,10 +911,17 @@ static void test_null_contexts(void) {
     CHECK_ERR(kvc_memory_context_get_ubatch(ctx, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
     CHECK_ERR(kvc_memory_context_out_ids(ctx, NULL, &n), KVC_ERR_INVALID_ARGUMENT, "ids is NULL");
     CHECK_ERR(kvc_memory_context_out_ids(ctx, &ids, NULL), KVC_ERR_INVALID_ARGUMENT, "n is NULL");
-    CHECK_ERR(kvc_memory_set_input_kq_mask_layer(ctx, 0, NULL, 4, true, false), KVC_ERR_INVALID_ARGUMENT,
-              "dst is NULL");
-    CHECK_ERR(kvc_memory_set_input_pos_bucket_layer(ctx, 0, NULL, 4, 32), KVC_ERR_INVALID_ARGUMENT,
-              "dst is NULL");
+    CHECK_ERR(kvc_memory_context_get_status(ctx, NULL), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_context_get_status: out is NULL");
+    CHECK_ERR(kvc_memory_context_next(ctx, NULL), KVC_ERR_INVALID_ARGUMENT,
+              "kvc_memory_context_next: more is NULL");
+    CHECK_OK(kvc_memory_context_get_status(ctx, &st));
+    CHECK(st == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK_OK(kvc_memory_context_next(ctx, &more));
+    CHECK(!more); /* a full context has no next ubatch */
+    CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, NULL, 4, true, false),
+              KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 0, NULL, 4, 32), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
     kvc_memory_context_free(ctx);
     kvc_memory_free(mem);
 }

@@ -186,12 +186,12 @@ static void toy_layers(toy_engine* e, kvc_memory_context* ctx) {
 static bool toy_decode(toy_engine* e, kvc_memory* mem, const kvc_batch* batch, uint32_t n_ubatch) {
     kvc_memory_context* ctx = NULL;
     CHECK_OK(kvc_memory_init_batch(mem, batch, n_ubatch, false, &ctx));
-    const bool fits = kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS;
+    const bool fits = status_of(ctx) == KVC_MEMORY_STATUS_SUCCESS;
     if (fits) {
         do {
             CHECK_OK(kvc_memory_context_apply(ctx));
             toy_layers(e, ctx);
-        } while (kvc_memory_context_next(ctx));
+        } while (next_ubatch(ctx));
     }
     kvc_memory_context_free(ctx);
     return fits;
@@ -211,15 +211,15 @@ static void toy_decode_seq(toy_engine* e, kvc_memory* mem, int32_t seq, int32_t 
 static void check_toy_mask(kvc_memory_context* ctx, uint32_t il, int32_t n_swa) {
     kvc_ubatch_view ub;
     CHECK_OK(kvc_memory_context_get_ubatch(ctx, &ub));
-    const int64_t n_kv = kvc_memory_context_n_kv_layer(ctx, il);
-    const int64_t n = kvc_memory_kq_mask_elements_layer(ctx, il);
+    const int64_t n_kv = kvc_memory_context_n_kv(ctx, il);
+    const int64_t n = kvc_memory_kq_mask_elements(ctx, il);
     CHECK(n_kv > 0 && n == n_kv * (int64_t)ub.n_tokens);
     float* mask = malloc(sizeof(float) * (size_t)n);
     uint16_t* mask16 = malloc(sizeof(uint16_t) * (size_t)n);
-    CHECK_OK(kvc_memory_set_input_kq_mask_layer(ctx, il, mask, (size_t)n, true, false));
-    CHECK_OK(kvc_memory_set_input_kq_mask_f16_layer(ctx, il, mask16, (size_t)n, true, false));
-    CHECK_ERR(kvc_memory_set_input_kq_mask_layer(ctx, il, mask, (size_t)n + 1, true, false),
-              KVC_ERR_INVALID_ARGUMENT, "kvc_memory_set_input_kq_mask_layer: ");
+    CHECK_OK(kvc_memory_set_input_kq_mask(ctx, il, KVC_TYPE_F32, mask, (size_t)n, true, false));
+    CHECK_OK(kvc_memory_set_input_kq_mask(ctx, il, KVC_TYPE_F16, mask16, (size_t)n, true, false));
+    CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, il, KVC_TYPE_F32, mask, (size_t)n + 1, true, false),
+              KVC_ERR_INVALID_ARGUMENT, "kvc_memory_set_input_kq_mask: ");
     kvc_tensor_view k;
     CHECK_OK(kvc_memory_get_k(ctx, il, &k));
     CHECK(k.ne[2] == n_kv);
@@ -362,32 +362,36 @@ static void test_recurrent_decode_and_rollback(void) {
     CHECK_OK(kvc_memory_get_s(ctx, 2, &v));
     CHECK(v.ne[0] == S && v.ne[1] == 3 && v.ne[2] == 3 && v.nb[1] == 4 * S && v.nb[2] == 3 * 4 * S);
     /* no K/V here: the attention functions say so */
-    CHECK(kvc_memory_context_n_kv(ctx) == KVC_ERR_UNSUPPORTED);
+    CHECK(kvc_memory_context_n_kv(ctx, 0) == KVC_ERR_UNSUPPORTED);
     CHECK_MSG("kvc_memory_context_n_kv: this memory holds no K/V");
-    CHECK(kvc_memory_context_n_kv_layer(ctx, 0) == KVC_ERR_UNSUPPORTED);
+    CHECK(kvc_memory_context_n_kv(ctx, 1) == KVC_ERR_UNSUPPORTED); /* whatever the layer */
     CHECK_ERR(kvc_memory_get_k(ctx, 0, &v), KVC_ERR_UNSUPPORTED,
               "kvc_memory_get_k: this memory holds no K/V");
-    CHECK(kvc_memory_kq_mask_elements(ctx) == KVC_ERR_UNSUPPORTED);
-    CHECK(kvc_memory_kq_mask_elements_layer(ctx, 0) == KVC_ERR_UNSUPPORTED);
+    CHECK(kvc_memory_kq_mask_elements(ctx, 0) == KVC_ERR_UNSUPPORTED);
+    CHECK(kvc_memory_kq_mask_elements(ctx, 9) == KVC_ERR_UNSUPPORTED);
     float f[4];
-    CHECK_ERR(kvc_memory_set_input_kq_mask_layer(ctx, 0, f, 4, true, false), KVC_ERR_UNSUPPORTED, "no K/V");
-    CHECK(kvc_memory_k_shift_elements(mem) == KVC_ERR_UNSUPPORTED);
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 0) == KVC_ERR_UNSUPPORTED);
+    CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, KVC_TYPE_F32, f, 4, true, false), KVC_ERR_UNSUPPORTED,
+              "no K/V");
+    int32_t buckets[4];
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 0, buckets, 4, 32), KVC_ERR_UNSUPPORTED, "no K/V");
+    CHECK(kvc_memory_k_shift_elements(mem, 0) == KVC_ERR_UNSUPPORTED);
+    CHECK_MSG("kvc_memory_k_shift_elements: this memory holds no K/V");
     kvc_memory_context_free(ctx);
 
     /* positions 0..4 of sequence 0 in one ubatch, step by step */
     kvc_batch* b = toy_batch(0, 0, 5);
     CHECK_OK(kvc_memory_init_batch(mem, b, 8, false, &ctx));
     kvc_batch_free(b);
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_SUCCESS);
-    CHECK_ERR(kvc_memory_context_get_rs(ctx, &rs), KVC_ERR_INVALID_STATE, "not applied");
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_SUCCESS);
+    CHECK_ERR(kvc_memory_context_get_rs(ctx, &rs), KVC_ERR_INVALID_STATE,
+              "kvc_memory_context_get_rs: memory context: apply() the current ubatch first");
     CHECK_OK(kvc_memory_get_r(ctx, 0, &v)); /* the tensors do not depend on the ubatch */
     CHECK_OK(kvc_memory_context_apply(ctx));
     CHECK_OK(kvc_memory_context_get_rs(ctx, &rs));
     CHECK(rs.n_seqs == 1 && rs.n_rs == 1 && rs.rs_z >= 0 && rs.s_copy[0] == rs.rs_z); /* a fresh state */
     CHECK(rs.n_hist_copy == 0);
     toy_layers(&e, ctx);
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     CHECK_ERR(kvc_memory_context_get_rs(ctx, &rs), KVC_ERR_INVALID_STATE, "no current ubatch");
     CHECK_ERR(kvc_memory_context_get_rs(ctx, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
     CHECK_ERR(kvc_memory_get_r(ctx, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
@@ -427,7 +431,7 @@ static void test_recurrent_decode_and_rollback(void) {
     CHECK_OK(kvc_memory_context_get_rs(ctx, &rs));
     CHECK(ub.n_seqs == 2 && ub.n_seq_tokens == 2 && rs.n_seqs == 2 && rs.n_rs >= 2);
     toy_layers(&e, ctx);
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     kvc_memory_context_free(ctx);
     kvc_batch_free(two);
     CHECK(pos_max(mem, 0) == 7 && pos_max(mem, 1) == 7);
@@ -437,7 +441,7 @@ static void test_recurrent_decode_and_rollback(void) {
 
     /* no pending maintenance */
     CHECK_OK(kvc_memory_init_update(mem, true, &ctx));
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_NO_UPDATE);
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_NO_UPDATE);
     CHECK_OK(kvc_memory_context_apply(ctx));
     CHECK_ERR(kvc_memory_context_get_rs(ctx, &rs), KVC_ERR_INVALID_STATE, "update context");
     kvc_memory_context_free(ctx);
@@ -480,7 +484,7 @@ static void test_recurrent_decode_and_rollback(void) {
     CHECK_OK(kvc_memory_context_get_rs(ctx, &rs));
     CHECK(rs.n_seqs == 2 && rs.n_rs == 3 && rs.head == 0);
     toy_layers(&e, ctx);
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     kvc_memory_context_free(ctx);
     toy_decode_seq(&e, mem, 0, 2, 3, 4); /* sequence 0 continues from its moved state */
     kvc_memory_free(mem);
@@ -583,27 +587,29 @@ static void test_iswa(void) {
     CHECK(kind_of(mem) == KVC_MEMORY_KIND_ISWA);
     bool can = true;
     CHECK_OK(kvc_memory_can_shift(mem, &can));
-    CHECK(!can); /* the sliding-window cache is smaller */
-    CHECK(kvc_memory_k_shift_elements(mem) == KVC_ERR_UNSUPPORTED);
-    CHECK_MSG("kvc_memory_k_shift_elements: this memory has two KV caches");
-    CHECK_MSG("use kvc_memory_k_shift_elements_layer");
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 0) == 512);
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 3) == 256);
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 4) == KVC_ERR_OUT_OF_RANGE);
+    CHECK(!can);                                       /* the sliding-window cache is smaller */
+    CHECK(kvc_memory_k_shift_elements(mem, 0) == 512); /* each cache its own: full attention ... */
+    CHECK(kvc_memory_k_shift_elements(mem, 2) == 512);
+    CHECK(kvc_memory_k_shift_elements(mem, 1) == 256); /* ... and sliding window */
+    CHECK(kvc_memory_k_shift_elements(mem, 3) == 256);
+    CHECK(kvc_memory_k_shift_elements(mem, 4) == KVC_ERR_OUT_OF_RANGE);
     CHECK_MSG("model layer 4 has no K/V in this memory");
     int32_t* shift = malloc(sizeof(int32_t) * 512);
-    CHECK_OK(kvc_memory_set_input_k_shift_layer(mem, 1, shift, 256));
-    CHECK_ERR(kvc_memory_set_input_k_shift_layer(mem, 1, shift, 512), KVC_ERR_INVALID_ARGUMENT, "256");
-    CHECK_ERR(kvc_memory_set_input_k_shift_layer(mem, 1, NULL, 256), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
-    CHECK_ERR(kvc_memory_set_input_k_shift(mem, shift, 512), KVC_ERR_UNSUPPORTED, "two KV caches");
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, 1, shift, 256));
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, 1, shift, 512), KVC_ERR_INVALID_ARGUMENT, "256");
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, 1, NULL, 256), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, 0, shift, 512));
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, 0, shift, 256), KVC_ERR_INVALID_ARGUMENT, "512");
+    CHECK_ERR(kvc_memory_set_input_k_shift(mem, 4, shift, 512), KVC_ERR_OUT_OF_RANGE,
+              "kvc_memory_set_input_k_shift: model layer 4 has no K/V in this memory");
     free(shift);
 
     /* a full context: each cache's cells */
     kvc_memory_context* ctx = NULL;
     CHECK_OK(kvc_memory_init_full(mem, &ctx));
-    CHECK(kvc_memory_context_n_kv(ctx) == KVC_ERR_UNSUPPORTED);
-    CHECK_MSG("use kvc_memory_context_n_kv_layer");
-    CHECK(kvc_memory_context_n_kv_layer(ctx, 0) == 512 && kvc_memory_context_n_kv_layer(ctx, 1) == 256);
+    CHECK(kvc_memory_context_n_kv(ctx, 0) == 512 && kvc_memory_context_n_kv(ctx, 1) == 256);
+    CHECK(kvc_memory_context_n_kv(ctx, 4) == KVC_ERR_OUT_OF_RANGE);
+    CHECK_MSG("kvc_memory_context_n_kv: model layer 4 has no K/V in this memory");
     kvc_tensor_view v;
     CHECK_OK(kvc_memory_get_k(ctx, 3, &v));
     CHECK(v.ne[0] == 4 && v.ne[1] == 2 && v.ne[2] == 256 && v.ne[3] == 1);
@@ -620,29 +626,27 @@ static void test_iswa(void) {
     kvc_batch* b = toy_batch(0, 6, 8);
     CHECK_OK(kvc_memory_init_batch(mem, b, 8, false, &ctx));
     kvc_batch_free(b);
-    CHECK(kvc_memory_context_n_kv_layer(ctx, 1) == 0); /* not applied yet */
-    CHECK_ERR(kvc_memory_get_k(ctx, 1, &v), KVC_ERR_INVALID_STATE, "not applied");
-    CHECK(kvc_memory_kq_mask_elements_layer(ctx, 1) == KVC_ERR_INVALID_STATE);
+    CHECK(kvc_memory_context_n_kv(ctx, 1) == 0); /* not applied yet */
+    CHECK_ERR(kvc_memory_get_k(ctx, 1, &v), KVC_ERR_INVALID_STATE, "apply() the current ubatch first");
+    CHECK(kvc_memory_kq_mask_elements(ctx, 1) == KVC_ERR_INVALID_STATE);
     CHECK_OK(kvc_memory_context_apply(ctx));
     toy_layers(&e, ctx);
     check_toy_mask(ctx, 0, 0); /* full attention: every past position */
     check_toy_mask(ctx, 2, 0);
     check_toy_mask(ctx, 1, 4); /* the window: the last 4 positions */
     check_toy_mask(ctx, 3, 4);
-    CHECK(kvc_memory_context_n_kv(ctx) == KVC_ERR_UNSUPPORTED);
-    CHECK(kvc_memory_kq_mask_elements(ctx) == KVC_ERR_UNSUPPORTED);
-    CHECK_MSG("use kvc_memory_kq_mask_elements_layer");
-    const int64_t n_mask = kvc_memory_kq_mask_elements_layer(ctx, 3);
+    CHECK(kvc_memory_context_n_kv(ctx, 0) == kvc_memory_context_n_kv(ctx, 2)); /* one cache, one n_kv */
+    CHECK(kvc_memory_kq_mask_elements(ctx, 4) == KVC_ERR_OUT_OF_RANGE);
+    CHECK_MSG("kvc_memory_kq_mask_elements: model layer 4 has no K/V");
+    const int64_t n_mask = kvc_memory_kq_mask_elements(ctx, 3);
     float* mask = malloc(sizeof(float) * (size_t)n_mask);
-    CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, mask, (size_t)n_mask, true, false), KVC_ERR_UNSUPPORTED,
-              "use kvc_memory_set_input_kq_mask_layer");
-    CHECK_ERR(kvc_memory_set_input_kq_mask_f16(ctx, (uint16_t*)mask, (size_t)n_mask, true, false),
-              KVC_ERR_UNSUPPORTED, "use kvc_memory_set_input_kq_mask_f16_layer");
+    CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 4, KVC_TYPE_F16, mask, (size_t)n_mask, true, false),
+              KVC_ERR_OUT_OF_RANGE, "model layer 4");
     int32_t* buckets = malloc(sizeof(int32_t) * (size_t)n_mask);
-    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, buckets, (size_t)n_mask, 32), KVC_ERR_UNSUPPORTED,
-              "use kvc_memory_set_input_pos_bucket_layer");
-    CHECK_OK(kvc_memory_set_input_pos_bucket_layer(ctx, 3, buckets, (size_t)n_mask, 32));
-    CHECK_ERR(kvc_memory_set_input_pos_bucket_layer(ctx, 3, buckets, 1, 32), KVC_ERR_INVALID_ARGUMENT,
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 5, buckets, (size_t)n_mask, 32), KVC_ERR_OUT_OF_RANGE,
+              "model layer 5");
+    CHECK_OK(kvc_memory_set_input_pos_bucket(ctx, 3, buckets, (size_t)n_mask, 32));
+    CHECK_ERR(kvc_memory_set_input_pos_bucket(ctx, 3, buckets, 1, 32), KVC_ERR_INVALID_ARGUMENT,
               "pos_bucket");
     free(buckets);
     free(mask);
@@ -650,8 +654,8 @@ static void test_iswa(void) {
     CHECK_ERR(kvc_memory_cpy_k(ctx, 4, rows, 2), KVC_ERR_OUT_OF_RANGE, "model layer 4 has no K/V");
     CHECK_ERR(kvc_memory_cpy_v(ctx, 1, rows, 3), KVC_ERR_INVALID_ARGUMENT, "cpy_v: expected");
     CHECK_ERR(kvc_memory_get_v(ctx, 7, &v), KVC_ERR_OUT_OF_RANGE, "model layer 7");
-    CHECK(kvc_memory_context_n_kv_layer(ctx, 9) == KVC_ERR_OUT_OF_RANGE);
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(kvc_memory_context_n_kv(ctx, 9) == KVC_ERR_OUT_OF_RANGE);
+    CHECK(!next_ubatch(ctx));
     kvc_memory_context_free(ctx);
 
     /* sequence operations run on both caches; positions come from the sliding-window cache */
@@ -693,11 +697,11 @@ static void test_iswa(void) {
     toy_init(&e, &g_iswa_model);
     CHECK_OK(kvc_memory_can_shift(mem, &can));
     CHECK(can);
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 1) == 512);
+    CHECK(kvc_memory_k_shift_elements(mem, 1) == 512);
     toy_decode_seq(&e, mem, 0, 0, 4, 8);
     CHECK_OK(kvc_memory_seq_add(mem, 0, 2, -1, 3));
     shift = malloc(sizeof(int32_t) * 512);
-    CHECK_OK(kvc_memory_set_input_k_shift_layer(mem, 3, shift, 512));
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, 3, shift, 512));
     CHECK(shift[1] == 0 && shift[2] == 3 && shift[3] == 3);
     free(shift);
     bool updated = false;
@@ -778,9 +782,9 @@ static void test_hybrid(void) {
     const kvc_hybrid_params p = toy_hybrid_params(attn, recr, false);
     kvc_memory* mem = NULL;
     CHECK_OK(kvc_hybrid_create(&p, &mem));
-    CHECK(kvc_memory_k_shift_elements(mem) == 32); /* one KV cache: the functions without a layer work */
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 3) == 32);
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 0) == KVC_ERR_OUT_OF_RANGE);
+    CHECK(kvc_memory_k_shift_elements(mem, 1) == 32 && kvc_memory_k_shift_elements(mem, 3) == 32);
+    CHECK(kvc_memory_k_shift_elements(mem, 0) == KVC_ERR_OUT_OF_RANGE); /* a recurrent layer */
+    CHECK_MSG("kvc_memory_k_shift_elements: model layer 0 has no K/V in this memory");
 
     /* a batch the attention part has no room for: a failed context, nothing changed */
     size_t n_before = 0;
@@ -789,12 +793,16 @@ static void test_hybrid(void) {
     kvc_memory_context* ctx = NULL;
     CHECK_OK(kvc_memory_init_batch(mem, b, 8, false, &ctx));
     kvc_batch_free(b);
-    CHECK(kvc_memory_context_status(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
-    CHECK(kvc_memory_context_n_kv(ctx) == 0 && kvc_memory_context_n_kv_layer(ctx, 1) == 0);
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
+    CHECK(kvc_memory_context_n_kv(ctx, 1) == KVC_ERR_INVALID_STATE);
+    CHECK_MSG("the context failed");
+    CHECK(kvc_memory_context_n_kv(ctx, 0) == KVC_ERR_OUT_OF_RANGE);
     kvc_tensor_view v;
-    CHECK_ERR(kvc_memory_get_k(ctx, 1, &v), KVC_ERR_INVALID_STATE, "not applied");
+    CHECK_ERR(kvc_memory_get_k(ctx, 1, &v), KVC_ERR_INVALID_STATE, "the context failed");
     kvc_rs_view rs;
-    CHECK_ERR(kvc_memory_context_get_rs(ctx, &rs), KVC_ERR_INVALID_STATE, "not applied");
+    CHECK_ERR(kvc_memory_context_get_rs(ctx, &rs), KVC_ERR_INVALID_STATE,
+              "kvc_memory_context_get_rs: the context failed (status KVC_MEMORY_STATUS_FAILED_PREPARE)");
+    CHECK_OK(kvc_memory_get_r(ctx, 0, &v)); /* the tensors do not depend on the context */
     CHECK_ERR(kvc_memory_context_apply(ctx), KVC_ERR_INVALID_STATE, "failed context");
     kvc_memory_context_free(ctx);
     CHECK(same_state(mem, before, n_before));
@@ -809,16 +817,15 @@ static void test_hybrid(void) {
     toy_layers(&e, ctx);
     CHECK_OK(kvc_memory_context_get_rs(ctx, &rs));
     CHECK(rs.n_seqs == 1 && rs.size == 2 && rs.n_rs_seq == 1);
-    const int64_t n_kv = kvc_memory_context_n_kv(ctx);
-    CHECK(n_kv == 8 && kvc_memory_context_n_kv_layer(ctx, 1) == n_kv &&
-          kvc_memory_context_n_kv_layer(ctx, 3) == n_kv);
-    CHECK(kvc_memory_kq_mask_elements(ctx) == n_kv && kvc_memory_kq_mask_elements_layer(ctx, 3) == n_kv);
+    const int64_t n_kv = kvc_memory_context_n_kv(ctx, 1);
+    CHECK(n_kv == 8 && kvc_memory_context_n_kv(ctx, 3) == n_kv);
+    CHECK(kvc_memory_kq_mask_elements(ctx, 1) == n_kv && kvc_memory_kq_mask_elements(ctx, 3) == n_kv);
     float mask[8];
-    CHECK_OK(kvc_memory_set_input_kq_mask(ctx, mask, 8, true, false));
+    CHECK_OK(kvc_memory_set_input_kq_mask(ctx, 1, KVC_TYPE_F32, mask, 8, true, false));
     check_mask_row(mask, n_kv, 5);
     check_toy_mask(ctx, 3, 0);
     int32_t buckets[8];
-    CHECK_OK(kvc_memory_set_input_pos_bucket(ctx, buckets, 8, 32));
+    CHECK_OK(kvc_memory_set_input_pos_bucket(ctx, 3, buckets, 8, 32));
     CHECK_OK(kvc_memory_get_k(ctx, 1, &v));
     CHECK(v.ne[2] == n_kv && k_at(&v, 0, 1, 5) == kv_value(1, 5, 4, 0));
     float rows[E] = {0};
@@ -826,7 +833,7 @@ static void test_hybrid(void) {
               "model layer 0 has no K/V in this memory");
     CHECK_ERR(kvc_memory_get_v(ctx, 2, &v), KVC_ERR_OUT_OF_RANGE, "model layer 2 has no K/V");
     CHECK_ERR(kvc_memory_get_r(ctx, 1, &v), KVC_ERR_OUT_OF_RANGE, "model layer 1 has no state");
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     kvc_memory_context_free(ctx);
 
     /* removing tokens is all or nothing: the recurrent part decides */
@@ -879,9 +886,9 @@ static void test_hybrid(void) {
     /* shifting: both parts */
     CHECK_OK(kvc_memory_seq_keep(mem, 1));
     CHECK_OK(kvc_memory_seq_add(mem, 1, 0, -1, 2));
-    CHECK(pos_max(mem, 1) == 8 && kvc_memory_k_shift_elements(mem) == 32);
+    CHECK(pos_max(mem, 1) == 8 && kvc_memory_k_shift_elements(mem, 3) == 32);
     int32_t shift[32];
-    CHECK_OK(kvc_memory_set_input_k_shift(mem, shift, 32));
+    CHECK_OK(kvc_memory_set_input_k_shift(mem, 1, shift, 32));
     CHECK_OK(kvc_memory_update(mem, false, NULL));
     kvc_memory_free(mem);
 }
@@ -894,12 +901,12 @@ static void test_hybrid_iswa(void) {
     const kvc_hybrid_params p = toy_hybrid_params(attn, recr, true);
     kvc_memory* mem = NULL;
     CHECK_OK(kvc_hybrid_create(&p, &mem));
-    CHECK(kvc_memory_k_shift_elements(mem) == KVC_ERR_UNSUPPORTED);
-    CHECK(kvc_memory_k_shift_elements_layer(mem, 1) == 32 && kvc_memory_k_shift_elements_layer(mem, 3) == 32);
+    CHECK(kvc_memory_k_shift_elements(mem, 2) == KVC_ERR_OUT_OF_RANGE); /* a recurrent layer */
+    CHECK(kvc_memory_k_shift_elements(mem, 1) == 32 && kvc_memory_k_shift_elements(mem, 3) == 32);
 
     kvc_memory_context* ctx = NULL;
     CHECK_OK(kvc_memory_init_full(mem, &ctx));
-    CHECK(kvc_memory_context_n_kv_layer(ctx, 1) == 32 && kvc_memory_context_n_kv_layer(ctx, 3) == 32);
+    CHECK(kvc_memory_context_n_kv(ctx, 1) == 32 && kvc_memory_context_n_kv(ctx, 3) == 32);
     kvc_rs_view rs;
     CHECK_OK(kvc_memory_context_get_rs(ctx, &rs));
     CHECK(rs.n_rs == 2 && rs.head == 0 && rs.s_copy[1] == 1);
@@ -913,12 +920,13 @@ static void test_hybrid_iswa(void) {
     toy_layers(&e, ctx);
     check_toy_mask(ctx, 1, 0);
     check_toy_mask(ctx, 3, 2); /* the window of 2 */
-    CHECK(kvc_memory_context_n_kv(ctx) == KVC_ERR_UNSUPPORTED);
-    CHECK_MSG("two KV caches");
+    CHECK(kvc_memory_context_n_kv(ctx, 0) == KVC_ERR_OUT_OF_RANGE);
+    CHECK_MSG("kvc_memory_context_n_kv: model layer 0 has no K/V in this memory");
     float mask[64];
-    CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, mask, 64, true, false), KVC_ERR_UNSUPPORTED, "_layer");
+    CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 2, KVC_TYPE_F32, mask, 64, true, false), KVC_ERR_OUT_OF_RANGE,
+              "kvc_memory_set_input_kq_mask: model layer 2 has no K/V");
     CHECK_ERR(kvc_memory_cpy_v(ctx, 2, mask, 2), KVC_ERR_OUT_OF_RANGE, "model layer 2 has no K/V");
-    CHECK(!kvc_memory_context_next(ctx));
+    CHECK(!next_ubatch(ctx));
     kvc_memory_context_free(ctx);
     CHECK(pos_max(mem, 0) == 6);
 
@@ -950,10 +958,9 @@ static void test_wrong_kind(void) {
               "kvc_memory_context_get_rs: this memory holds no recurrent state");
     CHECK_ERR(kvc_memory_get_r(ctx, 0, &v), KVC_ERR_UNSUPPORTED, "no recurrent state");
     CHECK_ERR(kvc_memory_get_s(ctx, 0, &v), KVC_ERR_UNSUPPORTED, "no recurrent state");
-    CHECK(kvc_memory_context_n_kv_layer(ctx, 1) == 8 &&
-          kvc_memory_context_n_kv_layer(ctx, 2) == KVC_ERR_OUT_OF_RANGE);
+    CHECK(kvc_memory_context_n_kv(ctx, 1) == 8 && kvc_memory_context_n_kv(ctx, 2) == KVC_ERR_OUT_OF_RANGE);
     kvc_memory_context_free(ctx);
-    CHECK(kvc_memory_k_shift_elements_layer(kv, 1) == 8);
+    CHECK(kvc_memory_k_shift_elements(kv, 1) == 8);
     kvc_memory_free(kv);
 
     kvc_memory_kind kind;
@@ -961,8 +968,8 @@ static void test_wrong_kind(void) {
     kvc_memory* recr = toy_recurrent(1, 0);
     CHECK_ERR(kvc_memory_get_kind(recr, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
     int32_t shift[4];
-    CHECK_ERR(kvc_memory_set_input_k_shift(recr, shift, 4), KVC_ERR_UNSUPPORTED, "no K/V");
-    CHECK_ERR(kvc_memory_set_input_k_shift_layer(recr, 0, shift, 4), KVC_ERR_UNSUPPORTED, "no K/V");
+    CHECK_ERR(kvc_memory_set_input_k_shift(recr, 0, shift, 4), KVC_ERR_UNSUPPORTED, "no K/V");
+    CHECK_ERR(kvc_memory_set_input_k_shift(recr, 1, shift, 4), KVC_ERR_UNSUPPORTED, "no K/V");
     kvc_memory_free(recr);
 }
 

@@ -527,6 +527,10 @@ TEST(memory_recurrent, full_and_update_contexts) {
     EXPECT_EQ(f.get_rs_z(), 0);
     EXPECT_EQ(f.s_copy(2), 2);
     EXPECT_THROW((void)f.s_copy(3), error);
+    EXPECT_EQ(f.get_n_seqs(), 3u);
+    EXPECT_EQ(std::vector<int64_t>(f.s_copies().begin(), f.s_copies().end()),
+              (std::vector<int64_t>{0, 1, 2}));
+    EXPECT_TRUE(f.hist_copies().empty());
     f.apply();
     EXPECT_FALSE(f.next());
     auto up = m.init_update(true);
@@ -548,13 +552,30 @@ TEST(memory_recurrent, context_inputs_need_apply_and_apply_runs_once) {
     memory_recurrent_context& rc = *ctx->get_recr();
     EXPECT_EQ(rc.n_ubatches(), 2u);
     EXPECT_THROW((void)rc.get_head(), error);
+    EXPECT_THROW((void)rc.s_copies(), error);
     rc.apply();
     EXPECT_THROW(rc.apply(), error);
     EXPECT_EQ(rc.get_n_rs(), 1u);
+    EXPECT_EQ(rc.get_n_seqs(), 1u);
+    ASSERT_EQ(rc.s_copies().size(), 1u);
+    EXPECT_EQ(rc.s_copies()[0], rc.s_copy(0));
     EXPECT_TRUE(rc.next());
     EXPECT_THROW((void)rc.s_copy(0), error);
+    try {
+        (void)rc.s_copies();
+        ADD_FAILURE() << "s_copies before apply";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("apply() the current ubatch first"), std::string::npos)
+            << e.what();
+    }
     rc.apply();
     EXPECT_FALSE(rc.next());
+    try {
+        (void)rc.get_n_seqs();
+        ADD_FAILURE() << "get_n_seqs after the last ubatch";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("no current ubatch"), std::string::npos) << e.what();
+    }
     EXPECT_EQ(std::vector<int32_t>(rc.out_ids().begin(), rc.out_ids().end()), (std::vector<int32_t>{1}));
 }
 

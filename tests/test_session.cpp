@@ -291,6 +291,79 @@ TEST_F(session, llama_seq_files_are_byte_exact_and_load_into_any_sequence) {
     EXPECT_EQ(whole(b), before);
 }
 
+// read_session_header: the format, version and token count of either kind of file, from its header alone;
+// a header that is missing, foreign, truncated or damaged is an error naming the file.
+TEST_F(session, read_session_header_reads_either_format_from_the_header_alone) {
+    std::mt19937 rng(7);
+    const auto p = params_for(dtype::f16, dtype::f16, true, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 3, rng);
+    const std::vector<token_t> tokens = {7, 8, 9, 10};
+    for (const bool compress : {false, true}) {
+        session_save_options o;
+        o.tokens = tokens;
+        o.compress = compress;
+        save_file(a, path("s.kvc"), 0, o);
+        const session_header h = read_session_header(path("s.kvc"));
+        EXPECT_EQ(h.format, session_file_format::kvcache);
+        EXPECT_EQ(h.version, session_version);
+        EXPECT_EQ(h.n_tokens, 4u);
+    }
+    save_file(a, path("none.kvc"), seq_all);
+    EXPECT_EQ(read_session_header(path("none.kvc")).n_tokens, 0u);
+    save_llama_seq_file(a, path("s.ggsq"), 0, std::span(tokens).first(3));
+    const session_header l = read_session_header(path("s.ggsq"));
+    EXPECT_EQ(l.format, session_file_format::llama_seq);
+    EXPECT_EQ(l.version, llama_seq_file_version);
+    EXPECT_EQ(l.n_tokens, 3u);
+
+    // the body is not read: a damaged body still has a readable header (load_file refuses it)
+    auto body = bytes_of(path("s.kvc"));
+    body.back() ^= 1;
+    put_bytes(path("body.kvc"), body);
+    EXPECT_EQ(read_session_header(path("body.kvc")).n_tokens, 4u);
+
+    const auto fails = [&](const std::string& file, errc code, const std::string& want) {
+        try {
+            (void)read_session_header(file);
+            ADD_FAILURE() << "accepted, expected: " << want;
+        } catch (const error& e) {
+            EXPECT_EQ(e.code(), code) << e.what();
+            EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find("read_session_header '" + file + "'"), std::string::npos)
+                << e.what();
+        }
+    };
+    fails(path("missing"), errc::io, "cannot open");
+    put_bytes(path("x"), {});
+    fails(path("x"), errc::corrupt_data,
+          "neither a kvcache session file nor a llama.cpp sequence file: 0 bytes");
+    put_bytes(path("x"), std::vector<uint8_t>{'h', 'e', 'l', 'l', 'o'});
+    fails(path("x"), errc::corrupt_data, "it starts with 0x6c6c6568");
+    put_bytes(path("x"), state_seq_get_data(a, 0));
+    fails(path("x"), errc::corrupt_data, "per-sequence state buffer");
+    const auto good = bytes_of(path("s.kvc"));
+    put_bytes(path("x"), std::span(good.data(), 40));
+    fails(path("x"), errc::corrupt_data, "truncated: 40 bytes, the header has 72");
+    auto header = good;
+    header[20] ^= 1;  // token count
+    put_bytes(path("x"), header);
+    fails(path("x"), errc::corrupt_data, "header checksum mismatch");
+    auto v2 = good;
+    v2[4] = 2;
+    put_bytes(path("x"), v2);
+    fails(path("x"), errc::unsupported, "unsupported format version 2");
+    const auto ggsq = bytes_of(path("s.ggsq"));
+    auto l3 = ggsq;
+    l3[4] = 3;
+    put_bytes(path("x"), l3);
+    fails(path("x"), errc::unsupported, "unsupported llama.cpp sequence file version 3");
+    put_bytes(path("x"), std::span(ggsq.data(), 20));  // 3 tokens announced, 2 present
+    fails(path("x"), errc::corrupt_data, "truncated: 3 tokens announced, 8 bytes left");
+    put_bytes(path("x"), std::span(ggsq.data(), 10));
+    fails(path("x"), errc::corrupt_data, "truncated: 10 bytes, the header has 12");
+}
+
 TEST(io_file, writer_and_reader_round_trip_and_report_errors) {
     const std::string p = (fs::temp_directory_path() / fmt::format("kvc-io-{}", ::getpid())).string();
     std::vector<uint8_t> big(3 << 20);

@@ -39,11 +39,14 @@ static float value(int32_t seq, int32_t pos, uint32_t il, int e) {
 static bool decode(kvc_memory* mem, const kvc_batch* batch) {
     kvc_memory_context* ctx = NULL;
     must(kvc_memory_init_batch(mem, batch, 4, false, &ctx), "kvc_memory_init_batch");
-    if (kvc_memory_context_status(ctx) != KVC_MEMORY_STATUS_SUCCESS) {
+    kvc_memory_status status;
+    must(kvc_memory_context_get_status(ctx, &status), "kvc_memory_context_get_status");
+    if (status != KVC_MEMORY_STATUS_SUCCESS) {
         kvc_memory_context_free(ctx); /* no room: the memory is unchanged */
         return false;
     }
-    do {
+    bool more = true;
+    while (more) { /* one ubatch per turn; next says whether another follows */
         must(kvc_memory_context_apply(ctx), "kvc_memory_context_apply");
         kvc_ubatch_view ub;
         must(kvc_memory_context_get_ubatch(ctx, &ub), "kvc_memory_context_get_ubatch");
@@ -63,7 +66,8 @@ static bool decode(kvc_memory* mem, const kvc_batch* batch) {
         }
         free(k);
         free(v);
-    } while (kvc_memory_context_next(ctx));
+        must(kvc_memory_context_next(ctx, &more), "kvc_memory_context_next");
+    }
     kvc_memory_context_free(ctx);
     return true;
 }

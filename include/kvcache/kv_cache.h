@@ -254,7 +254,8 @@ public:
     /// KQ mask [n_kv, n_tokens] (spec kv-core §4.2-4.3) into dst (f32 or f16, contiguous, exactly
     /// kq_mask_elements() elements).
     void set_input_kq_mask(tensor_view dst, kq_mask_options opt = {}) const;
-    size_t kq_mask_elements() const;  ///< elements set_input_kq_mask writes: n_kv x n_tokens
+    /// Elements set_input_kq_mask writes: n_kv x n_tokens (after apply(), like the mask itself).
+    size_t kq_mask_elements() const;
     /// Pending shift of every cell, [kv_size * n_stream] (0 for empty cells).
     void set_input_k_shift(std::span<int32_t> dst) const { cache_->set_input_k_shift(dst); }
     /// T5 relative position buckets [n_kv, n_tokens] (one stream only).

@@ -270,9 +270,9 @@ KVC_API kvc_iswa_params kvc_iswa_default_params(void) KVC_NOEXCEPT;
 /// @brief Creates an iSWA memory (all of its storage is allocated and zeroed now).
 ///
 /// Positions are reported from the sliding-window cache (kvc_memory_seq_pos_min() grows as the window
-/// slides). Functions that take no layer but need one KV cache (kvc_memory_context_n_kv(),
-/// kvc_memory_set_input_kq_mask(), ...) fail with #KVC_ERR_UNSUPPORTED on this memory: use their `_layer`
-/// variants (the section "K/V data and attention inputs" explains them).
+/// slides). The attention inputs (n_kv, KQ mask, position buckets, K-shift) are those of the cache
+/// holding the layer the functions are given: the full-attention and the sliding-window layers differ
+/// (the section "K/V data and attention inputs" explains it).
 /// @param params The configuration; read during the call only.
 /// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (what
@@ -468,7 +468,7 @@ typedef enum kvc_memory_status {
 ///
 /// The batch is checked against the memory (sequence ids in [0, n_seq_max), positions that continue each
 /// sequence; missing positions are filled from the memory). A valid batch that does not fit is not an
-/// error: the call returns #KVC_OK with a context whose kvc_memory_context_status() is
+/// error: the call returns #KVC_OK with a context whose kvc_memory_context_get_status() is
 /// #KVC_MEMORY_STATUS_FAILED_PREPARE (free it; the memory is unchanged; free cells or use a smaller batch).
 /// The context copies what it needs: the batch may be changed or freed afterwards.
 /// @param mem The memory.
@@ -482,8 +482,8 @@ KVC_API kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch
                                          bool embd_all, kvc_memory_context** out) KVC_NOEXCEPT;
 
 /// @brief A context shaped like the largest possible ubatch (every cell), to size compute buffers:
-/// kvc_memory_context_n_kv() (or kvc_memory_context_n_kv_layer()) is the cells of the cache and
-/// kvc_memory_get_k() / kvc_memory_get_v() give views of every cell; with recurrent state,
+/// kvc_memory_context_n_kv() is the cells of the cache holding the layer and kvc_memory_get_k() /
+/// kvc_memory_get_v() give views of every cell; with recurrent state,
 /// kvc_memory_context_get_rs() covers every cell (head 0, n_rs = n_seq_max, rs_z 0, s_copy[i] = i).
 /// Applying it does nothing.
 /// @param mem The memory.
@@ -516,10 +516,13 @@ KVC_API kvc_status kvc_memory_update(kvc_memory* mem, bool optimize, bool* updat
 /// @param ctx The context; NULL is harmless.
 KVC_API void kvc_memory_context_free(kvc_memory_context* ctx) KVC_NOEXCEPT;
 
-/// @brief The status of a context.
+/// @brief The status of a context: whether it has work to apply, nothing to do, or failed to place its
+/// batch (not an error: the memory is unchanged).
 /// @param ctx The context.
-/// @return Its status; #KVC_MEMORY_STATUS_FAILED_PREPARE for NULL (with the message set).
-KVC_API kvc_memory_status kvc_memory_context_status(const kvc_memory_context* ctx) KVC_NOEXCEPT;
+/// @param out Receives its status.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_context_get_status(const kvc_memory_context* ctx,
+                                                 kvc_memory_status* out) KVC_NOEXCEPT;
 
 /// @brief Commits the current ubatch to the memory (or runs the update). Each ubatch is applied once.
 /// @param ctx The context, whose status is #KVC_MEMORY_STATUS_SUCCESS (or NO_UPDATE: nothing happens).
@@ -527,29 +530,31 @@ KVC_API kvc_memory_status kvc_memory_context_status(const kvc_memory_context* ct
 /// ubatch already applied or none left; #KVC_ERR_UNSUPPORTED for an update an M-RoPE cache cannot do.
 KVC_API kvc_status kvc_memory_context_apply(kvc_memory_context* ctx) KVC_NOEXCEPT;
 
-/// @brief Moves to the next ubatch.
+/// @brief Moves to the next ubatch. Like `sqlite3_step`, the status says whether the call worked and
+/// `more` whether there is another ubatch, so that a failure is never mistaken for the end:
+/// @code
+/// bool more = true;
+/// while (more) {
+///     /* apply the current ubatch, compute it */
+///     if (kvc_memory_context_next(ctx, &more) != KVC_OK) { /* report kvc_last_error() */ }
+/// }
+/// @endcode
 /// @param ctx The context.
-/// @return true when there is a next ubatch; false when every ubatch has been consumed, for update and full
-/// contexts, and for NULL (with the message set).
-KVC_API bool kvc_memory_context_next(kvc_memory_context* ctx) KVC_NOEXCEPT;
+/// @param more Receives true when there is a next ubatch (now the current one); false when every ubatch
+/// has been consumed, and for update, full and failed contexts.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_context_next(kvc_memory_context* ctx, bool* more) KVC_NOEXCEPT;
 
-/// @brief Cells the attention of the current ubatch reads (padded to n_kv_pad), known after apply; for
-/// memories with one KV cache (a KV cache, a hybrid memory without iSWA).
-/// @param ctx The context.
-/// @return n_kv (0 before the current ubatch is applied; kv_size for a full context), or a negative
-/// ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL, #KVC_ERR_UNSUPPORTED for a memory without K/V or with
-/// two KV caches (iSWA: use kvc_memory_context_n_kv_layer()).
-KVC_API int64_t kvc_memory_context_n_kv(const kvc_memory_context* ctx) KVC_NOEXCEPT;
-
-/// @brief Cells the attention of layer il reads in the current ubatch: kvc_memory_context_n_kv() of the
-/// KV cache holding the layer (every memory with K/V; for iSWA, full-attention and sliding-window layers
+/// @brief Cells the attention of layer il reads in the current ubatch (padded to n_kv_pad): n_kv of the KV
+/// cache holding the layer, known after apply (with iSWA, full-attention and sliding-window layers
 /// differ).
 /// @param ctx The context.
 /// @param il Model index of a layer with K/V.
-/// @return n_kv (0 before the current ubatch is applied), or a negative ::kvc_status:
-/// #KVC_ERR_INVALID_ARGUMENT for NULL, #KVC_ERR_OUT_OF_RANGE for a layer without K/V,
+/// @return n_kv (0 before the current ubatch is applied and for update contexts; the cells of the cache
+/// for a full context), or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V, #KVC_ERR_INVALID_STATE for a failed context,
 /// #KVC_ERR_UNSUPPORTED for a memory without K/V.
-KVC_API int64_t kvc_memory_context_n_kv_layer(const kvc_memory_context* ctx, uint32_t il) KVC_NOEXCEPT;
+KVC_API int64_t kvc_memory_context_n_kv(const kvc_memory_context* ctx, uint32_t il) KVC_NOEXCEPT;
 
 /// @brief Tokens of the current ubatch.
 /// @param ctx A batch context.
@@ -600,13 +605,13 @@ KVC_API kvc_status kvc_memory_context_out_ids(const kvc_memory_context* ctx, con
 // ---------------------------------------------------------------------------------------------------------
 // K/V data and attention inputs, through a context (after kvc_memory_context_apply())
 //
-// Functions that take a layer (cpy_k/v, get_k/v, the `_layer` variants) work on every memory with K/V:
-// they use the KV cache that holds the layer (with iSWA: the full-attention or the sliding-window cache;
-// in a hybrid memory: its attention part). Functions that take no layer (n_kv, the KQ mask, position
-// buckets, the K-shift) need a memory with exactly one KV cache: a KV cache or a hybrid memory without
-// iSWA. With two caches they fail with #KVC_ERR_UNSUPPORTED; their `_layer` variants take any layer of
-// the cache wanted. Layers of one cache share n_kv, mask, buckets and K-shift: compute them once per
-// cache (for iSWA, with one full-attention layer and one sliding-window layer).
+// Every function takes a layer (model index) and works on every memory with K/V: it uses the KV cache
+// that holds the layer (with iSWA: the full-attention or the sliding-window cache; in a hybrid memory:
+// its attention part). Layers of one cache share n_kv, the KQ mask, the position buckets and the
+// K-shift: compute them once per cache, with any of its layers (for iSWA, one full-attention layer and
+// one sliding-window layer). A layer without K/V is #KVC_ERR_OUT_OF_RANGE; a memory without K/V
+// (recurrent) #KVC_ERR_UNSUPPORTED; a failed context, or reading the current ubatch before it is
+// applied, #KVC_ERR_INVALID_STATE.
 // ---------------------------------------------------------------------------------------------------------
 
 /// @brief A strided 4-D view of stored data, as ggml describes tensors.
@@ -660,123 +665,64 @@ KVC_API kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_te
 /// @return As kvc_memory_get_k().
 KVC_API kvc_status kvc_memory_get_v(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
 
-/// @brief Elements of the KQ mask of the current ubatch: n_kv * n_tokens (also the size of the position
-/// buckets); memories with one KV cache.
-/// @param ctx A batch context whose current ubatch is applied.
-/// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
-/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch, #KVC_ERR_UNSUPPORTED for a memory
-/// without K/V or with two KV caches (use kvc_memory_kq_mask_elements_layer()).
-KVC_API int64_t kvc_memory_kq_mask_elements(const kvc_memory_context* ctx) KVC_NOEXCEPT;
-
-/// @brief kvc_memory_kq_mask_elements() of the KV cache holding layer il (any memory with K/V).
+/// @brief Elements of the KQ mask (and of the position buckets) of the current ubatch in the KV cache
+/// holding layer il: n_kv * n_tokens.
 /// @param ctx A batch context whose current ubatch is applied.
 /// @param il Model index of a layer with K/V.
-/// @return The count, or a negative ::kvc_status: as kvc_memory_kq_mask_elements(), and
-/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
-KVC_API int64_t kvc_memory_kq_mask_elements_layer(const kvc_memory_context* ctx, uint32_t il) KVC_NOEXCEPT;
+/// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V, #KVC_ERR_INVALID_STATE before apply, without a current
+/// ubatch or for a failed context, #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API int64_t kvc_memory_kq_mask_elements(const kvc_memory_context* ctx, uint32_t il) KVC_NOEXCEPT;
 
-/// @brief Builds the KQ mask of the current ubatch: [n_tokens][n_kv], row i for token i, 0 where the token
-/// may attend to the cell and -INFINITY elsewhere (the cell is empty, of another sequence, in the future
-/// when causal, or outside the sliding window).
+/// @brief Builds the KQ mask of the current ubatch for the KV cache holding layer il: [n_tokens][n_kv],
+/// row i for token i, 0 where the token may attend to the cell and -INFINITY elsewhere (the cell is empty,
+/// of another sequence, in the future when causal, or outside the sliding window: with iSWA, the mask of
+/// a sliding-window layer also hides keys outside the window).
 /// @param ctx A batch context whose current ubatch is applied.
-/// @param dst [n_elements] floats, n_elements == kvc_memory_kq_mask_elements().
-/// @param n_elements Elements of dst.
+/// @param il Model index of a layer with K/V.
+/// @param type #KVC_TYPE_F32 (dst holds floats) or #KVC_TYPE_F16 (IEEE binary16: 0x0000 visible, 0xFC00
+/// = -inf masked).
+/// @param dst [n_elements] values of `type`.
+/// @param n_elements Elements of dst: kvc_memory_kq_mask_elements().
 /// @param causal Keys after the query's position are masked.
 /// @param alibi Visible cells get -|p_key - p_query| instead of 0 (ALiBi biases).
-/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n_elements;
-/// #KVC_ERR_INVALID_STATE before apply or without a current ubatch; #KVC_ERR_UNSUPPORTED for a memory
-/// without K/V or with two KV caches (use kvc_memory_set_input_kq_mask_layer()).
-KVC_API kvc_status kvc_memory_set_input_kq_mask(const kvc_memory_context* ctx, float* dst, size_t n_elements,
-                                                bool causal, bool alibi) KVC_NOEXCEPT;
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers, another type or a wrong n_elements;
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V; #KVC_ERR_INVALID_STATE before apply, without a current
+/// ubatch or for a failed context; #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API kvc_status kvc_memory_set_input_kq_mask(const kvc_memory_context* ctx, uint32_t il, kvc_type type,
+                                                void* dst, size_t n_elements, bool causal,
+                                                bool alibi) KVC_NOEXCEPT;
 
-/// @brief kvc_memory_set_input_kq_mask() into IEEE half floats (0x0000 visible, 0xFC00 = -inf masked).
-/// @param ctx A batch context whose current ubatch is applied.
-/// @param dst [n_elements] binary16 values, n_elements == kvc_memory_kq_mask_elements().
-/// @param n_elements Elements of dst.
-/// @param causal Keys after the query's position are masked.
-/// @param alibi Visible cells get -|p_key - p_query| instead of 0.
-/// @return As kvc_memory_set_input_kq_mask().
-KVC_API kvc_status kvc_memory_set_input_kq_mask_f16(const kvc_memory_context* ctx, uint16_t* dst,
-                                                    size_t n_elements, bool causal, bool alibi) KVC_NOEXCEPT;
-
-/// @brief The KQ mask of the KV cache holding layer il (any memory with K/V): kvc_memory_set_input_kq_mask()
-/// of that cache. With iSWA, the mask of a sliding-window layer also hides keys outside the window.
+/// @brief T5 relative position buckets of the current ubatch for the KV cache holding layer il:
+/// [n_tokens][n_kv] (unified caches only).
 /// @param ctx A batch context whose current ubatch is applied.
 /// @param il Model index of a layer with K/V.
-/// @param dst [n_elements] floats, n_elements == kvc_memory_kq_mask_elements_layer().
-/// @param n_elements Elements of dst.
-/// @param causal Keys after the query's position are masked.
-/// @param alibi Visible cells get -|p_key - p_query| instead of 0.
-/// @return As kvc_memory_set_input_kq_mask(), and #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
-KVC_API kvc_status kvc_memory_set_input_kq_mask_layer(const kvc_memory_context* ctx, uint32_t il, float* dst,
-                                                      size_t n_elements, bool causal,
-                                                      bool alibi) KVC_NOEXCEPT;
-
-/// @brief kvc_memory_set_input_kq_mask_layer() into IEEE half floats (0x0000 visible, 0xFC00 masked).
-/// @param ctx A batch context whose current ubatch is applied.
-/// @param il Model index of a layer with K/V.
-/// @param dst [n_elements] binary16 values, n_elements == kvc_memory_kq_mask_elements_layer().
-/// @param n_elements Elements of dst.
-/// @param causal Keys after the query's position are masked.
-/// @param alibi Visible cells get -|p_key - p_query| instead of 0.
-/// @return As kvc_memory_set_input_kq_mask_layer().
-KVC_API kvc_status kvc_memory_set_input_kq_mask_f16_layer(const kvc_memory_context* ctx, uint32_t il,
-                                                          uint16_t* dst, size_t n_elements, bool causal,
-                                                          bool alibi) KVC_NOEXCEPT;
-
-/// @brief T5 relative position buckets of the current ubatch: [n_tokens][n_kv] (unified caches only).
-/// @param ctx A batch context whose current ubatch is applied.
-/// @param dst [n] buckets, n == kvc_memory_kq_mask_elements().
-/// @param n Elements of dst.
+/// @param dst [n] buckets.
+/// @param n Elements of dst: kvc_memory_kq_mask_elements().
 /// @param n_buckets Number of buckets of the model.
-/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_INVALID_STATE
-/// before apply; #KVC_ERR_UNSUPPORTED for a cache with several streams, a memory without K/V or with two
-/// KV caches (use kvc_memory_set_input_pos_bucket_layer()).
-KVC_API kvc_status kvc_memory_set_input_pos_bucket(const kvc_memory_context* ctx, int32_t* dst, size_t n,
-                                                   uint32_t n_buckets) KVC_NOEXCEPT;
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_OUT_OF_RANGE for a
+/// layer without K/V; #KVC_ERR_INVALID_STATE before apply or for a failed context; #KVC_ERR_UNSUPPORTED for
+/// a cache with several streams or a memory without K/V.
+KVC_API kvc_status kvc_memory_set_input_pos_bucket(const kvc_memory_context* ctx, uint32_t il, int32_t* dst,
+                                                   size_t n, uint32_t n_buckets) KVC_NOEXCEPT;
 
-/// @brief kvc_memory_set_input_pos_bucket() of the KV cache holding layer il (any memory with K/V).
-/// @param ctx A batch context whose current ubatch is applied.
-/// @param il Model index of a layer with K/V.
-/// @param dst [n] buckets, n == kvc_memory_kq_mask_elements_layer().
-/// @param n Elements of dst.
-/// @param n_buckets Number of buckets of the model.
-/// @return As kvc_memory_set_input_pos_bucket(), and #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
-KVC_API kvc_status kvc_memory_set_input_pos_bucket_layer(const kvc_memory_context* ctx, uint32_t il,
-                                                         int32_t* dst, size_t n,
-                                                         uint32_t n_buckets) KVC_NOEXCEPT;
-
-/// @brief Elements of the K-shift input: kv_size * n_stream (memories with one KV cache).
-/// @param mem A memory with one KV cache (a KV cache, a hybrid memory without iSWA).
-/// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
-/// #KVC_ERR_UNSUPPORTED for a memory without K/V or with two KV caches (use
-/// kvc_memory_k_shift_elements_layer()).
-KVC_API int64_t kvc_memory_k_shift_elements(const kvc_memory* mem) KVC_NOEXCEPT;
-
-/// @brief Elements of the K-shift input of the KV cache holding layer il (any memory with K/V).
+/// @brief Elements of the K-shift input of the KV cache holding layer il: kv_size * n_stream of that cache.
 /// @param mem The memory.
 /// @param il Model index of a layer with K/V.
-/// @return The count, or a negative ::kvc_status: as kvc_memory_k_shift_elements(), and
-/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
-KVC_API int64_t kvc_memory_k_shift_elements_layer(const kvc_memory* mem, uint32_t il) KVC_NOEXCEPT;
+/// @return The count, or a negative ::kvc_status: #KVC_ERR_INVALID_ARGUMENT for NULL,
+/// #KVC_ERR_OUT_OF_RANGE for a layer without K/V, #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API int64_t kvc_memory_k_shift_elements(const kvc_memory* mem, uint32_t il) KVC_NOEXCEPT;
 
-/// @brief The pending shift of every cell, for engines that re-rotate keys themselves (read it before
-/// applying the update context): [n_stream][kv_size], 0 for empty cells.
-/// @param mem A memory with one KV cache (a KV cache, a hybrid memory without iSWA).
+/// @brief The pending shift of every cell of the KV cache holding layer il, for engines that re-rotate keys
+/// themselves (read it before applying the update context): [n_stream][kv_size], 0 for empty cells.
+/// @param mem The memory.
+/// @param il Model index of a layer with K/V.
 /// @param dst [n] shifts.
 /// @param n Elements of dst: kvc_memory_k_shift_elements().
-/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_UNSUPPORTED for a
-/// memory without K/V or with two KV caches (use kvc_memory_set_input_k_shift_layer()).
-KVC_API kvc_status kvc_memory_set_input_k_shift(const kvc_memory* mem, int32_t* dst, size_t n) KVC_NOEXCEPT;
-
-/// @brief kvc_memory_set_input_k_shift() of the KV cache holding layer il (any memory with K/V).
-/// @param mem The memory.
-/// @param il Model index of a layer with K/V.
-/// @param dst [n] shifts.
-/// @param n Elements of dst: kvc_memory_k_shift_elements_layer().
-/// @return As kvc_memory_set_input_k_shift(), and #KVC_ERR_OUT_OF_RANGE for a layer without K/V.
-KVC_API kvc_status kvc_memory_set_input_k_shift_layer(const kvc_memory* mem, uint32_t il, int32_t* dst,
-                                                      size_t n) KVC_NOEXCEPT;
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n; #KVC_ERR_OUT_OF_RANGE for a
+/// layer without K/V; #KVC_ERR_UNSUPPORTED for a memory without K/V.
+KVC_API kvc_status kvc_memory_set_input_k_shift(const kvc_memory* mem, uint32_t il, int32_t* dst,
+                                                size_t n) KVC_NOEXCEPT;
 
 // ---------------------------------------------------------------------------------------------------------
 // Recurrent state through a context (recurrent and hybrid memories)
@@ -817,10 +763,11 @@ typedef struct kvc_rs_view {
 /// @brief The state inputs of the current ubatch (recurrent and hybrid memories; for a hybrid memory,
 /// those of its recurrent part).
 /// @param ctx A batch context whose current ubatch is applied, or a full context.
-/// @param out Receives the view; its arrays are valid until kvc_memory_context_next() or
-/// kvc_memory_context_free().
+/// @param out Receives the view; its arrays are the context's own, valid until kvc_memory_context_next()
+/// or kvc_memory_context_free().
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_INVALID_STATE before apply, past
-/// the last ubatch or for an update context; #KVC_ERR_UNSUPPORTED for a memory without recurrent state.
+/// the last ubatch, for an update context or a failed one; #KVC_ERR_UNSUPPORTED for a memory without
+/// recurrent state.
 KVC_API kvc_status kvc_memory_context_get_rs(const kvc_memory_context* ctx, kvc_rs_view* out) KVC_NOEXCEPT;
 
 /// @brief A view of layer il's r tensor (conv / token-shift state): [n_embd_r, size, 1 + n_rs_seq], row of

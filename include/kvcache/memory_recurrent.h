@@ -290,8 +290,13 @@ public:
     const memory_recurrent& memory() const { return *mem_; }
     /// Number of ubatches.
     size_t n_ubatches() const { return ubatches_.size(); }
+    // Each accessor below throws kvc::error(invalid_state) when there is nothing to describe: before
+    // apply(), after the last ubatch, and on update contexts.
     /// Cells in the range (size in full mode).
     uint32_t get_n_rs() const { return slot().n; }
+    /// Blocks of the ubatch: the first get_n_seqs() cells of the range are theirs ("main" cells; every
+    /// cell in full mode).
+    uint32_t get_n_seqs() const { return slot().n_seqs; }
     /// First cell of the range (0 in full mode).
     uint32_t get_head() const { return slot().head; }
     /// Row to zero before reading, -1 if none (0 in full mode).
@@ -302,7 +307,9 @@ public:
     uint32_t get_n_rs_seq() const { return mem_->get_n_rs_seq(); }
     /// Source row of range cell i in [0, n_rs): plane * size + cell.
     int64_t s_copy(uint32_t i) const;
-    /// History planes the engine carries over (step 5 of the contract).
+    /// Every source row, [n_rs]: s_copies()[i] == s_copy(i). Valid until next() (or the context's end).
+    std::span<const int64_t> s_copies() const { return slot().s_copy; }
+    /// History planes the engine carries over (step 5 of the contract). Valid until next().
     std::span<const rs_copy> hist_copies() const { return slot().hist_copy; }
     /// Layer il's r tensor, [n_embd_r, size, 1 + n_rs_seq].
     tensor_view get_r(uint32_t il) { return mem_->get_r(il); }

@@ -73,6 +73,30 @@ inline constexpr uint32_t llama_seq_file_magic = 0x67677371u;      ///< 'ggsq'
 inline constexpr uint32_t llama_seq_file_version = 2;              ///< the version read and written
 inline constexpr uint32_t llama_session_file_magic = 0x6767736eu;  ///< 'ggsn' (whole contexts; not read)
 
+// -- either format --
+
+/// The two formats a session file can have.
+enum class session_file_format : uint8_t {
+    kvcache,    ///< a kvcache session file ("KVCS": save_file / load_file)
+    llama_seq,  ///< a llama.cpp sequence file ('ggsq': save_llama_seq_file / load_llama_seq_file)
+};
+
+/// What the fixed header of a session file says, read without the rest of the file.
+struct session_header {
+    session_file_format format = session_file_format::kvcache;  ///< which of the two formats
+    uint32_t version = 0;                                       ///< its format version
+    uint32_t n_tokens = 0;                                      ///< tokens stored beside the state
+};
+
+/// Reads the header of a kvcache session file (72 bytes, whose own checksum is verified) or of a
+/// llama.cpp sequence file (12 bytes), e.g. to size a token buffer before load_file or
+/// load_llama_seq_file. Only the header is read and checked (magic, version, header checksum, and that
+/// the file is long enough for the header and, for 'ggsq', its tokens): a file whose header reads well
+/// can still fail to load. Throws kvc::error: io when the file cannot be read, corrupt_data for a file in
+/// neither format or with a truncated or damaged header, unsupported for a version this build does not
+/// read.
+session_header read_session_header(const std::string& path);
+
 /// u32 magic, u32 version, u32 n_tokens, tokens, then state_write(seq_id) with no prefix. Returns bytes.
 uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_id_t seq_id,
                              std::span<const token_t> tokens);

@@ -1,0 +1,366 @@
+// The C API's memories, batches and contexts: creating each kind of memory, building batches, placing
+// them through contexts (init, apply, next, the current ubatch), and the sequence operations.
+#include <limits>
+#include <memory>
+#include <span>
+
+#include <fmt/format.h>
+
+#include "capi_impl.h"
+
+using namespace kvc::capi;
+using kvc::errc;
+
+// -- memory creation --
+
+namespace {
+
+// A memory handle over a C++ memory; set_parts fills its typed pointers.
+template <class M, class SetParts>
+kvc_memory* new_memory(std::unique_ptr<M> mem, kvc_memory_kind kind, uint32_t n_seq_max, uint32_t n_pos,
+                       const SetParts& set_parts) {
+    auto m = std::make_unique<kvc_memory>();
+    m->kind = kind;
+    m->n_seq_max = n_seq_max;
+    m->n_pos = n_pos;
+    set_parts(*m, *mem);
+    m->mem = std::move(mem);
+    return m.release();
+}
+
+}  // namespace
+
+kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        const kvc_kv_cache_params& c = need(params, "params");
+        need(out, "out");
+        auto cache = std::make_unique<kvc::kv_cache>(to_cpp(c, "params"));
+        const kvc::kv_cache_params& p = cache->params();
+        *out = new_memory(std::move(cache), KVC_MEMORY_KIND_KV_CACHE, p.n_seq_max, p.n_pos,
+                          [](kvc_memory& m, kvc::kv_cache& kv) { m.kv = &kv; });
+    });
+}
+
+kvc_status kvc_iswa_create(const kvc_iswa_params* params, kvc_memory** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        const kvc_iswa_params& c = need(params, "params");
+        need(out, "out");
+        kvc::kv_cache_iswa_params p;
+        p.kv = to_cpp(c.kv, "params.kv");
+        p.swa_full = c.swa_full;
+        p.n_ubatch = c.n_ubatch;
+        auto iswa = std::make_unique<kvc::kv_cache_iswa>(std::move(p));
+        const kvc::kv_cache_params& kv = iswa->params().kv;
+        *out = new_memory(std::move(iswa), KVC_MEMORY_KIND_ISWA, kv.n_seq_max, kv.n_pos,
+                          [](kvc_memory& m, kvc::kv_cache_iswa& is) { m.iswa = &is; });
+    });
+}
+
+kvc_status kvc_recurrent_create(const kvc_recurrent_params* params, kvc_memory** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        const kvc_recurrent_params& c = need(params, "params");
+        need(out, "out");
+        auto recr = std::make_unique<kvc::memory_recurrent>(to_cpp(c, "params"));
+        const uint32_t n_seq_max = recr->params().n_seq_max;
+        *out = new_memory(std::move(recr), KVC_MEMORY_KIND_RECURRENT, n_seq_max, 1,
+                          [](kvc_memory& m, kvc::memory_recurrent& r) { m.recr = &r; });
+    });
+}
+
+kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        const kvc_hybrid_params& c = need(params, "params");
+        need(out, "out");
+        kvc::memory_hybrid_params p;
+        p.attn = to_cpp(c.attn, "params.attn");
+        p.recr = to_cpp(c.recr, "params.recr");
+        p.iswa = c.iswa;
+        p.swa_full = c.swa_full;
+        p.n_ubatch = c.n_ubatch;
+        auto hybrid = std::make_unique<kvc::memory_hybrid>(std::move(p));
+        const kvc::kv_cache_params& attn = hybrid->params().attn;
+        *out = new_memory(std::move(hybrid), c.iswa ? KVC_MEMORY_KIND_HYBRID_ISWA : KVC_MEMORY_KIND_HYBRID,
+                          attn.n_seq_max, attn.n_pos, [](kvc_memory& m, kvc::memory_hybrid& h) {
+                              m.hybrid = &h;
+                              m.recr = &h.get_recr();
+                          });
+    });
+}
+
+kvc_status kvc_memory_get_kind(const kvc_memory* mem, kvc_memory_kind* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory& m = need(mem, "mem");
+        need(out, "out") = m.kind;
+    });
+}
+
+void kvc_memory_free(kvc_memory* mem) noexcept {
+    delete mem;
+}
+
+// -- batches --
+
+namespace {
+
+kvc::batch_storage& editable(kvc_batch* batch) {
+    kvc_batch& b = need(batch, "batch");
+    if (!b.storage)
+        throw_error(errc::invalid_argument, "the batch comes from kvc_batch_get_one and cannot be changed");
+    return *b.storage;
+}
+
+}  // namespace
+
+kvc_batch* kvc_batch_init(int32_t n_tokens_alloc, int32_t n_embd, int32_t n_seq_max) noexcept {
+    kvc_batch* out = nullptr;
+    (void)guarded(__func__, [&] {
+        auto b = std::make_unique<kvc_batch>();
+        b->storage.emplace(n_tokens_alloc, n_embd, n_seq_max);
+        b->n_embd = n_embd;
+        out = b.release();
+    });
+    return out;
+}
+
+kvc_batch* kvc_batch_get_one(const int32_t* tokens, size_t n_tokens) noexcept {
+    kvc_batch* out = nullptr;
+    (void)guarded(__func__, [&] {
+        need_ptr(tokens, "tokens");
+        if (n_tokens == 0 || n_tokens > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+            throw_error(errc::invalid_argument, fmt::format("n_tokens = {} not in [1, INT32_MAX]", n_tokens));
+        auto b = std::make_unique<kvc_batch>();
+        b->tokens.assign(tokens, tokens + n_tokens);
+        out = b.release();
+    });
+    return out;
+}
+
+void kvc_batch_free(kvc_batch* batch) noexcept {
+    delete batch;
+}
+
+kvc_status kvc_batch_add(kvc_batch* batch, int32_t token, int32_t pos, const int32_t* seq_ids,
+                         size_t n_seq_ids, bool output) noexcept {
+    return guarded(__func__, [&] {
+        kvc::batch_storage& s = editable(batch);
+        need_ptr(seq_ids, "seq_ids");
+        s.add(token, pos, std::span<const kvc::seq_id_t>(seq_ids, n_seq_ids), output);
+    });
+}
+
+kvc_status kvc_batch_add_embd(kvc_batch* batch, const float* embd, int32_t pos, const int32_t* seq_ids,
+                              size_t n_seq_ids, bool output) noexcept {
+    return guarded(__func__, [&] {
+        kvc::batch_storage& s = editable(batch);
+        need_ptr(embd, "embd");
+        need_ptr(seq_ids, "seq_ids");
+        if (batch->n_embd == 0)
+            throw_error(errc::invalid_argument,
+                        "this batch holds tokens, not embeddings (use kvc_batch_add)");
+        s.add(std::span<const float>(embd, static_cast<size_t>(batch->n_embd)), pos,
+              std::span<const kvc::seq_id_t>(seq_ids, n_seq_ids), output);
+    });
+}
+
+kvc_status kvc_batch_clear(kvc_batch* batch) noexcept {
+    return guarded(__func__, [&] { editable(batch).clear(); });
+}
+
+kvc_status kvc_batch_set_output(kvc_batch* batch, int32_t i, bool output) noexcept {
+    return guarded(__func__, [&] { editable(batch).set_output(i, output); });
+}
+
+int32_t kvc_batch_n_tokens(const kvc_batch* batch) noexcept {
+    return static_cast<int32_t>(guarded_count(__func__, [&] {
+        const kvc_batch& b = need(batch, "batch");
+        return int64_t{b.storage ? b.storage->size() : static_cast<int32_t>(b.tokens.size())};
+    }));
+}
+
+int32_t kvc_batch_capacity(const kvc_batch* batch) noexcept {
+    return static_cast<int32_t>(guarded_count(__func__, [&] {
+        const kvc_batch& b = need(batch, "batch");
+        return int64_t{b.storage ? b.storage->capacity() : static_cast<int32_t>(b.tokens.size())};
+    }));
+}
+
+// -- placement --
+
+namespace {
+
+kvc_memory_context* new_context(kvc_memory& m, kvc::memory_context_ptr ctx,
+                                std::unique_ptr<kvc_memory_context> c = nullptr) {
+    if (!c) c = std::make_unique<kvc_memory_context>();
+    c->mem = &m;
+    c->ctx = std::move(ctx);
+    return c.release();
+}
+
+}  // namespace
+
+kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch, uint32_t n_ubatch, bool embd_all,
+                                 kvc_memory_context** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        kvc_memory& m = need(mem, "mem");
+        const kvc_batch& b = need(batch, "batch");
+        need(out, "out");
+        auto c = std::make_unique<kvc_memory_context>();
+        kvc::batch_options opt;
+        opt.n_seq_max = m.n_seq_max;
+        opt.n_embd = b.n_embd;
+        opt.n_pos = m.n_pos;
+        opt.output_all = embd_all;
+        c->balloc.init(b.view(), positions_of(m.mem.get()), opt);
+        kvc::memory_context_ptr ctx = m.mem->init_batch(c->balloc, n_ubatch, embd_all);
+        *out = new_context(m, std::move(ctx), std::move(c));
+    });
+}
+
+kvc_status kvc_memory_init_full(kvc_memory* mem, kvc_memory_context** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        kvc_memory& m = need(mem, "mem");
+        need(out, "out");
+        *out = new_context(m, m.mem->init_full());
+    });
+}
+
+kvc_status kvc_memory_init_update(kvc_memory* mem, bool optimize, kvc_memory_context** out) noexcept {
+    if (out) *out = nullptr;
+    return guarded(__func__, [&] {
+        kvc_memory& m = need(mem, "mem");
+        need(out, "out");
+        *out = new_context(m, m.mem->init_update(optimize));
+    });
+}
+
+kvc_status kvc_memory_update(kvc_memory* mem, bool optimize, bool* updated) noexcept {
+    return guarded(__func__, [&] {
+        kvc_memory& m = need(mem, "mem");
+        const kvc::memory_context_ptr ctx = m.mem->init_update(optimize);
+        const bool work = ctx->get_status() == kvc::memory_status::success;
+        if (work) ctx->apply();
+        if (updated) *updated = work;
+    });
+}
+
+void kvc_memory_context_free(kvc_memory_context* ctx) noexcept {
+    delete ctx;
+}
+
+kvc_status kvc_memory_context_get_status(const kvc_memory_context* ctx, kvc_memory_status* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        need(out, "out") = static_cast<kvc_memory_status>(c.ctx->get_status());
+    });
+}
+
+kvc_status kvc_memory_context_apply(kvc_memory_context* ctx) noexcept {
+    return guarded(__func__, [&] { need(ctx, "ctx").ctx->apply(); });
+}
+
+kvc_status kvc_memory_context_next(kvc_memory_context* ctx, bool* more) noexcept {
+    return guarded(__func__, [&] {
+        kvc_memory_context& c = need(ctx, "ctx");
+        bool& m = need(more, "more");
+        m = c.ctx->next();
+    });
+}
+
+int64_t kvc_memory_context_n_tokens(const kvc_memory_context* ctx) noexcept {
+    return guarded_count(__func__, [&] { return int64_t{need(ctx, "ctx").ctx->get_ubatch().n_tokens}; });
+}
+
+kvc_status kvc_memory_context_get_ubatch(const kvc_memory_context* ctx, kvc_ubatch_view* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        kvc_ubatch_view& v = need(out, "out");
+        const kvc::ubatch& ub = c.ctx->get_ubatch();
+        const auto ptr = [](const auto& vec) { return vec.empty() ? nullptr : vec.data(); };
+        v.n_tokens = ub.n_tokens;
+        v.n_seq_tokens = ub.n_seq_tokens;
+        v.n_seqs = ub.n_seqs;
+        v.n_seqs_unq = ub.n_seqs_unq;
+        v.n_pos = ub.n_pos;
+        v.n_embd = ub.n_embd;
+        v.equal_seqs = ub.equal_seqs;
+        v.token = ptr(ub.token);
+        v.embd = ptr(ub.embd);
+        v.pos = ptr(ub.pos);
+        v.n_seq_id = ptr(ub.n_seq_id);
+        v.seq_id_begin = ptr(ub.seq_id_begin);
+        v.seq_id_data = ptr(ub.seq_id_data);
+        v.seq_id_unq = ptr(ub.seq_id_unq);
+        v.output = ptr(ub.output);
+        v.batch_idx = ptr(ub.batch_idx);
+    });
+}
+
+kvc_status kvc_memory_context_out_ids(const kvc_memory_context* ctx, const int32_t** ids,
+                                      size_t* n) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory_context& c = need(ctx, "ctx");
+        need(ids, "ids");
+        need(n, "n");
+        const std::span<const int32_t> o = c.ctx->out_ids();
+        *ids = o.empty() ? nullptr : o.data();
+        *n = o.size();
+    });
+}
+
+// -- sequences --
+
+kvc_status kvc_memory_clear(kvc_memory* mem, bool data) noexcept {
+    return guarded(__func__, [&] { need(mem, "mem").mem->clear(data); });
+}
+
+kvc_status kvc_memory_seq_rm(kvc_memory* mem, int32_t seq_id, int32_t p0, int32_t p1,
+                             bool* removed) noexcept {
+    return guarded(__func__, [&] {
+        const bool r = need(mem, "mem").mem->seq_rm(seq_id, p0, p1);
+        if (removed) *removed = r;
+    });
+}
+
+kvc_status kvc_memory_seq_cp(kvc_memory* mem, int32_t src, int32_t dst, int32_t p0, int32_t p1) noexcept {
+    return guarded(__func__, [&] { need(mem, "mem").mem->seq_cp(src, dst, p0, p1); });
+}
+
+kvc_status kvc_memory_seq_keep(kvc_memory* mem, int32_t seq_id) noexcept {
+    return guarded(__func__, [&] { need(mem, "mem").mem->seq_keep(seq_id); });
+}
+
+kvc_status kvc_memory_seq_add(kvc_memory* mem, int32_t seq_id, int32_t p0, int32_t p1,
+                              int32_t shift) noexcept {
+    return guarded(__func__, [&] { need(mem, "mem").mem->seq_add(seq_id, p0, p1, shift); });
+}
+
+kvc_status kvc_memory_seq_div(kvc_memory* mem, int32_t seq_id, int32_t p0, int32_t p1, int d) noexcept {
+    return guarded(__func__, [&] { need(mem, "mem").mem->seq_div(seq_id, p0, p1, d); });
+}
+
+kvc_status kvc_memory_seq_pos_min(const kvc_memory* mem, int32_t seq_id, int32_t* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory& m = need(mem, "mem");
+        need(out, "out") = m.mem->seq_pos_min(seq_id);
+    });
+}
+
+kvc_status kvc_memory_seq_pos_max(const kvc_memory* mem, int32_t seq_id, int32_t* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory& m = need(mem, "mem");
+        need(out, "out") = m.mem->seq_pos_max(seq_id);
+    });
+}
+
+kvc_status kvc_memory_can_shift(const kvc_memory* mem, bool* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory& m = need(mem, "mem");
+        need(out, "out") = m.mem->get_can_shift();
+    });
+}
