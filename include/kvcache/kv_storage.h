@@ -80,8 +80,7 @@ public:
     /// Bytes of layer li's K or V tensor.
     size_t bytes(kv_part part, uint32_t li) const;
 
-    /// @name Rows of a ubatch
-    /// @{
+    // -- rows of a ubatch --
     /// Writes token t's row of src to rows[t], converted to the stored type. src is [E, n_tokens] (or
     /// [head_dim, n_head, n_tokens]) of f32 or f16, contiguous; throws kvc::error otherwise.
     virtual void write(kv_part part, uint32_t li, const_tensor_view src, std::span<const uint64_t> rows) = 0;
@@ -92,10 +91,8 @@ public:
     virtual void shift_k(std::span<const row_shift> shifts, const executor& ex) = 0;
     /// Zeroes every byte.
     virtual void clear() = 0;
-    /// @}
 
-    /// @name State I/O (llama.cpp's payload order)
-    /// @{
+    // -- state I/O (llama.cpp's payload order) --
     /// Writes layer li's K rows in order; a row with a non-zero delta (deltas empty: none) is written
     /// rotated by it, the stored row unchanged.
     virtual void save_k(io_write_i& io, uint32_t li, std::span<const uint64_t> rows,
@@ -106,22 +103,21 @@ public:
     virtual void load(kv_part part, uint32_t li, std::span<const uint64_t> rows, const std::byte* src) = 0;
     /// A stored row decoded to f32 (E values; transposed V gathered), for tests and inspection.
     virtual void read_row(kv_part part, uint32_t li, uint64_t row, std::span<float> out) const = 0;
-    /// @}
 
-    /// @name Views for attention
-    /// @{
+    // -- views for attention --
     /// Layer li's first n_kv cells of streams [s0, s0 + ns), as kv_cache_context::get_k describes.
     virtual tensor_view view(kv_part part, uint32_t li, uint32_t s0, uint32_t ns, uint32_t n_kv) = 0;
     /// Element index of (channel e, row) in transposed V, as an engine scatters values.
     uint64_t v_trans_index(uint64_t row, uint32_t e) const;
-    /// @}
 
 protected:
+    /// Computes the row sizes every storage shares.
     explicit kv_storage(kv_storage_params params);
 
-    kv_storage_params params_;
-    std::vector<size_t> k_row_, v_row_;  // per layer
-    uint32_t e_vmax_ = 0;
+    kv_storage_params params_;   ///< the shape
+    std::vector<size_t> k_row_;  ///< bytes of a K row, per layer
+    std::vector<size_t> v_row_;  ///< bytes of a V row, per layer
+    uint32_t e_vmax_ = 0;        ///< the widest V row, in values
 };
 
 /// Storage in host memory (or the params' allocator): today's layout, one buffer per layer and part,
