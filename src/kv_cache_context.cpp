@@ -66,7 +66,8 @@ void kv_cache_context::apply() {
     if (i_cur_ >= ubatches_.size())
         throw error(errc::invalid_state, "memory context: no ubatch left to apply");
     if (n_applied_ > i_cur_)
-        throw error(errc::invalid_state, fmt::format("memory context: ubatch {} was already applied", i_cur_));
+        throw error(errc::invalid_state,
+                    fmt::format("memory context: ubatch {} was already applied", i_cur_));
     cache_->apply_ubatch(sinfos_[i_cur_], ubatches_[i_cur_]);
     n_applied_ = i_cur_ + 1;
     n_kv_ = cache_->get_n_kv(sinfos_[i_cur_]);
@@ -131,7 +132,8 @@ std::vector<int64_t> kv_cache_context::v_idxs(uint32_t il) const {
     std::vector<int64_t> idx;
     idx.reserve(rows_.size() * st.e_vmax());
     for (uint64_t r : rows_)
-        for (uint32_t e = 0; e < st.e_vmax(); ++e) idx.push_back(static_cast<int64_t>(st.v_trans_index(r, e)));
+        for (uint32_t e = 0; e < st.e_vmax(); ++e)
+            idx.push_back(static_cast<int64_t>(st.v_trans_index(r, e)));
     return idx;
 }
 
@@ -152,7 +154,8 @@ void kv_cache_context::set_input_pos_bucket(std::span<int32_t> dst, uint32_t n_b
 
 // -- attention inputs (the ubatch was checked by prepare and applied; n_kv came from get_n_kv) --
 
-void kv_cache::set_input_kq_mask(tensor_view dst, const ubatch& ub, uint32_t n_kv, kq_mask_options opt) const {
+void kv_cache::set_input_kq_mask(tensor_view dst, const ubatch& ub, uint32_t n_kv,
+                                 kq_mask_options opt) const {
     const bool causal = opt.causal, alibi = opt.alibi;
     if (dst.type != dtype::f32 && dst.type != dtype::f16)
         throw error(
@@ -161,8 +164,8 @@ void kv_cache::set_input_kq_mask(tensor_view dst, const ubatch& ub, uint32_t n_k
     const size_t n_elements = size_t{n_kv} * ub.n_tokens;
     if (!dst.is_contiguous() || static_cast<size_t>(dst.nelements()) != n_elements)
         throw error(errc::invalid_argument,
-                    fmt::format("set_input_kq_mask: need {} contiguous elements ([{}, {}]), got {}", n_elements,
-                                n_kv, ub.n_tokens, dst.describe()));
+                    fmt::format("set_input_kq_mask: need {} contiguous elements ([{}, {}]), got {}",
+                                n_elements, n_kv, ub.n_tokens, dst.describe()));
 
     const bool f16 = dst.type == dtype::f16;
     if (reinterpret_cast<uintptr_t>(dst.data) % (f16 ? alignof(uint16_t) : alignof(float)) != 0)
@@ -293,8 +296,9 @@ void kv_cache::k_shift() {
         for (uint32_t i : used)
             if (cells.get_shift(i) != 0) shifts.push_back({cells.get_shift(i), row(s, i)});
     }
-    std::sort(shifts.begin(), shifts.end(),
-              [](const row_shift& a, const row_shift& b) { return a.delta != b.delta ? a.delta < b.delta : a.row < b.row; });
+    std::sort(shifts.begin(), shifts.end(), [](const row_shift& a, const row_shift& b) {
+        return a.delta != b.delta ? a.delta < b.delta : a.row < b.row;
+    });
     storage_->shift_k(shifts, params_.exec);
 }
 

@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include <fmt/format.h>
-#include <kvcache/kv_storage.h>
 #include <kvcache/io.h>
+#include <kvcache/kv_storage.h>
 
 #include "detail/copy.h"
 

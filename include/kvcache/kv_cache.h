@@ -231,7 +231,7 @@ public:
     memory_recurrent_context* get_recr() override { return nullptr; }
 
     // -- per ubatch --
-    const kv_cache& cache() const { return *cache_; }       ///< the cache this context belongs to
+    const kv_cache& cache() const { return *cache_; }  ///< the cache this context belongs to
     /// Cells attention reads: the used extent of the slot's streams, padded (0 until apply()).
     uint32_t get_n_kv() const { return n_kv_; }
     const slot_info& get_sinfo() const;                     ///< the current ubatch's slot
