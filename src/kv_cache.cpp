@@ -476,6 +476,25 @@ uint32_t kv_cache::compact() {
     return static_cast<uint32_t>(copies.size());
 }
 
+void kv_cache::k_shift() {
+    // Cells moved together share their delta (a context shift moves a whole suffix by one amount): sorted
+    // by delta, the storage builds one rotation table per delta and piece. Every row is decoded, rotated
+    // and encoded again, whatever the K type (decision 4), as a pure rotation (decision 5).
+    std::vector<row_shift> shifts;
+    std::vector<uint32_t> used;
+    for (uint32_t s = 0; s < streams_.size(); ++s) {
+        const kv_cells& cells = streams_[s];
+        used.clear();
+        cells.used_cells(used);
+        for (uint32_t i : used)
+            if (cells.get_shift(i) != 0) shifts.push_back({cells.get_shift(i), row(s, i)});
+    }
+    std::sort(shifts.begin(), shifts.end(), [](const row_shift& a, const row_shift& b) {
+        return a.delta != b.delta ? a.delta < b.delta : a.row < b.row;
+    });
+    storage_->shift_k(shifts, params_.exec);
+}
+
 bool kv_cache::update() {
     if (!get_has_shift()) return false;
     if (!get_can_shift())

@@ -1,5 +1,5 @@
-// kv_cache_context (the engine's way to a ubatch's K/V rows, views and attention inputs), the attention
-// inputs themselves (KQ mask, shifts, position buckets) and the K-shift.
+// kv_cache_context (the engine's way to a ubatch's K/V rows, views and attention inputs) and the
+// attention inputs themselves (KQ mask, shifts, position buckets).
 #include <algorithm>
 #include <cassert>
 #include <cmath>
@@ -279,27 +279,6 @@ void kv_cache::set_input_pos_bucket(std::span<int32_t> dst, const ubatch& ub, ui
         for (uint32_t j = 0; j < n_kv; ++j)
             dst[size_t{i} * n_kv + j] =
                 pos_bucket(cells.is_empty(j) ? -1 : cells.pos_get(j), ub.pos[i], n_buckets, false);
-}
-
-// -- K-shift --
-
-void kv_cache::k_shift() {
-    // Cells moved together share their delta (a context shift moves a whole suffix by one amount): sorted
-    // by delta, the storage builds one rotation table per delta and piece. Every row is decoded, rotated
-    // and encoded again, whatever the K type (decision 4), as a pure rotation (decision 5).
-    std::vector<row_shift> shifts;
-    std::vector<uint32_t> used;
-    for (uint32_t s = 0; s < streams_.size(); ++s) {
-        const kv_cells& cells = streams_[s];
-        used.clear();
-        cells.used_cells(used);
-        for (uint32_t i : used)
-            if (cells.get_shift(i) != 0) shifts.push_back({cells.get_shift(i), row(s, i)});
-    }
-    std::sort(shifts.begin(), shifts.end(), [](const row_shift& a, const row_shift& b) {
-        return a.delta != b.delta ? a.delta < b.delta : a.row < b.row;
-    });
-    storage_->shift_k(shifts, params_.exec);
 }
 
 }  // namespace kvc
