@@ -37,7 +37,7 @@ set(KVC_INCLUDE_RANKS
   "2 tensor.h ops.h kv_storage.h"
   "3 kv_cells.h batch.h"
   "4 memory.h"
-  "5 kv_cache.h memory_recurrent.h kv_cache_iswa.h memory_hybrid.h"
+  "5 kv_cache.h memory_recurrent.h recurrent_engine.h kv_cache_iswa.h memory_hybrid.h"
   "6 state.h state_summary.h session.h"
   "7 runtime/gguf.h runtime/thread_pool.h runtime/tiny_model.h runtime/runtime.h"
   "8 kvcache.h kvcache_state.h"

@@ -28,7 +28,8 @@
 /// state after position pos(c) - r: the memory lists in hist_copies() the planes a short ubatch (T <= k)
 /// cannot compute (plane T is the block's initial state, planes above it come from the source's own
 /// history). Batches of k + 1 tokens or more per sequence need no copy (init_batch keeps the last k + 1
-/// tokens of each sequence in one ubatch).
+/// tokens of each sequence in one ubatch). A host engine need not write this itself: recurrent_step
+/// (recurrent_engine.h) does steps 1-3 and 5 and stores what the engine's step 4 computes.
 ///
 /// Rollback (n_rs_seq = k > 0): seq_rm(s, p0, -1) with 0 < p0 <= P (P = tail position) removes the last
 /// r = P - p0 + 1 tokens when the tail cell belongs to s alone and holds at least r history planes:
