@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <kvcache/batch.h>
 #include <kvcache/memory_hybrid.h>
+#include <kvcache/recurrent_engine.h>
 #include <kvcache/state.h>
 
 #include "memory_test_util.h"
@@ -292,34 +293,17 @@ uint64_t mix(uint64_t h, seq_id_t s, pos_t p) {
     return (x ^ (x >> 31)) | 1;  // never 0, the fresh state
 }
 
-// The recurrent engine contract (memory_recurrent.h) with states as hash chains of (sequence, position)
-// in the first 8 bytes of every row: a wrong source row, plane or copy changes the chain.
-void recurrent_step(memory_recurrent& m, memory_recurrent_context& rc, const ubatch& ub) {
-    const uint32_t T = ub.n_seq_tokens, k = m.get_n_rs_seq();
-    for (uint32_t il : m.layer_ids())
-        for (const tensor_view& v : {rc.get_r(il), rc.get_s(il)}) {
-            const auto at = [&](int64_t row) { return v.data + row * v.nb[1]; };
-            const auto get = [&](int64_t row) {
-                uint64_t h = 0;
-                std::memcpy(&h, at(row), 8);
-                return h;
-            };
-            const auto put = [&](int64_t row, uint64_t h) { std::memcpy(at(row), &h, 8); };
-            if (rc.get_rs_z() >= 0) std::memset(at(rc.get_rs_z()), 0, v.row_bytes());
-            std::vector<uint64_t> g(rc.get_n_rs()), hist;
-            for (uint32_t i = 0; i < rc.get_n_rs(); ++i) g[i] = get(rc.s_copy(i));
-            for (const rs_copy& c : rc.hist_copies()) hist.push_back(get(c.src));
-            for (uint32_t i = ub.n_seqs; i < rc.get_n_rs(); ++i) put(rc.get_head() + i, g[i]);
-            for (uint32_t b = 0; b < ub.n_seqs; ++b) {
-                uint64_t h = g[b];
-                for (uint32_t t = 0; t < T; ++t) {
-                    h = mix(h, ub.primary_seq(b * T + t), ub.pos[b * T + t]);
-                    const uint32_t back = T - 1 - t;
-                    if (back <= k) put(int64_t{back} * m.get_size() + rc.get_head() + b, h);
-                }
-            }
-            for (size_t j = 0; j < hist.size(); ++j) put(rc.hist_copies()[j].dst, hist[j]);
-        }
+// The recurrent engine of this test: the library's reference of the contract (recurrent_engine.h, checked
+// against an independent oracle in test_recurrent_engine.cpp) with states as hash chains of (sequence,
+// position) in the first 8 bytes of every row: a wrong source row, plane or copy changes the chain.
+void recurrent_step(memory_recurrent_context& rc) {
+    const ubatch& ub = rc.get_ubatch();
+    run_recurrent_ubatch(rc, [&](uint32_t, rs_tensor, uint32_t t, std::span<float> x) {
+        uint64_t h = 0;
+        std::memcpy(&h, x.data(), 8);
+        h = mix(h, ub.primary_seq(t), ub.pos[t]);
+        std::memcpy(x.data(), &h, 8);
+    });
 }
 
 // What a sequence holds: its tokens' positions and the state after each of them.
@@ -390,7 +374,7 @@ TEST(memory_hybrid_property, parts_stay_in_step_with_an_oracle_of_token_lists) {
                 ASSERT_EQ(ctx->get_status(), memory_status::success);
                 do {
                     ctx->apply();
-                    recurrent_step(m.get_recr(), *ctx->get_recr(), ctx->get_ubatch());
+                    recurrent_step(*ctx->get_recr());
                 } while (ctx->next());
                 verify("decode", step);
             } else if (op < 8) {  // remove a suffix (a rollback when the depth allows) or everything
