@@ -1,0 +1,206 @@
+// The memory factories of `kvcache replay`: one per memory type of the `memory` line.
+#include "replay_memory.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <fmt/format.h>
+#include <kvcache/kv_cache_iswa.h>
+#include <kvcache/memory_hybrid.h>
+
+namespace kvc::cli {
+
+uint32_t replay_part::used() const {
+    if (recr) return recr->get_used();
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < kv->get_n_stream(); ++s) n += kv->cells(s).get_used();
+    return n;
+}
+
+namespace {
+
+// A constructor's refusal of the configuration is a script error.
+template <class T, class... Args>
+std::unique_ptr<T> build(Args&&... args) {
+    try {
+        return std::make_unique<T>(std::forward<Args>(args)...);
+    } catch (const error& e) {
+        fail(fmt::format("memory: {}", e.what()));
+    }
+}
+
+// A pattern key: every N-th layer (the last of each group of N) is of the other kind, as llama.cpp's
+// n_pattern; 0: none is.
+uint32_t pattern(const keys& k, const char* name, int64_t def) {
+    const int64_t v = k.get_int(name, def);
+    if (v < 0 || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
+    return static_cast<uint32_t>(v);
+}
+
+// memory type=kv: one KV cache; with model=, the model's layers, and a runtime that decodes through it.
+void make_kv(replay_memory& r, const keys& k, kv_cache_params p) {
+    try {
+        if (const auto path = k.get("model")) {
+            r.mdl = std::make_unique<model>(model::load(*path));
+            p.layers = r.mdl->layers();
+            r.n_layer = static_cast<uint32_t>(p.layers.size());
+        }
+        auto cache = std::make_unique<kv_cache>(p);
+        if (r.mdl) r.rt = std::make_unique<runtime>(*r.mdl, *cache, runtime_params{.n_ubatch = r.n_ubatch});
+        r.parts = {{.name = "kv", .used_label = "used", .kv = cache.get()}};
+        r.mem = std::move(cache);
+    } catch (const error& e) {
+        fail(fmt::format("memory: {}", e.what()));
+    }
+    const kv_cache& c = *r.parts[0].kv;
+    // size: every cell of every stream, as llama_n_ctx() reports it
+    fmt::print("memory ok size={} streams={}\n", c.get_size() * c.get_n_stream(), c.get_n_stream());
+}
+
+// memory type=iswa: layer il is a sliding-window layer unless il % swa_pattern == swa_pattern - 1
+void make_iswa(replay_memory& r, const keys& k, kv_cache_params p) {
+    const uint32_t n = pattern(k, "swa_pattern", 2);
+    for (uint32_t il = 0; il < p.layers.size(); ++il) p.layers[il].is_swa = n == 0 || il % n < n - 1;
+    auto iswa = build<kv_cache_iswa>(kv_cache_iswa_params{
+        .kv = std::move(p), .swa_full = k.get_bool("swa_full", true), .n_ubatch = r.n_ubatch});
+    const kv_cache &base = iswa->get_base(), &swa = iswa->get_swa();
+    r.parts = {{.name = "base", .used_label = "used", .kv = &base},
+               {.name = "swa", .used_label = "used_swa", .kv = &swa}};
+    r.mem = std::move(iswa);
+    fmt::print("memory ok size={} streams={} swa_size={}\n", base.get_size() * base.get_n_stream(),
+               base.get_n_stream(), swa.get_size() * swa.get_n_stream());
+}
+
+// memory type=hybrid: layer il is an attention layer if il % attn_pattern == attn_pattern - 1, else a
+// recurrent one with rows of n_embd_r and n_embd_s f32 values
+void make_hybrid(replay_memory& r, const keys& k, kv_cache_params p) {
+    const uint32_t n = pattern(k, "attn_pattern", 2);
+    memory_hybrid_params h;
+    h.recr.n_seq_max = p.n_seq_max;
+    const int64_t re = k.get_int("n_embd_r", 8), se = k.get_int("n_embd_s", 16),
+                  rs = k.get_int("n_rs_seq", 0);
+    if (re < 0 || se < 0 || rs < 0 || re > (1 << 24) || se > (1 << 24) || rs > (1 << 24))
+        fail("memory: n_embd_r, n_embd_s and n_rs_seq must be in [0, 2^24]");
+    h.recr.n_rs_seq = static_cast<uint32_t>(rs);
+    for (uint32_t il = 0; il < p.layers.size(); ++il) {
+        const bool attn = n != 0 && il % n == n - 1;
+        p.layers[il].has_kv = attn;
+        h.recr.layers.push_back(attn ? recurrent_layer_desc{}
+                                     : recurrent_layer_desc{.n_embd_r = static_cast<uint32_t>(re),
+                                                            .n_embd_s = static_cast<uint32_t>(se)});
+    }
+    h.attn = std::move(p);
+    auto hyb = build<memory_hybrid>(std::move(h));
+    // replay's hybrid has a plain KV cache as its attention part (no iswa key)
+    const auto& attn = dynamic_cast<const kv_cache&>(hyb->get_attn());
+    const memory_recurrent& recr = hyb->get_recr();
+    r.parts = {{.name = "kv", .used_label = "used", .kv = &attn},
+               {.name = "rs", .used_label = "used_rs", .recr = &recr}};
+    r.mem = std::move(hyb);
+    fmt::print("memory ok size={} streams={} rs_size={}\n", attn.get_size() * attn.get_n_stream(),
+               attn.get_n_stream(), recr.get_size());
+}
+
+// memory type=recurrent: n_layer layers, each with an r row of n_embd_r and an s row of n_embd_s f32
+// values; one cell per sequence; n_rs_seq rollback planes.
+void make_recurrent(replay_memory& r, const words& w) {
+    const keys k(w, 1, {"type", "n_seq_max", "n_ubatch", "n_layer", "n_embd_r", "n_embd_s", "n_rs_seq"},
+                 "memory");
+    const auto count = [&](const char* name, int64_t def, int64_t lo) {
+        const int64_t v = k.get_int(name, def);
+        if (v < lo || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
+        return static_cast<uint32_t>(v);
+    };
+    recurrent_params p;
+    p.n_seq_max = count("n_seq_max", 1, 1);
+    p.n_rs_seq = count("n_rs_seq", 0, 0);
+    const uint32_t n_layer = count("n_layer", 2, 1);
+    const recurrent_layer_desc d{.n_embd_r = count("n_embd_r", 8, 0), .n_embd_s = count("n_embd_s", 16, 0)};
+    p.layers.assign(n_layer, d);
+    r.n_layer = n_layer;
+    r.n_ubatch = count("n_ubatch", 512, 1);
+    auto rec = build<memory_recurrent>(p);
+    r.n_seq_max = p.n_seq_max;
+    r.parts = {{.name = "rs", .used_label = "used", .recr = rec.get()}};
+    fmt::print("memory ok size={} streams=1\n", rec->get_size());
+    r.mem = std::move(rec);
+}
+
+swa_type parse_swa_type(const std::string& name) {
+    if (name == "none") return swa_type::none;
+    if (name == "standard") return swa_type::standard;
+    if (name == "chunked") return swa_type::chunked;
+    if (name == "symmetric") return swa_type::symmetric;
+    fail(fmt::format("memory: unknown swa_type '{}'", name));
+}
+
+}  // namespace
+
+replay_memory make_replay_memory(const words& w) {
+    replay_memory r;
+    for (size_t i = 1; i < w.size(); ++i)
+        if (w[i] == "type=recurrent") {
+            make_recurrent(r, w);
+            return r;
+        }
+    // the attention memories share the KV cache keys
+    std::string type = "kv";
+    for (size_t i = 1; i < w.size(); ++i)
+        if (w[i].substr(0, 5) == "type=") type = std::string(w[i].substr(5));
+    if (type != "kv" && type != "iswa" && type != "hybrid")
+        fail(fmt::format("memory: unknown type '{}'", type));
+    std::vector<const char*> allowed = {"type",    "n_ctx",    "n_seq_max", "unified",  "n_ubatch",
+                                        "type_k",  "type_v",   "v_trans",   "swa_type", "n_swa",
+                                        "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv"};
+    if (type == "kv") allowed.push_back("model");
+    if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
+    if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
+    const keys k(w, 1, allowed, "memory");
+    const auto positive = [&](const char* name, int64_t def) {
+        const int64_t v = k.get_int(name, def);
+        if (v < 1 || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
+        return static_cast<uint32_t>(v);
+    };
+    const uint32_t n_ctx = positive("n_ctx", 256), n_seq_max = positive("n_seq_max", 1);
+    const uint32_t n_layer = positive("n_layer", 2), n_head_kv = positive("n_head_kv", 2);
+    const uint32_t n_embd_k = positive("n_embd_k", 32), n_embd_v = positive("n_embd_v", 32);
+    r.n_ubatch = positive("n_ubatch", 512);
+    if (n_embd_k % n_head_kv || n_embd_v % n_head_kv)
+        fail(fmt::format("memory: n_embd_k {} and n_embd_v {} must be multiples of n_head_kv {}", n_embd_k,
+                         n_embd_v, n_head_kv));
+    kv_cache_params p;
+    const auto parse_type = [&](const char* name) {
+        const auto t = dtype_from_name(k.get(name).value_or("f16"));
+        if (!t) fail(fmt::format("memory: {} must be f32, f16, bf16, q8_0 or q4_0", name));
+        return *t;
+    };
+    p.type_k = parse_type("type_k");
+    p.type_v = parse_type("type_v");
+    p.v_trans = k.get_bool("v_trans", false);
+    p.unified = k.get_bool("unified", true);
+    p.n_seq_max = n_seq_max;
+    // as llama.cpp: n_ctx rounded up to 256 cells, split per stream when not unified
+    const uint32_t per = p.unified ? n_ctx : std::max(1u, n_ctx / n_seq_max);
+    p.kv_size = (per + 255) / 256 * 256;
+    p.swa = parse_swa_type(k.get("swa_type").value_or("none"));
+    const int64_t n_swa = k.get_int("n_swa", 0);
+    if (n_swa < 0 || n_swa > INT32_MAX) fail("memory: n_swa out of range");
+    p.n_swa = static_cast<uint32_t>(n_swa);
+    const uint32_t head_k = n_embd_k / n_head_kv;
+    const rope_params rope{.type = rope_type::normal, .n_rot = static_cast<int32_t>(head_k)};
+    p.layers.assign(n_layer, layer_desc{.n_head_kv = n_head_kv,
+                                        .n_embd_head_k = head_k,
+                                        .n_embd_head_v = n_embd_v / n_head_kv,
+                                        .rope = rope});
+    r.n_seq_max = n_seq_max;
+    r.n_layer = static_cast<uint32_t>(p.layers.size());
+    if (type == "iswa")
+        make_iswa(r, k, std::move(p));
+    else if (type == "hybrid")
+        make_hybrid(r, k, std::move(p));
+    else
+        make_kv(r, k, std::move(p));
+    return r;
+}
+
+}  // namespace kvc::cli
