@@ -103,6 +103,18 @@ inline void engine_step(memory_recurrent& m, const rs_slot& sl, const ubatch& ub
     }
 }
 
+// The slot of rc's applied ubatch as an engine sees it: rebuilt from the context's accessors.
+inline rs_slot slot_of(const memory_recurrent_context& rc) {
+    rs_slot sl;
+    sl.head = rc.get_head();
+    sl.n = rc.get_n_rs();
+    sl.n_seqs = rc.get_ubatch().n_seqs;
+    sl.rs_z = rc.get_rs_z();
+    for (uint32_t i = 0; i < sl.n; ++i) sl.s_copy.push_back(rc.s_copy(i));
+    sl.hist_copy.assign(rc.hist_copies().begin(), rc.hist_copies().end());
+    return sl;
+}
+
 // The logical state of seq s (0: none), checked in every tensor.
 inline uint64_t state_of(memory_recurrent& m, seq_id_t s) {
     const int32_t c = m.seq_tail(s);

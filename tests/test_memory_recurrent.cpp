@@ -80,15 +80,7 @@ int decode(memory_recurrent& m, const std::vector<std::pair<seq_id_t, pos_t>>& t
     int n = 0;
     do {
         rc.apply();
-        const ubatch& ub = rc.get_ubatch();
-        rs_slot sl;  // rebuilt from the context's accessors
-        sl.head = rc.get_head();
-        sl.n = rc.get_n_rs();
-        sl.n_seqs = ub.n_seqs;
-        sl.rs_z = rc.get_rs_z();
-        for (uint32_t i = 0; i < sl.n; ++i) sl.s_copy.push_back(rc.s_copy(i));
-        sl.hist_copy.assign(rc.hist_copies().begin(), rc.hist_copies().end());
-        engine_step(m, sl, ub);
+        engine_step(m, slot_of(rc), rc.get_ubatch());
         ++n;
     } while (rc.next());
     return n;

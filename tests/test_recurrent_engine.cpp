@@ -115,15 +115,8 @@ TEST(recurrent_engine, agrees_with_the_oracle_byte_for_byte) {
                     do {
                         ra.apply();
                         rb.apply();
-                        const ubatch& ub = ra.get_ubatch();
-                        rs_slot sl;  // the oracle takes the slot as the context describes it
-                        sl.head = ra.get_head();
-                        sl.n = ra.get_n_rs();
-                        sl.n_seqs = ub.n_seqs;
-                        sl.rs_z = ra.get_rs_z();
-                        for (uint32_t i = 0; i < sl.n; ++i) sl.s_copy.push_back(ra.s_copy(i));
-                        sl.hist_copy.assign(ra.hist_copies().begin(), ra.hist_copies().end());
-                        engine_step(a, sl, ub);
+                        const rs_slot sl = slot_of(ra);
+                        engine_step(a, sl, ra.get_ubatch());
                         if (reversed)
                             reversed_driver(rb);
                         else
