@@ -365,7 +365,7 @@ std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
     const auto rollback = [&] {
         for (auto e = j.entries.rbegin(); e != j.entries.rend(); ++e)
             streams_[e->stream].set(e->idxs, e->snap);
-        heads_ = saved_heads;  // every stream's own head (decision 3)
+        heads_ = saved_heads;  // every stream's own head (design D3)
     };
     for (const ubatch& ub : ubatches) check_ubatch(ub);  // the only validation: placement relies on it
     for (const ubatch& ub : ubatches) {
@@ -479,7 +479,7 @@ uint32_t kv_cache::compact() {
 void kv_cache::k_shift() {
     // Cells moved together share their delta (a context shift moves a whole suffix by one amount): sorted
     // by delta, the storage builds one rotation table per delta and piece. Every row is decoded, rotated
-    // and encoded again, whatever the K type (decision 4), as a pure rotation (decision 5).
+    // and encoded again, whatever the K type (design D4), as a pure rotation (design D5).
     std::vector<row_shift> shifts;
     std::vector<uint32_t> used;
     for (uint32_t s = 0; s < streams_.size(); ++s) {
@@ -533,7 +533,7 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         streams_[ss].seq_cp_range(src, dst, p0, p1);
         return;
     }
-    // Across streams (decision 10): the cells are copied, with their K/V rows, into free cells of dst's
+    // Across streams (design D10): the cells are copied, with their K/V rows, into free cells of dst's
     // stream right away. Rows keep their pending shift, which the next update applies in both streams.
     const kv_cells& from = streams_[ss];
     kv_cells& to = streams_[sd];
@@ -562,7 +562,7 @@ void kv_cache::seq_keep(seq_id_t seq_id) {
     for (uint32_t s = 0; s < streams_.size(); ++s) {
         if (s == keep) {
             lower_head(s, streams_[s].seq_keep_all(seq_id));
-        } else if (streams_[s].get_used() > 0) {  // decision 9: other streams hold only other sequences
+        } else if (streams_[s].get_used() > 0) {  // design D9: other streams hold only other sequences
             streams_[s].reset();
             heads_[s] = 0;
         }

@@ -241,7 +241,7 @@ void kv_cache::set_input_k_shift(std::span<int32_t> dst) const {
 
 namespace {
 
-// T5 relative position bucket (spec kv-core §4.5); the log branch only when needed.
+// T5 relative position bucket (design/kv-cache.md §4.5); the log branch only when needed.
 int32_t pos_bucket(pos_t x, pos_t y, uint32_t n_buckets, bool bidirectional) {
     const int64_t max_distance = 128;
     if (bidirectional) n_buckets >>= 1;

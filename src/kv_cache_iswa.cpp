@@ -1,5 +1,5 @@
 // kv_cache_iswa: a base cache for the full-attention layers and a windowed cache for the SWA layers,
-// driven as one memory (spec kv-core §8).
+// driven as one memory (design/kv-cache.md §8).
 #include <numeric>
 
 #include <fmt/format.h>

@@ -1,4 +1,4 @@
-// kv_cache: state payloads in llama.cpp's layout (spec kv-core §7.1-7.3), read transactionally.
+// kv_cache: state payloads in llama.cpp's layout (design/kv-cache.md §7.1-7.3), read transactionally.
 #include <algorithm>
 #include <cstring>
 
@@ -117,7 +117,7 @@ void kv_cache::write_cells(io_write_i& io, uint32_t stream, std::span<const uint
     put<uint32_t>(io, static_cast<uint32_t>(layers_.size()));
     std::vector<uint64_t> rows(cells.size());
     for (size_t j = 0; j < cells.size(); ++j) rows[j] = row(stream, cells[j]);
-    // Decision 8: a pending shift never leaks into a state; keys are written as the K-shift would leave
+    // Design D8: a pending shift never leaks into a state; keys are written as the K-shift would leave
     // them, so that restoring gives the attention results of the cache that was saved.
     std::vector<pos_t> deltas;
     if (c.get_has_shift())
@@ -345,7 +345,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
     };
 
     if (seq_id == seq_all) {
-        for (kv_cells& c : streams_) c.reset();  // decision 2: every stream is replaced
+        for (kv_cells& c : streams_) c.reset();  // design D2: every stream is replaced
         std::fill(heads_.begin(), heads_.end(), 0);
         std::vector<uint32_t> cells;  // a part's cells are 0..n-1 of its stream
         for (const auto& part : st.parts) {

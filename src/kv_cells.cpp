@@ -393,8 +393,7 @@ void kv_cells::pos_div(uint32_t i, int d) {
     if (d < 1)
         throw error(errc::invalid_argument, fmt::format("kv_cells::pos_div: divisor {} must be >= 1", d));
     const pos_t new_pos = pos_[i] / d;
-    const int64_t sh =
-        int64_t{shift_[i]} + new_pos - pos_[i];  // new - old (decision 1): K rotates to new_pos
+    const int64_t sh = int64_t{shift_[i]} + new_pos - pos_[i];  // new - old (design D1): K rotates to new_pos
     if (sh < -int64_t{std::numeric_limits<pos_t>::max()})
         throw error(errc::out_of_range,
                     fmt::format("kv_cells::pos_div: cell {} pending shift {} overflows", i, sh));
@@ -586,7 +585,7 @@ void kv_cells::seq_div_range(seq_id_t s, pos_t p0, pos_t p1, int d) {
         const pos_t np = pos_[i] / d;
         for (seq_id_t q : seq_[i])
             if (q != s) t_->moves.push_back({q, *e, np});
-        shift_[i] += np - pos_[i];  // new - old (decision 1)
+        shift_[i] += np - pos_[i];  // new - old (design D1)
         pos_[i] = np;
         e->first = np;
     }

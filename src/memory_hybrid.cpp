@@ -1,5 +1,5 @@
 // memory_hybrid: an attention cache (kv_cache or kv_cache_iswa) and a recurrent memory as one memory
-// (spec batch-recurrent §5).
+// (design/recurrent.md §5).
 #include <algorithm>
 
 #include <fmt/format.h>

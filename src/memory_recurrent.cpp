@@ -241,7 +241,7 @@ rs_slot memory_recurrent::find_slot(const ubatch& ub) {
     return place(ub, false);
 }
 
-// Spec batch-recurrent §4.5, step by step. Everything is validated first (check_ubatch), so nothing
+// design/recurrent.md §4.5, step by step. Everything is validated first (check_ubatch), so nothing
 // below can fail half-way.
 rs_slot memory_recurrent::place(const ubatch& ub, bool dry_run) {
     check_ubatch(ub);
@@ -433,7 +433,7 @@ bool memory_recurrent::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     if (seq_id == seq_all) {
         if (range.empty()) return true;
         if (p0 > 0 || (p1 >= 0 && p1 != std::numeric_limits<pos_t>::max())) return false;  // partial
-        clear(false);  // decision 13: no sequence keeps a tail into an emptied cell
+        clear(false);  // design D13: no sequence keeps a tail into an emptied cell
         return true;
     }
     check_seq(seq_id, "seq_rm");

@@ -1,5 +1,5 @@
-// memory_recurrent: state payloads in llama.cpp's recurrent layout (spec batch-recurrent §4.9), read
-// transactionally (decision 6): parsed and checked completely before the memory changes.
+// memory_recurrent: state payloads in llama.cpp's recurrent layout (design/recurrent.md §4.9), read
+// transactionally (design D6): parsed and checked completely before the memory changes.
 #include <algorithm>
 #include <cstring>
 

@@ -1,4 +1,4 @@
-// Session files (decision 11) and llama.cpp's per-sequence files.
+// Session files (design D11) and llama.cpp's per-sequence files.
 #include <algorithm>
 #include <bit>
 #include <cstring>

@@ -90,7 +90,7 @@ std::vector<int> outputs(const batch_allocr& a) {
     return o;
 }
 
-// -- spec batch-recurrent §2.9 test vectors --
+// -- design/batch.md §2.9 test vectors --
 
 TEST(batch_allocr, empty_memory_fills_positions_sequence_and_last_output) {
     test_batch t{.tokens = {5, 6, 7}};
@@ -341,7 +341,7 @@ TEST(split, simple_cuts_consecutive_chunks) {
 }
 
 TEST(split, equal_sequential_worked_example) {
-    // spec batch-recurrent §3.11: [A0 A1 A2 B0 B1 C0], n_ubatch = 4
+    // design/batch.md §3.11: [A0 A1 A2 B0 B1 C0], n_ubatch = 4
     test_batch t{.tokens = {1, 2, 3, 4, 5, 6}, .seqs = {{0}, {0}, {0}, {1}, {1}, {2}}};
     batch_allocr a;
     a.init(t.view(), {}, {.n_seq_max = 3, .output_all = true});
@@ -361,7 +361,7 @@ TEST(split, equal_sequential_worked_example) {
 }
 
 TEST(split, equal_never_exceeds_n_ubatch) {
-    // decision 14: five single-token sequences, n_ubatch = 4 -> 4 + 1 (upstream could make 5)
+    // design D14: five single-token sequences, n_ubatch = 4 -> 4 + 1 (upstream could make 5)
     test_batch t{.tokens = {1, 2, 3, 4, 5}, .seqs = {{0}, {1}, {2}, {3}, {4}}};
     batch_allocr a;
     a.init(t.view(), {}, {.n_seq_max = 5});
@@ -402,7 +402,7 @@ TEST(split, equal_keeps_sequence_order_when_sets_interleave) {
     EXPECT_EQ(idx_of(a.split_equal(8, false)), (std::vector<int32_t>{2}));
 }
 
-// n_keep_tail (spec §3.5 step 6): the last tokens of each sequence stay together in one ubatch
+// n_keep_tail (design/batch.md §3.5 step 6): the last tokens of each sequence stay together in one ubatch
 std::vector<uint32_t> equal_sizes(batch_allocr& a, uint32_t n_ubatch, bool sequential, uint32_t keep) {
     std::vector<uint32_t> sizes;
     for (ubatch u = a.split_equal(n_ubatch, sequential, keep); !u.empty();
@@ -440,7 +440,7 @@ TEST(split, equal_keep_tail_yields_to_n_ubatch) {
     test_batch t{.tokens = std::vector<token_t>(5, 1)};
     batch_allocr a;
     a.init(t.view(), {}, {});
-    EXPECT_EQ(equal_sizes(a, 2, true, 5), (std::vector<uint32_t>{2, 2, 1}));  // decision 14 wins
+    EXPECT_EQ(equal_sizes(a, 2, true, 5), (std::vector<uint32_t>{2, 2, 1}));  // design D14 wins
 }
 
 TEST(split, seq_takes_one_sequence_set_at_a_time) {

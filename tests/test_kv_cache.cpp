@@ -54,7 +54,7 @@ TEST(kv_cache, size_accounting_per_layer_and_type) {
     EXPECT_THROW((void)c.layer_k_bytes(1), error);
 }
 
-// -- spec Appendix B --
+// -- design/kv-cache.md Appendix B --
 
 TEST(kv_cache, b1_ring_search_starts_at_the_head) {
     kv_cache c(small_params(16));
@@ -311,7 +311,7 @@ TEST(kv_cache, one_stream_per_sequence) {
     EXPECT_EQ(m[1], ninf);          // token 0 (pos 0) does not see pos 1
     EXPECT_EQ(m[3 * n_kv + 1], 0);  // token 3 = seq 1 pos 1 sees its stream's cell 1
     EXPECT_EQ(m[3 * n_kv + 2], ninf);
-    // seq_keep removes every other sequence from every stream (decision 9)
+    // seq_keep removes every other sequence from every stream (design D9)
     c.seq_keep(1);
     EXPECT_EQ(c.cells(0).get_used(), 0u);
     EXPECT_EQ(c.seq_pos_max(1), 1);
@@ -444,7 +444,7 @@ TEST(kv_cache, shifted_keys_equal_keys_computed_at_the_new_position) {
     }
 }
 
-// -- named rules of spec kv-core §3-6 --
+// -- named rules of design/kv-cache.md §3-6 --
 
 TEST(kv_cache, is_masked_swa_rules) {
     // standard: a query at p1 sees (p1 - n_swa, p1]

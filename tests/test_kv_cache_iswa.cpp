@@ -1,4 +1,4 @@
-// kv_cache_iswa: spec kv-core §8 (split by layer, SWA size, batches in both caches or neither, combined
+// kv_cache_iswa: design/kv-cache.md §8 (split by layer, SWA size, batches in both caches or neither, combined
 // context, positions and shifting from the SWA cache, state of both parts, transactional restores).
 #include <algorithm>
 #include <cmath>

@@ -157,7 +157,7 @@ TEST(kv_cells, pos_add_below_zero_frees_the_cell_and_marks_a_shift) {
 }
 
 TEST(kv_cells, pos_div_records_new_minus_old) {
-    // decision 1: the K-shift must rotate keys from the old position to the new one
+    // design D1: the K-shift must rotate keys from the old position to the new one
     kv_cells c(2, 1);
     place(c, 0, 10, {0});
     c.pos_div(0, 3);

@@ -1,4 +1,4 @@
-// memory_hybrid: spec batch-recurrent §5 (composition by layer, batches in both parts or neither,
+// memory_hybrid: design/recurrent.md §5 (composition by layer, batches in both parts or neither,
 // all-or-nothing seq_rm, positions combined, status combination, state of both parts, transactional
 // restores) and the iSWA attention variant.
 #include <algorithm>

@@ -1,4 +1,4 @@
-// memory_recurrent: spec batch-recurrent §4 (cells, find_slot, engine contract, sequence operations, state)
+// memory_recurrent: design/recurrent.md §4 (cells, find_slot, engine contract, sequence operations, state)
 // and the rollback extension. The engine is the oracle of recurrent_oracle.h (`engine_step`), which follows
 // the contract of memory_recurrent.h to the letter: states are hash chains of (sequence, position), so a
 // gather from the wrong row or plane shows up as a wrong value.
@@ -203,7 +203,7 @@ TEST(memory_recurrent, buffers_start_zeroed_and_clear_data_zeroes_them) {
     EXPECT_TRUE(zero());
 }
 
-// -- find_slot (spec §4.5) --
+// -- find_slot (design/recurrent.md §4.5) --
 
 TEST(memory_recurrent, new_sequence_starts_from_the_zero_row) {
     memory_recurrent m(params(3));
@@ -354,7 +354,8 @@ TEST(memory_recurrent, prepare_is_a_dry_run) {
 
 TEST(memory_recurrent, init_batch_splits_sequentially_and_refuses_shared_tokens) {
     memory_recurrent m(params(4));
-    EXPECT_EQ(decode(m, {{2, 0}, {0, 0}, {1, 0}, {3, 0}}, 8), 2);  // primaries 2,3 then 0,1 (§3.5)
+    // primaries 2,3 then 0,1 (design/batch.md §3.5)
+    EXPECT_EQ(decode(m, {{2, 0}, {0, 0}, {1, 0}, {3, 0}}, 8), 2);
     const std::string before = snapshot(m);
     batch_storage b = batch::init(2, 0, 2);
     const seq_id_t both[] = {0, 1};
@@ -466,7 +467,7 @@ TEST(memory_recurrent, context_inputs_need_apply_and_apply_runs_once) {
     EXPECT_EQ(std::vector<int32_t>(rc.out_ids().begin(), rc.out_ids().end()), (std::vector<int32_t>{1}));
 }
 
-// -- sequence operations (spec §4.7) --
+// -- sequence operations (design/recurrent.md §4.7) --
 
 // Into an empty memory of 4 cells: seq 0 in its own cell at pos 4, seqs 1 and 2 sharing a cell at pos 2.
 void three_sequences(memory_recurrent& m) {
@@ -528,7 +529,7 @@ TEST(memory_recurrent, seq_rm_of_every_sequence) {
     EXPECT_EQ(snapshot(m), before);
     EXPECT_TRUE(m.seq_rm(seq_all, -1, -1));
     EXPECT_EQ(m.get_used(), 0u);
-    // decision 13: no tail is left dangling; the next batch starts from a zero state
+    // design D13: no tail is left dangling; the next batch starts from a zero state
     for (seq_id_t s = 0; s < 3; ++s) EXPECT_EQ(m.seq_tail(s), -1);
     m.validate();
     ASSERT_EQ(decode(m, run(2, 7, 1)), 1);
@@ -758,7 +759,7 @@ TEST(memory_recurrent, restored_states_have_no_history) {
     EXPECT_EQ(m.seq_pos_max(1), 7);
 }
 
-// -- state (spec §4.9) --
+// -- state (design/recurrent.md §4.9) --
 
 TEST(memory_recurrent, sequence_state_size_follows_the_formula) {
     memory_recurrent m(params(4));

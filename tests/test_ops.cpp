@@ -39,7 +39,7 @@ TEST(rope, matches_the_formula_for_normal_and_neox) {
 }
 
 TEST(rope, a_pure_rotation_composes_with_yarn) {
-    // decision 5: rotating by d after p equals rotating by p + d, also with YaRN's ramp
+    // design D5: rotating by d after p equals rotating by p + d, also with YaRN's ramp
     std::mt19937 rng(4);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     const rope_params p{.type = rope_type::neox,

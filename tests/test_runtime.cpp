@@ -226,7 +226,7 @@ TEST_P(cache_equals_recompute, seq_div_and_seq_keep) {
 TEST_P(cache_equals_recompute, state_and_session_files_restore_into_other_sequences_and_caches) {
     pair_run r(GetParam());
     r.decode({{{0}, 0, r.tokens(10)}, {{1}, 0, r.tokens(4)}});
-    r.both([](auto& c, auto& f) {  // a pending shift must not leak into the saved state (decision 8)
+    r.both([](auto& c, auto& f) {  // a pending shift must not leak into the saved state (design D8)
         c.seq_add(0, 5, -1, 3);
         f.seq_add(0, 5, -1, 3);
     });

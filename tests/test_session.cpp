@@ -247,7 +247,7 @@ TEST_F(session, random_byte_corruptions_are_always_rejected) {
 }
 
 // B.6's sequence saved as llama.cpp's 'ggsq' file with 3 tokens: the 12-byte header, the tokens, then the
-// 128 bytes of the per-sequence buffer after its magic and seq id (spec kv-core B.6).
+// 128 bytes of the per-sequence buffer after its magic and seq id (design/kv-cache.md B.6).
 TEST_F(session, llama_seq_files_are_byte_exact_and_load_into_any_sequence) {
     std::mt19937 rng(6);
     const auto p = params_for(dtype::f16, dtype::f16, false, true);

@@ -205,11 +205,11 @@ TEST(state, many_sequences_and_streams) {
     const auto all = whole(a);
     kv_cache b(p);
     state_seq_set_data(b, all, seq_all);
-    EXPECT_EQ(whole(b), all) << "every stream is restored (decision 2)";
+    EXPECT_EQ(whole(b), all) << "every stream is restored (design D2)";
 }
 
 TEST(state, a_pending_shift_is_saved_as_applied) {
-    // decision 8: restore-then-attend equals attend-without-restore after a seq_add
+    // design D8: restore-then-attend equals attend-without-restore after a seq_add
     std::mt19937 rng(5);
     auto p = params_for(dtype::q8_0, dtype::f16, true, true);
     for (layer_desc& l : p.layers) l.rope = {.type = rope_type::neox};

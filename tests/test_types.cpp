@@ -21,7 +21,7 @@ TEST(memory_status, is_fail_only_for_failures) {
 }
 
 TEST(memory_status, combine_follows_spec_table) {
-    // spec kv-core §1.4: first failure wins, else success if either is success, else no_update
+    // design/kv-cache.md §1.4: first failure wins, else success if either is success, else no_update
     struct row {
         memory_status a, b, want;
     };

@@ -1,7 +1,7 @@
 /// @file
 /// Batches: what an engine submits (batch), how kvcache validates and completes it (batch_allocr), and the
 /// micro-batches it is cut into (ubatch). Semantics of llama.cpp's llama_batch / llama_batch_allocr /
-/// llama_ubatch (spec batch-recurrent §1-3), with the spec's recommendations applied.
+/// llama_ubatch (design/batch.md §1-3), with the recommendations of the design notes applied.
 ///
 /// Ownership: a `batch` is a non-owning view of the caller's arrays (like llama_batch). Build one over
 /// your own arrays, with batch::get_one over a token span, or use batch_storage (batch::init), which

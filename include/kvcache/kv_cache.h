@@ -73,7 +73,7 @@ struct kv_cache_params {
     uint32_t n_swa = 0;             ///< window of this cache's SWA rule
     swa_type swa = swa_type::none;  ///< this cache's SWA rule
     uint32_t n_pos = 1;             ///< positions per token (4 for M-RoPE: cells then keep (x, y))
-    /// Compaction (decision 12): init_update(false) also compacts once the empty cells below the last
+    /// Compaction (design D12): init_update(false) also compacts once the empty cells below the last
     /// used one exceed this fraction of it (0: only when asked with init_update(true)).
     float compact_threshold = 0.0f;
     buffer_allocator* allocator = nullptr;  ///< null: host memory
@@ -81,8 +81,8 @@ struct kv_cache_params {
     executor exec;
 };
 
-/// Where one ubatch goes (spec kv-core §3.5): group k of size() tokens goes to stream strm[k], cells idxs[k].
-/// Token t of the ubatch is group t / size(), cell idxs[group][t % size()].
+/// Where one ubatch goes (design/kv-cache.md §3.5): group k of size() tokens goes to stream strm[k], cells
+/// idxs[k]. Token t of the ubatch is group t / size(), cell idxs[group][t % size()].
 struct slot_info {
     uint32_t s0 = 0;                          ///< first stream touched
     uint32_t s1 = 0;                          ///< last stream touched
@@ -247,11 +247,12 @@ public:
     /// n_tokens]) of f32 or f16, contiguous rows; converted to type_k / type_v.
     void cpy_k(uint32_t il, const_tensor_view src);
     void cpy_v(uint32_t il, const_tensor_view src);  ///< the V rows (see cpy_k)
-    /// Row indices for engines that scatter rows themselves (spec kv-core §3.15): stream * kv_size + cell.
+    /// Row indices for engines that scatter rows themselves (design/kv-cache.md §3.15): stream * kv_size +
+    /// cell.
     std::vector<int64_t> k_idxs() const;
     /// The V indices: rows, or elements of transposed V (every channel of each token).
     std::vector<int64_t> v_idxs(uint32_t il) const;
-    /// KQ mask [n_kv, n_tokens] (spec kv-core §4.2-4.3) into dst (f32 or f16, contiguous, exactly
+    /// KQ mask [n_kv, n_tokens] (design/kv-cache.md §4.2-4.3) into dst (f32 or f16, contiguous, exactly
     /// kq_mask_elements() elements).
     void set_input_kq_mask(tensor_view dst, kq_mask_options opt = {}) const;
     /// Elements set_input_kq_mask writes: n_kv x n_tokens (after apply(), like the mask itself).

@@ -1,5 +1,5 @@
 /// @file
-/// kv_cache_iswa: interleaved sliding-window attention (llama.cpp's llama_kv_cache_iswa, spec kv-core §8)
+/// kv_cache_iswa: interleaved sliding-window attention (llama_kv_cache_iswa, design/kv-cache.md §8)
 /// for models that mix full-attention layers with sliding-window ones (Gemma 2/3, Cohere 2, Llama 4, ...).
 /// Implements memory_i.
 ///

@@ -14,7 +14,7 @@
 ///    free-cell searches go by 64-cell words with a summary level above them, so a search never walks
 ///    cell by cell through a full or empty region.
 ///
-/// Differences from llama.cpp (see docs/concepts.md): pos_div records shift = new - old (decision 1);
+/// Differences from llama.cpp (see docs/concepts.md): pos_div records shift = new - old (design D1);
 /// any number of sequences; pos_add that drops a cell below 0 clears its M-RoPE extension too; snapshots
 /// carry the pending shift instead of requiring it to be zero.
 #pragma once
@@ -135,7 +135,7 @@ public:
     void pos_div(uint32_t i, int d);      ///< used cell, d >= 1: pos /= d, shift += new - old
     void mv(uint32_t src, uint32_t dst);  ///< used src -> empty dst, with all it holds (compaction)
 
-    // -- sequence operations on this stream (what kv_cache does per stream; spec kv-core §5) --
+    // -- sequence operations on this stream (what kv_cache does per stream; design/kv-cache.md §5) --
     /// @name Sequence operations
     /// Position ranges are [p0, p1) with p0 < 0 meaning 0 and p1 < 0 meaning no bound. Cost: the cells of
     /// the sequence in the range (seq_keep_all and seq_rm_range(-1, ...): the used cells). Each returns

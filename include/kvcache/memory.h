@@ -12,7 +12,7 @@
 /// it was before the context was created, and apply() must not be called. An engine reaches the
 /// per-layer inputs through get_attn(il) and get_recr(), whatever the memory kind.
 ///
-/// Driver loop of one decode step (spec kv-core §1.5):
+/// Driver loop of one decode step (design/kv-cache.md §1.5):
 /// @verbatim
 ///   if (auto up = mem.init_update(false); up->get_status() == memory_status::success) up->apply();
 ///   auto ctx = mem.init_batch(balloc, n_ubatch, false);

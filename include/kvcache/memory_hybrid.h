@@ -1,6 +1,6 @@
 /// @file
 /// memory_hybrid: an attention KV cache and a recurrent memory driven as one memory (llama.cpp's
-/// llama_memory_hybrid and llama_memory_hybrid_iswa, spec batch-recurrent §5) for models that mix
+/// llama_memory_hybrid and llama_memory_hybrid_iswa, design/recurrent.md §5) for models that mix
 /// attention layers with Mamba / RWKV / short-conv layers (Jamba, Falcon-H1, Granite 4, LFM2, Qwen3-Next,
 /// Nemotron-H, ...). Implements memory_i.
 ///

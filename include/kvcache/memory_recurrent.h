@@ -8,7 +8,7 @@
 /// a cell of its own whose source row is the shared one. A cell's position is that of the last token
 /// folded into its state, so seq_pos_min(s) == seq_pos_max(s) == the tail's position.
 ///
-/// Placing a ubatch (find_slot, spec batch-recurrent §4.5) gives every block one cell, gathers them into
+/// Placing a ubatch (find_slot, design/recurrent.md §4.5) gives every block one cell, gathers them into
 /// the contiguous range [head, head + n) and stages, per cell of the range, the row its state comes from
 /// (s_copy). The engine then follows the contract below. init_batch dry-runs every ubatch (prepare) and
 /// restores the cells, so a batch that cannot be placed changes nothing.
@@ -120,10 +120,10 @@ public:
 
     /// Empties every cell, forgets pending rollbacks and history; data: also zeroes every plane.
     void clear(bool data) override;
-    /// Spec §4.7 table. seq_id >= 0: true when the tail position P is outside [p0, p1) (nothing to do),
-    /// or when p0 <= 0 (the sequence leaves its cell); for 0 < p0 <= P < p1 a rollback (see the file
-    /// comment) or false, nothing changed. seq_id -1: the full range empties everything (tails too,
-    /// decision 13), an empty range does nothing, anything else is false.
+    /// design/recurrent.md §4.7 table. seq_id >= 0: true when the tail position P is outside [p0, p1)
+    /// (nothing to do), or when p0 <= 0 (the sequence leaves its cell); for 0 < p0 <= P < p1 a rollback (see
+    /// the file comment) or false, nothing changed. seq_id -1: the full range empties everything (tails too,
+    /// design D13), an empty range does nothing, anything else is false.
     bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;
     /// dst shares src's whole state (the range is ignored); dst's own state is dropped first.
     void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
@@ -141,12 +141,12 @@ public:
     /// The tail position, -1 when the sequence has no state.
     pos_t seq_pos_max(seq_id_t seq_id) const override;
 
-    /// Spec §4.9 layout: u32 cell_count, per cell i32 pos, u32 n_seq_id (0 for one sequence) and the
-    /// ids ascending, u32 s_trans = 0, u32 n_layer (all model layers), then per layer with r its type,
-    /// row size and rows, then the same for s. A cell with a pending rollback writes that plane (its
+    /// design/recurrent.md §4.9 layout: u32 cell_count, per cell i32 pos, u32 n_seq_id (0 for one sequence)
+    /// and the ids ascending, u32 s_trans = 0, u32 n_layer (all model layers), then per layer with r its
+    /// type, row size and rows, then the same for s. A cell with a pending rollback writes that plane (its
     /// logical state). Flags are ignored (the memory is already "partial").
     void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    /// Parses and checks a state (state_read = stage + commit, transactional: decision 6). A sequence's
+    /// Parses and checks a state (state_read = stage + commit, transactional: design D6). A sequence's
     /// state holds at most one cell; more is an error.
     state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
     /// Replaces the whole memory (cells compacted to 0..n-1) or the destination sequence; never runs out
@@ -192,9 +192,9 @@ public:
     const_tensor_view get_s(uint32_t il) const;
 
     // -- placement (what init_batch and apply do; public for tests and custom drivers) --
-    /// Places an equal-seqs ubatch for real (spec §4.5) and returns what the engine needs. It cannot run
-    /// out of cells (a sequence needing a new cell shares one or has none, so a cell is free). Throws
-    /// kvc::error, nothing changed, for a sequence id outside [0, n_seq_max) or a ubatch this memory
+    /// Places an equal-seqs ubatch for real (design/recurrent.md §4.5) and returns what the engine needs. It
+    /// cannot run out of cells (a sequence needing a new cell shares one or has none, so a cell is free).
+    /// Throws kvc::error, nothing changed, for a sequence id outside [0, n_seq_max) or a ubatch this memory
     /// cannot take: not equal_seqs, a block whose tokens differ in sequences, blocks sharing a sequence.
     rs_slot find_slot(const ubatch& ub);
     /// Dry run of find_slot on every ubatch in order (later ones see earlier ones); the cells are
@@ -220,8 +220,8 @@ public:
     uint32_t get_head() const { return head_; }
     /// One character per cell: '.' free, the owner (0-9, a-z, then '*') or 'M' for a shared cell.
     std::string picture() const;
-    /// Rechecks every invariant (I1-I4 of spec §4.2, history bounds); throws kvc::error naming the first
-    /// broken one. For tests.
+    /// Rechecks every invariant (I1-I4 of design/recurrent.md §4.2, history bounds); throws kvc::error naming
+    /// the first broken one. For tests.
     void validate() const;
 
 private:

@@ -39,7 +39,7 @@ namespace ops {
 
 /// Rotates the first n_rot dims of each of n_head heads of head_dim values in x (f32, contiguous) as
 /// for position `pos`, in place. with_magnitude: multiply by attn_factor and YaRN's magnitude correction,
-/// as when computing Q and K; false: a pure rotation, as a K-shift needs (decision 5), so that rotating
+/// as when computing Q and K; false: a pure rotation, as a K-shift needs (design D5), so that rotating
 /// by d after p equals rotating by p + d. Throws kvc::error on bad sizes.
 void rope(std::span<float> x, uint32_t n_head, uint32_t head_dim, pos_t pos, const rope_params& p,
           bool with_magnitude = true);

@@ -1,5 +1,5 @@
 /// @file
-/// Session files: a memory's state (one sequence or all of it) on disk, safely (decision 11).
+/// Session files: a memory's state (one sequence or all of it) on disk, safely (design D11).
 ///
 /// A kvcache session file is an envelope around the llama.cpp-compatible payload of state.h:
 /// @verbatim

@@ -3,8 +3,8 @@
 /// io_read_i) and the per-sequence buffer of llama.cpp (magic 0xaf143cd8, source sequence id, then the
 /// memory's payload).
 ///
-/// Payloads are llama.cpp's memory state layout (spec kv-core §7), byte for byte: a state written by one
-/// can be read by the other when layer shapes and types match. Reading is transactional: everything is
+/// Payloads are llama.cpp's memory state layout (design/kv-cache.md §7), byte for byte: a state written by
+/// one can be read by the other when layer shapes and types match. Reading is transactional: everything is
 /// parsed and checked before the memory changes, so a bad or truncated state leaves it exactly as it was
 /// and the error names what was wrong and at which byte.
 #pragma once

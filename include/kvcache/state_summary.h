@@ -1,11 +1,11 @@
 /// @file
 /// What a state payload holds, read without a memory (for `kvcache inspect` and tools).
 ///
-/// A KV cache payload (kv_cache::state_write, spec kv-core §7): streams, each sequence's positions and
+/// A KV cache payload (kv_cache::state_write, design/kv-cache.md §7): streams, each sequence's positions and
 /// cells, bytes per layer and element type. It does not say whether cells carry M-RoPE extensions, so the
 /// caller tells (mrope), or summarize_kv_state_any tries both.
 ///
-/// A recurrent payload (memory_recurrent::state_write, spec batch-recurrent §4.9): cells with their
+/// A recurrent payload (memory_recurrent::state_write, design/recurrent.md §4.9): cells with their
 /// position and sequences, then the r tensors and the s tensors of the layers that have them. It does not
 /// say where the r tensors end, so the caller may pass the memory's state_layout() (a session file holds
 /// it); without it the split is known only when every layer has both tensors.

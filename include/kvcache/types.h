@@ -19,7 +19,7 @@ using token_t = int32_t;   ///< token id
 inline constexpr pos_t pos_none = -1;    ///< the position of an empty cell
 inline constexpr seq_id_t seq_all = -1;  ///< "all sequences" (or the whole memory) where an API accepts it
 
-// -- memory status (spec kv-core §1.4) --
+// -- memory status (design/kv-cache.md §1.4) --
 
 /// The outcome of creating a memory context (memory_context_i::get_status()).
 enum class memory_status : uint8_t {
