@@ -1,8 +1,8 @@
 // The independent oracle of the recurrent engine contract (memory_recurrent.h and
-// design/recurrent.md §4.6), for tests: `engine_step` follows the contract to the letter, with no code in common with the
-// library's reference (recurrent_engine.h), which tests/test_recurrent_engine.cpp checks against it.
-// States are hash chains of (sequence, position) filling whole rows, so a gather from the wrong row or
-// plane, or a missed copy, shows up as a wrong value or a malformed row.
+// design/recurrent.md §4.6), for tests: `engine_step` follows the contract to the letter, with no code in
+// common with the library's reference (recurrent_engine.h), which tests/test_recurrent_engine.cpp checks
+// against it. States are hash chains of (sequence, position) filling whole rows, so a gather from the wrong
+// row or plane, or a missed copy, shows up as a wrong value or a malformed row.
 #pragma once
 
 #include <cstdint>
