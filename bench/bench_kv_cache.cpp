@@ -4,10 +4,10 @@
 //     ratio big/small (cost must follow the tokens of the step, not the cache size; target <= 1.3);
 //  2. the KQ mask of a 512-token ubatch of 4 sequences over n_kv = 32,768 cells, f32 and f16, next to a
 //     plain fill of the same bytes (target <= 2x);
-//  3. sequence operations on 32,768 cells holding 64 sequences x 256 tokens: seq_rm of 16 positions (the
-//     refill runs untimed), seq_cp of a whole sequence timed with its removal, seq_add of a suffix by +1
-//     and back (counted per call), next to llama.cpp's times for the same operations
-//     (tools/llama-peer, see docs/performance.md; target >= 20x faster);
+//  3. sequence operations on 32,768 cells holding 64 sequences x 256 tokens: seq_rm of 16 positions (64 in
+//     one timed region, the refill untimed), seq_cp of a whole sequence timed with its removal, seq_add of
+//     a suffix by +1 and back (counted per call), next to llama.cpp's times for the same operations in the
+//     same shapes (bench/peer/llama_seq_ops.cpp, see docs/performance.md; target >= 20x faster);
 //  4. the K-shift of 32,768 cells x 32 layers x 1,024 key dims, f16 and q8_0, in GB/s of K next to a
 //     memcpy of the same bytes.
 #include <chrono>
@@ -16,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,18 @@
 namespace {
 
 using namespace kvc;
+using clock_type = std::chrono::steady_clock;
+
+// Timing of operations whose inverse must run between them (a decode step and its rollback, seq_rm and
+// its refill): the operations are timed with steady_clock in regions of their own and handed to the
+// library with SetIterationTime (UseManualTime, hence the "/manual_time" in those benchmarks' names); the
+// inverse runs outside the regions. PauseTiming + ResumeTiming, which these benchmarks used before, cost
+// ~1.45 us per pair on the 2-core development machine (an empty loop with them), about ten times the
+// seq_rm they surrounded. One clock pair around an empty region costs ~26 ns (bm_timer_floor prints it
+// per operation, ~0.4 ns), so a region holds 64 seq_rm, or one decode step (12-65 us: < 0.3%).
+double seconds_since(clock_type::time_point t0) {
+    return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
 
 kv_cache_params one_layer(uint32_t kv_size, uint32_t n_seq_max) {
     kv_cache_params p;
@@ -67,20 +80,23 @@ void bm_decode_step(benchmark::State& state) {
     batch_storage b = batch::init(static_cast<int32_t>(n_seq), 0, 1);
     batch_allocr a;
     for (auto _ : state) {
+        const auto t0 = clock_type::now();
         b.clear();
-        for (uint32_t s = 0; s < n_seq; ++s)
-            b.add(1, c.seq_pos_max(static_cast<seq_id_t>(s)) + 1,
-                  std::vector<seq_id_t>{static_cast<seq_id_t>(s)}, true);
-        a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
-        auto ctx = c.init_batch(a, 512, false);
-        do ctx->apply();
-        while (ctx->next());
-        state.PauseTiming();  // back to the same contents for the next step
         for (uint32_t s = 0; s < n_seq; ++s) {
+            const seq_id_t id[1] = {static_cast<seq_id_t>(s)};  // no allocation of the benchmark's own
+            b.add(1, c.seq_pos_max(id[0]) + 1, id, true);
+        }
+        a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
+        {
+            auto ctx = c.init_batch(a, 512, false);
+            do ctx->apply();
+            while (ctx->next());
+        }
+        state.SetIterationTime(seconds_since(t0));
+        for (uint32_t s = 0; s < n_seq; ++s) {  // back to the same contents for the next step, untimed
             const pos_t p = c.seq_pos_max(static_cast<seq_id_t>(s));
             c.seq_rm(static_cast<seq_id_t>(s), p, p + 1);
         }
-        state.ResumeTiming();
     }
 }
 
@@ -173,13 +189,28 @@ void bm_seq_rm_partial(benchmark::State& state) {
     kv_cache& c = ops_cache();
     std::vector<ubatch> refills;  // built once: the benchmark times the cache, not ubatch construction
     for (seq_id_t s = 0; s < 64; ++s) refills.push_back(one_seq_ubatch(s, 100, 16));
-    seq_id_t s = 0;
-    for (auto _ : state) {
-        c.seq_rm(s, 100, 116);
-        state.PauseTiming();
-        c.init_ubatches({refills[s]}, {})->apply();  // refill the freed cells, untimed
-        state.ResumeTiming();
-        s = (s + 1) % 64;
+    // one iteration per seq_rm, 64 of them (one on each sequence) in one timed region; the library's time
+    // per iteration is then the time per seq_rm
+    bool removed = true;
+    while (state.KeepRunningBatch(64)) {
+        const auto t0 = clock_type::now();
+        for (seq_id_t s = 0; s < 64; ++s) c.seq_rm(s, 100, 116);
+        state.SetIterationTime(seconds_since(t0));
+        removed = removed && c.cells(0).get_used() == 64 * 240;
+        auto refill = c.init_ubatches(refills, {});  // the freed cells again, untimed
+        do refill->apply();
+        while (refill->next());
+    }
+    if (!removed || c.cells(0).get_used() != 64 * 256)
+        state.SkipWithError("seq_rm or the refill did not run");
+}
+
+// The floor of the timing above: the same regions with nothing in them, per (absent) operation.
+void bm_timer_floor(benchmark::State& state) {
+    while (state.KeepRunningBatch(64)) {
+        const auto t0 = clock_type::now();
+        benchmark::ClobberMemory();
+        state.SetIterationTime(seconds_since(t0));
     }
 }
 
@@ -239,10 +270,14 @@ void bm_k_shift(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(bm_decode_step)->ArgsProduct({{64, 256}, {32768, 262144}})->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_decode_step)
+    ->ArgsProduct({{64, 256}, {32768, 262144}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_kq_mask)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(bm_fill)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(bm_seq_rm_partial)->Unit(benchmark::kNanosecond);
+BENCHMARK(bm_timer_floor)->UseManualTime()->Unit(benchmark::kNanosecond);
+BENCHMARK(bm_seq_rm_partial)->UseManualTime()->Unit(benchmark::kNanosecond);
 BENCHMARK(bm_seq_cp_whole)->Unit(benchmark::kNanosecond);
 BENCHMARK(bm_seq_add_suffix)->Unit(benchmark::kNanosecond);
 BENCHMARK(bm_k_shift)->Arg(0)->Arg(1)->Iterations(3)->Unit(benchmark::kMillisecond);
@@ -252,15 +287,21 @@ namespace {
 // The usual console output, then the ratios the targets are stated in.
 class summary_reporter : public benchmark::ConsoleReporter {
 public:
+    // Keyed by the name without the aggregate suffix; with --benchmark_repetitions the median wins.
     void ReportRuns(const std::vector<Run>& runs) override {
         ConsoleReporter::ReportRuns(runs);
         for (const Run& r : runs) {
-            ns_[r.benchmark_name()] =
-                r.GetAdjustedRealTime() * (r.time_unit == benchmark::kMicrosecond   ? 1e3
-                                           : r.time_unit == benchmark::kMillisecond ? 1e6
-                                                                                    : 1.0);
+            if (r.error_occurred) continue;
+            const bool median = r.run_type == Run::RT_Aggregate && r.aggregate_name == "median";
+            if (r.run_type == Run::RT_Aggregate && !median) continue;
+            const std::string name = r.run_name.str();
+            if (!median && medians_.count(name)) continue;
+            if (median) medians_.insert(name);
+            ns_[name] = r.GetAdjustedRealTime() * (r.time_unit == benchmark::kMicrosecond   ? 1e3
+                                                   : r.time_unit == benchmark::kMillisecond ? 1e6
+                                                                                            : 1.0);
             const auto it = r.counters.find("x_memcpy");
-            if (it != r.counters.end()) xm_[r.benchmark_name()] = it->second;
+            if (it != r.counters.end()) xm_[name] = it->second;
         }
     }
     void Finalize() override {
@@ -268,8 +309,8 @@ public:
         const auto ns = [&](const std::string& k) { return ns_.count(k) ? ns_[k] : 0.0; };
         std::printf("\n1. decode-step bookkeeping, ns per token (target: big/small <= 1.3)\n");
         for (int n : {64, 256}) {
-            const double a = ns("bm_decode_step/" + std::to_string(n) + "/32768") / n;
-            const double b = ns("bm_decode_step/" + std::to_string(n) + "/262144") / n;
+            const double a = ns("bm_decode_step/" + std::to_string(n) + "/32768/manual_time") / n;
+            const double b = ns("bm_decode_step/" + std::to_string(n) + "/262144/manual_time") / n;
             if (a > 0 && b > 0)
                 std::printf("   %3d seqs: %8.1f ns @32768  %8.1f ns @262144  ratio %.2f\n", n, a, b, b / a);
         }
@@ -287,15 +328,18 @@ public:
             const char* name;
             double llama_ns;
             int calls;
-        } ops[] = {{"bm_seq_rm_partial", 27421.2, 1},
+        } ops[] = {{"bm_seq_rm_partial/manual_time", 27421.2, 1},
                    {"bm_seq_cp_whole", 48667.5, 1},
                    {"bm_seq_add_suffix", 193230.4, 2}};
         for (const auto& o : ops) {
             const double t = ns(o.name) / o.calls;
             if (t > 0)
-                std::printf("   %-18s %9.1f ns  llama.cpp %9.1f ns  %.0fx\n", o.name, t, o.llama_ns,
+                std::printf("   %-30s %9.1f ns  llama.cpp %9.1f ns  %.0fx\n", o.name, t, o.llama_ns,
                             o.llama_ns / t);
         }
+        if (ns("bm_timer_floor/manual_time") > 0)
+            std::printf("   (timing floor of bm_seq_rm_partial: %.2f ns per operation)\n",
+                        ns("bm_timer_floor/manual_time"));
         std::printf(
             "4. K-shift of 32768 cells x 32 layers x 1024 dims (ratio to memcpy of the same bytes)\n");
         for (const char* t : {"0", "1"})
@@ -305,6 +349,7 @@ public:
     }
 
 private:
+    std::set<std::string> medians_;
     std::map<std::string, double> ns_;
     std::map<std::string, double> xm_;
 };
