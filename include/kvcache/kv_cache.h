@@ -176,8 +176,8 @@ public:
 
 private:
     friend class kv_cache_context;
-    friend struct kv_cache_test_access;  // tests: cells placed exactly as the design notes' examples draw
-                                         // them
+    // tests only: places ubatches at chosen cells, as the design notes' examples draw them
+    friend struct kv_cache_test_access;
     struct layer;
     struct journal;       // cell snapshots taken by a trial placement, for its rollback
     struct staged_state;  // a parsed, checked state waiting to be applied
