@@ -322,15 +322,17 @@ public:
                             m / 1e6, f / 1e6, m / f);
         }
         std::printf("3. sequence ops on 32768 cells, 64 x 256 (target: >= 20x faster than llama.cpp)\n");
-        // llama.cpp 0ad4a86 (tools/llama-peer --mode timing, this machine, 2026-11-22): seq_rm of 1-16
-        // positions 27.4 us, whole seq_cp 48.7 us, seq_add of a suffix 193.2 us (unified cache).
+        // llama.cpp 0ad4a86 making the same calls on the same cache shape (bench/peer/llama_seq_ops.cpp
+        // against the workplace's llama-peer, medians of 5 runs alternated with this benchmark on the
+        // 2-core development machine, 2026-11-23; docs/performance.md): seq_rm(s, 100, 116) 23.3 us,
+        // seq_cp of a whole sequence + its removal 59.1 us, seq_add of a suffix 91.7 us per call.
         const struct {
             const char* name;
             double llama_ns;
             int calls;
-        } ops[] = {{"bm_seq_rm_partial/manual_time", 27421.2, 1},
-                   {"bm_seq_cp_whole", 48667.5, 1},
-                   {"bm_seq_add_suffix", 193230.4, 2}};
+        } ops[] = {{"bm_seq_rm_partial/manual_time", 23282.7, 1},
+                   {"bm_seq_cp_whole", 59113.8, 1},
+                   {"bm_seq_add_suffix", 91697.8, 2}};
         for (const auto& o : ops) {
             const double t = ns(o.name) / o.calls;
             if (t > 0)
