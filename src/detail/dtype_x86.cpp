@@ -30,14 +30,15 @@ namespace {
 // Block scales through F16C rather than a call to the software conversion per block: the same bits as
 // fp32_to_fp16 / fp16_to_fp32 for every input (all 2^32 floats and 2^16 halves were compared).
 KVC_AVX2 inline void store_scale_f16c(uint8_t* y, float d) {
-    const auto h = static_cast<uint16_t>(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+    const auto h =
+        static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(d), _MM_FROUND_TO_NEAREST_INT), 0));
     std::memcpy(y, &h, sizeof h);
 }
 
 KVC_AVX2 inline float load_scale_f16c(const uint8_t* x) {
     uint16_t h;
     std::memcpy(&h, x, sizeof h);
-    return _cvtsh_ss(h);
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
 }
 
 KVC_AVX2 void avx2_f32_to_f16(const float* x, uint8_t* y, int64_t n) {
