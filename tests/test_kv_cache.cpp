@@ -1,9 +1,13 @@
+#include <atomic>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
 #include <random>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -193,6 +197,11 @@ TEST(kv_cache, context_applies_each_ubatch_once_and_reports_n_kv) {
     EXPECT_EQ(ctx->get_n_kv(), 256u);
     EXPECT_THROW(ctx->apply(), error);
     EXPECT_TRUE(ctx->next());
+    EXPECT_EQ(ctx->get_n_kv(), 0u) << "nothing of the next ubatch is known before its apply()";
+    std::vector<float> row(32);
+    EXPECT_THROW(ctx->cpy_k(0, const_tensor_view::contiguous(
+                                   dtype::f32, reinterpret_cast<const std::byte*>(row.data()), 32)),
+                 error);
     ctx->apply();
     EXPECT_TRUE(ctx->next());
     ctx->apply();
@@ -520,6 +529,62 @@ TEST(kv_cache, seq_div_moves_whole_cells_and_keeps_the_head) {
     EXPECT_EQ(c.cells(0).get_shift(3), -2);
     EXPECT_EQ(c.head(0), head);
     EXPECT_THROW(c.seq_div(0, -1, -1, 0), error);
+}
+
+// The K-shift's rows split into pieces on an executor (two threads, pieces of 3 rows, out of order)
+// leave exactly the bytes of one thread, for several deltas at once (seq_add and seq_div).
+TEST(kv_cache, k_shift_on_an_executor_gives_the_bytes_of_one_thread) {
+    for (dtype t : {dtype::f16, dtype::q8_0}) {
+        kv_cache_params p;
+        const rope_params normal{.type = rope_type::normal, .freq_base = 10000.0f};
+        const rope_params neox{.type = rope_type::neox, .freq_base = 10000.0f};
+        p.layers = {layer_desc{.n_head_kv = 2, .n_embd_head_k = 32, .n_embd_head_v = 32, .rope = normal},
+                    layer_desc{.n_head_kv = 2, .n_embd_head_k = 32, .n_embd_head_v = 32, .rope = neox}};
+        p.type_k = t;
+        p.kv_size = 64;
+        kv_cache one(p);
+        std::atomic<size_t> pieces{0};
+        p.exec = [&pieces](size_t n, const std::function<void(size_t, size_t)>& fn) {
+            std::vector<std::pair<size_t, size_t>> parts;
+            for (size_t b = 0; b < n; b += 3) parts.emplace_back(b, std::min(n, b + 3));
+            pieces += parts.size();
+            std::thread other([&] {
+                for (size_t i = 0; i < parts.size(); i += 2) fn(parts[i].first, parts[i].second);
+            });
+            for (size_t i = parts.size(); i-- > 0;)
+                if (i % 2 == 1) fn(parts[i].first, parts[i].second);
+            other.join();
+        };
+        kv_cache many(p);
+        std::mt19937 rng(21);
+        std::normal_distribution<float> normal_dist(0.0f, 1.0f);
+        std::vector<float> rows(size_t{40} * 64);
+        for (float& x : rows) x = normal_dist(rng);
+        const auto view = const_tensor_view::contiguous(
+            dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 64, 40);
+        std::vector<pos_t> pos(40);
+        std::iota(pos.begin(), pos.end(), 0);
+        for (kv_cache* c : {&one, &many}) {
+            auto ctx = c->init_ubatches({make_ub(pos, std::vector<seq_id_t>(40, 0))}, {});
+            ctx->apply();
+            for (uint32_t il : {0u, 1u}) {
+                ctx->get_attn(il)->cpy_k(il, view);
+                ctx->get_attn(il)->cpy_v(il, view);
+            }
+            c->seq_add(0, 20, -1, 7);  // one delta for the suffix
+            c->seq_div(0, 0, 20, 3);   // a delta per cell for the prefix
+            ASSERT_TRUE(c->update());
+        }
+        EXPECT_GT(pieces.load(), 2u);
+        std::vector<float> a(64), b(64);
+        for (uint32_t il : {0u, 1u})
+            for (uint32_t cell = 0; cell < 40; ++cell) {
+                one.read_k_row(il, 0, cell, a);
+                many.read_k_row(il, 0, cell, b);
+                ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                    << to_string(t) << " layer " << il << " cell " << cell;
+            }
+    }
 }
 
 TEST(kv_cache, mrope_caches_refuse_shifts) {

@@ -36,6 +36,36 @@ TEST(kv_cells, new_cells_are_empty) {
     EXPECT_THROW(kv_cells(4, 0), error);
 }
 
+// Copies own their tables (the bitmap and the per-sequence indexes are private and held by pointer).
+TEST(kv_cells, copies_are_independent) {
+    kv_cells c(16, 2);
+    for (uint32_t i = 0; i < 6; ++i) {
+        c.pos_set(i, static_cast<pos_t>(i));
+        c.seq_add(i, i % 2 == 0 ? 0 : 1);
+    }
+    kv_cells copy = c;
+    c.seq_rm_range(0, -1, -1);
+    c.seq_add_range(1, 0, -1, 4);
+    EXPECT_EQ(copy.get_used(), 6u);
+    EXPECT_EQ(copy.seq_pos_max(0), 4);
+    EXPECT_EQ(copy.seq_pos_max(1), 5);
+    EXPECT_EQ(copy.picture().substr(0, 7), "010101.");
+    std::vector<uint32_t> free;
+    EXPECT_TRUE(copy.find_free(10, 0, free));
+    EXPECT_EQ(free.front(), 6u);
+    ASSERT_NO_THROW(copy.validate());
+    kv_cells assigned;
+    assigned = copy;
+    copy.reset();
+    EXPECT_EQ(assigned.get_used(), 6u);
+    ASSERT_NO_THROW(assigned.validate());
+    kv_cells moved = std::move(assigned);
+    EXPECT_EQ(moved.seq_pos_min(1), 1);
+    ASSERT_NO_THROW(moved.validate());
+    EXPECT_EQ(c.seq_pos_max(1), 9);
+    ASSERT_NO_THROW(c.validate());
+}
+
 TEST(kv_cells, placing_tokens_updates_used_set_and_sequence_index) {
     kv_cells c(8, 2);
     place(c, 2, 5, {0});

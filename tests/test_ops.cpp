@@ -1,3 +1,4 @@
+#include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -36,6 +37,38 @@ TEST(rope, matches_the_formula_for_normal_and_neox) {
         for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-4) << to_string(t) << " " << i;
         for (size_t i = 48; i < 64; ++i) EXPECT_EQ(got[i], x[i]) << "dims past n_rot are untouched";
     }
+}
+
+// apply_rope (vector path where the CPU has one) gives exactly the bits of the pair rotation in f32,
+// x0 * c - x1 * s and x0 * s + x1 * c, with tails that do not fill a vector (n_rot 44, head of 52).
+TEST(rope, table_rotation_is_bit_exact_pair_by_pair) {
+    std::mt19937 rng(8);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    for (rope_type t : {rope_type::normal, rope_type::neox})
+        for (pos_t pos : {1, 77, -5000}) {
+            const rope_params p{
+                .type = t, .n_rot = 44, .freq_base = 10000.0f, .ext_factor = 0.5f, .n_ctx_orig = 64};
+            const ops::rope_table tab = ops::make_rope_table(52, pos, p, false);
+            std::vector<float> x(3 * 52);
+            for (float& v : x) v = normal(rng);
+            std::vector<float> got = x;
+            ops::apply_rope(got, 3, 52, tab);
+            std::vector<float> want = x;
+            for (uint32_t h = 0; h < 3; ++h)
+                for (uint32_t k = 0; k < 22; ++k) {
+                    const uint32_t i0 = h * 52 + (t == rope_type::neox ? k : 2 * k);
+                    const uint32_t i1 = h * 52 + (t == rope_type::neox ? k + 22 : 2 * k + 1);
+                    const uint32_t d0 = i0 - h * 52;
+                    const float c = tab.c[d0], sn = tab.s[i1 - h * 52];
+                    ASSERT_EQ(tab.c[i1 - h * 52], c);
+                    ASSERT_EQ(tab.s[d0], -sn);
+                    want[i0] = x[i0] * c - x[i1] * sn;
+                    want[i1] = x[i0] * sn + x[i1] * c;
+                }
+            for (size_t i = 0; i < x.size(); ++i)
+                ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+                    << to_string(t) << " pos " << pos << " value " << i;
+        }
 }
 
 TEST(rope, a_pure_rotation_composes_with_yarn) {
