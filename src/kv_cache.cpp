@@ -368,14 +368,19 @@ std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
         heads_ = saved_heads;  // every stream's own head (design D3)
     };
     for (const ubatch& ub : ubatches) check_ubatch(ub);  // the only validation: placement relies on it
-    for (const ubatch& ub : ubatches) {
-        slot_info sinfo = find_slot(ub);
-        if (sinfo.empty()) {
-            res.clear();
-            break;
+    try {  // an allocation failing mid-way must not leave the trial placement behind
+        for (const ubatch& ub : ubatches) {
+            slot_info sinfo = find_slot(ub);
+            if (sinfo.empty()) {
+                res.clear();
+                break;
+            }
+            apply_ubatch(sinfo, ub, &j);  // later ubatches see earlier ones
+            res.push_back(std::move(sinfo));
         }
-        apply_ubatch(sinfo, ub, &j);  // later ubatches see earlier ones
-        res.push_back(std::move(sinfo));
+    } catch (...) {
+        rollback();
+        throw;
     }
     rollback();
     return res;
