@@ -289,21 +289,81 @@ KVC_AVX512 __m512 avx512_round_away(__m512 x) {
     return _mm512_mask_add_ps(t, up, t, one);
 }
 
+KVC_AVX512 void avx512_q8_0_block(const float* x, float id, uint8_t* y) {
+    const __m512 v0 = _mm512_loadu_ps(x);
+    const __m512 v1 = _mm512_loadu_ps(x + 16);
+    const __m512 s = _mm512_set1_ps(id);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 r0 = _mm512_min_ps(_mm512_max_ps(avx512_round_away(_mm512_mul_ps(v0, s)), lo), hi);
+    const __m512 r1 = _mm512_min_ps(_mm512_max_ps(avx512_round_away(_mm512_mul_ps(v1, s)), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 2), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r0)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 18), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r1)));
+}
+
+// One step of a transposing reduction: a and b each hold 16 / G blocks of G lanes; the result holds the
+// blocks of a then those of b, G / 2 lanes each, every lane the max of the two halves of its group.
+template <uint32_t G>
+struct fold_index {
+    alignas(64) int32_t lo[16], up[16];
+    constexpr fold_index() : lo{}, up{} {
+        for (uint32_t i = 0; i < 16; ++i) {
+            const uint32_t group = i / (G / 2), lane = i % (G / 2);
+            const uint32_t src = (group % (16 / G)) * G + lane + (group >= 16 / G ? 16 : 0);
+            lo[i] = static_cast<int32_t>(src);
+            up[i] = static_cast<int32_t>(src + G / 2);
+        }
+    }
+};
+
+template <uint32_t G>
+KVC_AVX512 void avx512_fold_max(__m512* m) {
+    static constexpr fold_index<G> idx;
+    // G vectors of 16 / G blocks on the way in, folded pairwise into G / 2
+    for (uint32_t j = 0; j < G / 2; ++j)
+        m[j] = _mm512_max_ps(_mm512_permutex2var_ps(m[2 * j], _mm512_load_si512(idx.lo), m[2 * j + 1]),
+                             _mm512_permutex2var_ps(m[2 * j], _mm512_load_si512(idx.up), m[2 * j + 1]));
+}
+
+// 16 blocks at a time: their maxima folded into one vector, so that the scales, their inverses and their
+// fp16 forms take one vector operation each instead of a horizontal reduction and a division per block.
 KVC_AVX512 void avx512_f32_to_q8_0(const float* x, uint8_t* y, int64_t n) {
-    for (int64_t b = 0; b < n / qk8_0; ++b, x += qk8_0, y += sizeof(block_q8_0)) {
+    int64_t b = 0;
+    for (; b + 16 <= n / qk8_0; b += 16, x += 16 * qk8_0, y += 16 * sizeof(block_q8_0)) {
+        __m512 m[16];
+        __mmask16 nan = 0;
+        for (int j = 0; j < 16; ++j) {
+            const __m512 v0 = _mm512_loadu_ps(x + j * qk8_0), v1 = _mm512_loadu_ps(x + j * qk8_0 + 16);
+            // a NaN lane yields the other operand, as the scalar `a > amax ? a : amax`
+            m[j] = _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps()));
+            const bool any = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q));
+            nan = static_cast<__mmask16>(nan | (any ? 1u << j : 0u));
+        }
+        avx512_fold_max<16>(m);  // m[0..7]: 2 blocks of 8 lanes each
+        avx512_fold_max<8>(m);
+        avx512_fold_max<4>(m);
+        avx512_fold_max<2>(m);  // m[0]: lane j is the max of block j
+        const __m512 amax = _mm512_mask_mov_ps(m[0], nan, _mm512_set1_ps(NAN));
+        const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+        const __mmask16 nonzero = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        const __m512 id = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), d);
+        alignas(64) float ids[16];
+        alignas(32) uint16_t ds[16];
+        _mm512_store_ps(ids, id);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ds), _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT));
+        for (int j = 0; j < 16; ++j) {
+            std::memcpy(y + j * sizeof(block_q8_0), &ds[j], sizeof ds[j]);
+            avx512_q8_0_block(x + j * qk8_0, ids[j], y + j * sizeof(block_q8_0));
+        }
+    }
+    for (; b < n / qk8_0; ++b, x += qk8_0, y += sizeof(block_q8_0)) {
         const __m512 v0 = _mm512_loadu_ps(x);
         const __m512 v1 = _mm512_loadu_ps(x + 16);
         bool nan = false;
         float amax = avx512_amax32(v0, v1, _mm512_abs_ps(v0), _mm512_abs_ps(v1), &nan);
         if (nan) amax = NAN;
         const float d = q8_0_scale(amax);
-        const __m512 id = _mm512_set1_ps(inverse_scale(d));
         store_scale_f16c(y, d);
-        const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-        const __m512 r0 = _mm512_min_ps(_mm512_max_ps(avx512_round_away(_mm512_mul_ps(v0, id)), lo), hi);
-        const __m512 r1 = _mm512_min_ps(_mm512_max_ps(avx512_round_away(_mm512_mul_ps(v1, id)), lo), hi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 2), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r0)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 18), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r1)));
+        avx512_q8_0_block(x, inverse_scale(d), y);
     }
 }
 
