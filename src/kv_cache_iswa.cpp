@@ -33,9 +33,9 @@ kv_cache_params half(const kv_cache_iswa_params& p, bool swa) {
 
 uint32_t iswa_swa_size(const kv_cache_iswa_params& p) {
     const kv_cache_params& k = p.kv;
-    if (p.swa_full) return k.kv_size;
+    if (p.sizing.swa_full) return k.kv_size;
     const uint64_t seqs = k.unified ? k.n_seq_max : 1;
-    const uint64_t want = uint64_t{k.n_swa} * seqs + p.n_ubatch;
+    const uint64_t want = uint64_t{k.n_swa} * seqs + p.sizing.n_ubatch;
     const uint64_t pad = std::lcm(uint64_t{256}, uint64_t{std::max(1u, k.n_pad)});
     // never more than the base cache (kv_size is a multiple of n_pad; llama.cpp's is of 256 too)
     return static_cast<uint32_t>(std::min<uint64_t>(k.kv_size, (want + pad - 1) / pad * pad));
@@ -50,7 +50,7 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
     };
     if (k.swa == swa_type::none || k.n_swa == 0)
         bad("the SWA layers need a window: swa must not be none and n_swa must be positive");
-    if (params_.n_ubatch == 0) bad("n_ubatch must be positive");
+    if (params_.sizing.n_ubatch == 0) bad("n_ubatch must be positive");
     bool any_full = false, any_swa = false;
     for (uint32_t il = 0; il < k.layers.size(); ++il) {
         if (!k.layers[il].has_kv || (k.filter && !k.filter(il))) continue;

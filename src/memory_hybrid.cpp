@@ -15,7 +15,7 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
                                 params_.attn.n_seq_max, params_.recr.n_seq_max));
     if (params_.iswa)
         attn_ = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{
-            .kv = params_.attn, .swa_full = params_.swa_full, .n_ubatch = params_.n_ubatch});
+            .kv = params_.attn, .sizing = *params_.iswa});
     else
         attn_ = std::make_unique<kv_cache>(params_.attn);
     recr_ = std::make_unique<memory_recurrent>(params_.recr);

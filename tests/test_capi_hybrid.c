@@ -41,7 +41,7 @@ static kvc_hybrid_params toy_hybrid_params(kvc_layer_desc* attn, kvc_recurrent_l
 
 static void test_hybrid_create(void) {
     const kvc_hybrid_params d = kvc_hybrid_default_params();
-    CHECK(!d.iswa && d.swa_full && d.n_ubatch == 512);
+    CHECK(!d.iswa && d.sizing.swa_full && d.sizing.n_ubatch == 512);
     CHECK(d.attn.layers == NULL && d.attn.kv_size == 4096 && d.recr.layers == NULL && d.recr.n_seq_max == 1);
 
     kvc_layer_desc attn[4];

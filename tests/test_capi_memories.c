@@ -290,8 +290,8 @@ static kvc_iswa_params toy_iswa_params(kvc_layer_desc* layers, bool swa_full) {
     p.kv.n_kv_pad = 4;
     p.kv.n_swa = 4;
     p.kv.swa_type = KVC_SWA_TYPE_STANDARD;
-    p.swa_full = swa_full;
-    p.n_ubatch = 8; /* sliding-window cache: 4 * 2 + 8 cells, padded to 256 */
+    p.sizing.swa_full = swa_full;
+    p.sizing.n_ubatch = 8; /* sliding-window cache: 4 * 2 + 8 cells, padded to 256 */
     return p;
 }
 
@@ -299,7 +299,7 @@ static void test_iswa(void) {
     static toy_engine e;
     toy_init(&e, &g_iswa_model);
     const kvc_iswa_params d = kvc_iswa_default_params();
-    CHECK(d.swa_full && d.n_ubatch == 512 && d.kv.kv_size == 4096 && d.kv.layers == NULL);
+    CHECK(d.sizing.swa_full && d.sizing.n_ubatch == 512 && d.kv.kv_size == 4096 && d.kv.layers == NULL);
     CHECK(d.kv.swa_type == KVC_SWA_TYPE_NONE && d.kv.type_k == KVC_TYPE_F16);
 
     kvc_layer_desc layers[4];

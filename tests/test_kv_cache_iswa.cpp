@@ -32,8 +32,7 @@ kv_cache_iswa_params make_params(uint32_t kv_size, uint32_t n_swa, uint32_t n_se
     p.kv.v_trans = false;
     p.kv.n_swa = n_swa;
     p.kv.swa = swa_type::standard;
-    p.swa_full = swa_full;
-    p.n_ubatch = n_ubatch;
+    p.sizing = {.swa_full = swa_full, .n_ubatch = n_ubatch};
     return p;
 }
 

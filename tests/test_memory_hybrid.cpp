@@ -262,9 +262,7 @@ TEST(memory_hybrid, a_failed_restore_changes_neither_part) {
 
 TEST(memory_hybrid, iswa_attention) {
     memory_hybrid_params p = make_params(1024, 2);
-    p.iswa = true;
-    p.swa_full = false;
-    p.n_ubatch = 64;
+    p.iswa = iswa_sizing{.swa_full = false, .n_ubatch = 64};
     p.attn.layers[1].is_swa = true;  // layer 1 slides a window, layer 3 sees everything
     p.attn.n_swa = 8;
     p.attn.swa = swa_type::standard;

@@ -307,8 +307,7 @@ TEST(cache_equals_recompute_iswa, window_layers_and_full_layers_see_the_same_key
             p.kv.unified = unified;
             p.kv.n_swa = 8;
             p.kv.swa = t;
-            p.swa_full = false;
-            p.n_ubatch = 32;
+            p.sizing = {.swa_full = false, .n_ubatch = 32};
             kv_cache_iswa mem(p);
             ASSERT_EQ(mem.get_swa().get_size(), 256u);
             runtime rt(m, mem, runtime_params{.n_threads = 2, .n_ubatch = 32});

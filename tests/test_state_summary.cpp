@@ -377,7 +377,7 @@ kv_cache_iswa make_iswa(uint32_t n_pos = 1) {
     p.kv.n_pos = n_pos;
     p.kv.n_swa = 4;
     p.kv.swa = swa_type::standard;
-    p.swa_full = true;
+    p.sizing.swa_full = true;
     return kv_cache_iswa(p);
 }
 
@@ -396,7 +396,7 @@ memory_hybrid make_hybrid(bool iswa) {
     p.attn.v_trans = true;
     p.recr.n_seq_max = 2;
     if (iswa) {
-        p.iswa = true;
+        p.iswa = iswa_sizing{};
         p.attn.n_swa = 4;
         p.attn.swa = swa_type::standard;
     }

@@ -29,14 +29,22 @@
 
 namespace kvc {
 
+/// How the SWA cache of an iSWA pair is sized (the formula in the file comment); also the hybrid
+/// memory's, when its attention part is such a pair.
+struct iswa_sizing {
+    /// size the SWA cache like the base one (shifts and any seq_rm then work)
+    bool swa_full = true;
+    /// the largest ubatch the engine places (sizes the SWA cache)
+    uint32_t n_ubatch = 512;
+};
+
 /// Everything a kv_cache_iswa is made from.
 struct kv_cache_iswa_params {
     /// Shared by both caches: the layers (is_swa decides the cache), filter, types, V layout, streams,
     /// padding, positions per token, allocator. kv_size sizes the base cache; n_swa and swa are the rule
     /// of the SWA layers (swa must not be none).
     kv_cache_params kv;
-    bool swa_full = true;     ///< size the SWA cache like the base one (shifts and any seq_rm then work)
-    uint32_t n_ubatch = 512;  ///< the largest ubatch the engine places (sizes the SWA cache)
+    iswa_sizing sizing;
 };
 
 /// The SWA cache's cells per stream for these parameters (the formula in the file comment).

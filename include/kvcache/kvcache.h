@@ -246,6 +246,15 @@ KVC_API kvc_kv_cache_params kvc_kv_cache_default_params(void) KVC_NOEXCEPT;
 /// names the field), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
 KVC_API kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** out) KVC_NOEXCEPT;
 
+/// @brief How the sliding-window cache of an iSWA pair is sized (kvc_iswa_params, kvc_hybrid_params).
+typedef struct kvc_iswa_sizing {
+    /// Size the sliding-window cache like the full one (kv_size): positions can then be shifted and any
+    /// part of a sequence removed. false: min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch)
+    /// cells, padded to 256.
+    bool swa_full;
+    uint32_t n_ubatch;  ///< the largest ubatch the engine places (sizes the sliding-window cache)
+} kvc_iswa_sizing;
+
 /// @brief Everything an iSWA memory (interleaved sliding-window attention: Gemma 2/3, Cohere 2, Llama 4)
 /// is made from: two KV caches, one for the layers with kvc_layer_desc::is_swa false (kv_size cells, no
 /// window) and one for the layers with is_swa true (the window rule of `kv`, and only the cells the window
@@ -255,11 +264,7 @@ typedef struct kvc_iswa_params {
     /// full-attention cache), streams, padding, positions per token; n_swa and swa_type are the rule of
     /// the sliding-window layers (swa_type must not be #KVC_SWA_TYPE_NONE, n_swa must be positive).
     kvc_kv_cache_params kv;
-    /// Size the sliding-window cache like the full one (kv_size): positions can then be shifted and any
-    /// part of a sequence removed. false: min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch)
-    /// cells, padded to 256.
-    bool swa_full;
-    uint32_t n_ubatch;  ///< the largest ubatch the engine places (sizes the sliding-window cache)
+    kvc_iswa_sizing sizing;
 } kvc_iswa_params;
 
 /// @brief The defaults of an iSWA memory: kvc_kv_cache_default_params() (no layers, no window: set them),
@@ -334,8 +339,7 @@ typedef struct kvc_hybrid_params {
     kvc_recurrent_params recr;  ///< the recurrent part (same n_seq_max as attn)
     /// the attention part is an iSWA pair of caches (kvc_iswa_params), split by kvc_layer_desc::is_swa
     bool iswa;
-    bool swa_full;      ///< with iswa: kvc_iswa_params::swa_full
-    uint32_t n_ubatch;  ///< with iswa: kvc_iswa_params::n_ubatch
+    kvc_iswa_sizing sizing;  ///< with iswa: how its sliding-window cache is sized
 } kvc_hybrid_params;
 
 /// @brief The defaults of a hybrid memory: kvc_kv_cache_default_params(), kvc_recurrent_default_params(),

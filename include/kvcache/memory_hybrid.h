@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -35,9 +36,8 @@ namespace kvc {
 struct memory_hybrid_params {
     kv_cache_params attn;     ///< the attention part (its layers: those with has_kv that its filter keeps)
     recurrent_params recr;    ///< the recurrent part (same n_seq_max as attn)
-    bool iswa = false;        ///< the attention part is a kv_cache_iswa (its SWA rule: attn.n_swa, attn.swa)
-    bool swa_full = true;     ///< with iswa: kv_cache_iswa_params::swa_full
-    uint32_t n_ubatch = 512;  ///< with iswa: kv_cache_iswa_params::n_ubatch
+    /// set: the attention part is a kv_cache_iswa sized so (its SWA rule: attn.n_swa, attn.swa)
+    std::optional<iswa_sizing> iswa;
 };
 
 /// An attention cache and a recurrent memory as one memory. See the file comment.

@@ -131,6 +131,8 @@ kv_cache_params to_cpp(const kvc_kv_cache_params& c, const char* name);
 recurrent_params to_cpp(const kvc_recurrent_params& c, const char* name);
 kvc_rope_params to_c(const rope_params& r);
 kvc_recurrent_params to_c(const recurrent_params& p);
+iswa_sizing to_cpp(const kvc_iswa_sizing& c);
+kvc_iswa_sizing to_c(const iswa_sizing& s);
 void to_c(const tensor_view& v, kvc_tensor_view& out);
 
 // -- parts of a memory, and of a context --

@@ -176,6 +176,14 @@ kvc_rope_params to_c(const rope_params& r) {
     return c;
 }
 
+iswa_sizing to_cpp(const kvc_iswa_sizing& c) {
+    return iswa_sizing{.swa_full = c.swa_full, .n_ubatch = c.n_ubatch};
+}
+
+kvc_iswa_sizing to_c(const iswa_sizing& s) {
+    return kvc_iswa_sizing{.swa_full = s.swa_full, .n_ubatch = s.n_ubatch};
+}
+
 kvc_recurrent_params to_c(const recurrent_params& p) {
     kvc_recurrent_params c;
     c.layers = nullptr;
@@ -378,11 +386,9 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
 }
 
 kvc_iswa_params kvc_iswa_default_params(void) noexcept {
-    const kvc::kv_cache_iswa_params p;
     kvc_iswa_params c;
     c.kv = kvc_kv_cache_default_params();
-    c.swa_full = p.swa_full;
-    c.n_ubatch = p.n_ubatch;
+    c.sizing = kvc::capi::to_c(kvc::kv_cache_iswa_params{}.sizing);
     return c;
 }
 
@@ -395,8 +401,7 @@ kvc_hybrid_params kvc_hybrid_default_params(void) noexcept {
     kvc_hybrid_params c;
     c.attn = kvc_kv_cache_default_params();
     c.recr = to_c(p.recr);
-    c.iswa = p.iswa;
-    c.swa_full = p.swa_full;
-    c.n_ubatch = p.n_ubatch;
+    c.iswa = p.iswa.has_value();
+    c.sizing = kvc::capi::to_c(p.iswa.value_or(kvc::iswa_sizing{}));
     return c;
 }

@@ -49,8 +49,7 @@ kvc_status kvc_iswa_create(const kvc_iswa_params* params, kvc_memory** out) noex
         need(out, "out");
         kvc::kv_cache_iswa_params p;
         p.kv = to_cpp(c.kv, "params.kv");
-        p.swa_full = c.swa_full;
-        p.n_ubatch = c.n_ubatch;
+        p.sizing = to_cpp(c.sizing);
         auto iswa = std::make_unique<kvc::kv_cache_iswa>(std::move(p));
         const kvc::kv_cache_params& kv = iswa->params().kv;
         *out = new_memory(std::move(iswa), KVC_MEMORY_KIND_ISWA, kv.n_seq_max, kv.n_pos,
@@ -78,9 +77,7 @@ kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) 
         kvc::memory_hybrid_params p;
         p.attn = to_cpp(c.attn, "params.attn");
         p.recr = to_cpp(c.recr, "params.recr");
-        p.iswa = c.iswa;
-        p.swa_full = c.swa_full;
-        p.n_ubatch = c.n_ubatch;
+        if (c.iswa) p.iswa = to_cpp(c.sizing);
         auto hybrid = std::make_unique<kvc::memory_hybrid>(std::move(p));
         const kvc::kv_cache_params& attn = hybrid->params().attn;
         *out = new_memory(std::move(hybrid), c.iswa ? KVC_MEMORY_KIND_HYBRID_ISWA : KVC_MEMORY_KIND_HYBRID,

@@ -152,7 +152,7 @@ kv_cache_params composite_kv(uint32_t kv_size) {
 
 // Both caches of 16 cells; seq 0 with 6 tokens, seq 1 with 2.
 std::unique_ptr<memory_i> iswa_full() {
-    auto m = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{.kv = composite_kv(16), .swa_full = true});
+    auto m = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{.kv = composite_kv(16), .sizing = {.swa_full = true}});
     decode(*m, 2, run(0, 0, 6));
     decode(*m, 2, run(1, 0, 2));
     return m;
@@ -161,7 +161,7 @@ std::unique_ptr<memory_i> iswa_full() {
 // A base cache of 512 cells and a 256-cell SWA cache that already wrapped around for seq 0.
 std::unique_ptr<memory_i> iswa_windowed() {
     auto m = std::make_unique<kv_cache_iswa>(
-        kv_cache_iswa_params{.kv = composite_kv(512), .swa_full = false, .n_ubatch = 8});
+        kv_cache_iswa_params{.kv = composite_kv(512), .sizing = {.swa_full = false, .n_ubatch = 8}});
     for (pos_t p = 0; p < 300; p += 50) decode(*m, 2, run(0, p, 50));
     decode(*m, 2, run(1, 0, 3));
     return m;
@@ -192,7 +192,7 @@ std::unique_ptr<memory_i> hybrid_iswa() {
     memory_hybrid_params p = hybrid_params();
     p.attn.layers[0].has_kv = true;
     p.attn.layers[1].is_swa = false;
-    p.iswa = true;
+    p.iswa = iswa_sizing{};
     auto m = std::make_unique<memory_hybrid>(p);
     decode(*m, 2, run(0, 0, 7));
     fill_rows(m->get_recr());

@@ -66,7 +66,7 @@ public:
             p.n_swa = o.swa;
             p.swa = swa_type::standard;
             iswa_ = std::make_unique<kv_cache_iswa>(
-                kv_cache_iswa_params{.kv = p, .swa_full = false, .n_ubatch = rp.n_ubatch});
+                kv_cache_iswa_params{.kv = p, .sizing = {.swa_full = false, .n_ubatch = rp.n_ubatch}});
             rt_ = std::make_unique<runtime>(m, *iswa_, rp);
             ref_.set_swa(o.swa, swa_type::standard, windowed);
             mem_ = iswa_.get();

@@ -62,7 +62,7 @@ void make_iswa(replay_memory& r, const keys& k, kv_cache_params p) {
     const uint32_t n = pattern(k, "swa_pattern", 2);
     for (uint32_t il = 0; il < p.layers.size(); ++il) p.layers[il].is_swa = n == 0 || il % n < n - 1;
     auto iswa = build<kv_cache_iswa>(kv_cache_iswa_params{
-        .kv = std::move(p), .swa_full = k.get_bool("swa_full", true), .n_ubatch = r.n_ubatch});
+        .kv = std::move(p), .sizing = {.swa_full = k.get_bool("swa_full", true), .n_ubatch = r.n_ubatch}});
     const kv_cache &base = iswa->get_base(), &swa = iswa->get_swa();
     r.parts = {{.name = "base", .used_label = "used", .kv = &base},
                {.name = "swa", .used_label = "used_swa", .kv = &swa}};
