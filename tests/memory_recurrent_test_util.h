@@ -11,6 +11,7 @@
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/state.h>
 
+#include "memory_recurrent_test_access.h"
 #include "recurrent_oracle.h"
 
 namespace kvc::test {
@@ -50,7 +51,7 @@ inline ubatch make_ub(const std::vector<block>& blocks) {
 // find_slot + the engine for one hand-made ubatch.
 inline rs_slot step(memory_recurrent& m, const std::vector<block>& blocks) {
     const ubatch ub = make_ub(blocks);
-    rs_slot sl = m.find_slot(ub);
+    rs_slot sl = memory_recurrent_test_access::find_slot(m, ub);
     engine_step(m, sl, ub);
     return sl;
 }

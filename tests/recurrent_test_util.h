@@ -4,6 +4,8 @@
 #include <kvcache/batch.h>
 #include <kvcache/memory_recurrent.h>
 
+#include "memory_recurrent_test_access.h"
+
 namespace kvc::test {
 
 // One block of n tokens of s from position p0, placed by find_slot (rows are left as they are).
@@ -23,7 +25,7 @@ inline void place(memory_recurrent& m, seq_id_t s, pos_t p0, uint32_t n) {
         u.batch_idx.push_back(static_cast<int32_t>(i));
     }
     u.seq_id_unq = {s};
-    m.find_slot(u);
+    memory_recurrent_test_access::find_slot(m, u);
 }
 
 }  // namespace kvc::test

@@ -217,15 +217,15 @@ TEST(memory_recurrent, find_slot_rejects_what_it_cannot_place_and_changes_nothin
     memory_recurrent m(params(3));
     step(m, {{{0}, {0}}});
     const std::string before = snapshot(m);
-    EXPECT_THROW((void)m.find_slot(make_ub({{{3}, {0}}})), error);                 // seq id >= n_seq_max
-    EXPECT_THROW((void)m.find_slot(make_ub({{{1}, {0}}, {{1, 2}, {0}}})), error);  // seq 1 in two blocks
-    EXPECT_THROW((void)m.find_slot(make_ub({{{1}, {0}}, {{-1}, {0}}})), error);
+    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{3}, {0}}})), error);                 // seq id >= n_seq_max
+    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{1}, {0}}, {{1, 2}, {0}}})), error);  // seq 1 in two blocks
+    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{1}, {0}}, {{-1}, {0}}})), error);
     ubatch u = make_ub({{{1}, {0, 1}}});
     u.equal_seqs = false;
-    EXPECT_THROW((void)m.find_slot(u), error);
+    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, u), error);
     u = make_ub({{{1}, {0, 1}}});
     u.seq_id_data[1] = 2;  // the block's second token belongs to another sequence
-    EXPECT_THROW((void)m.find_slot(u), error);
+    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, u), error);
     EXPECT_EQ(snapshot(m), before);
 }
 
@@ -236,10 +236,10 @@ TEST(memory_recurrent, prepare_is_a_dry_run) {
     m.seq_cp(1, 2, -1, -1);
     const std::string before = snapshot(m);
     const std::vector<ubatch> ubs = {make_ub({{{1}, {1}}, {{2}, {1}}}), make_ub({{{3}, {0}}})};
-    m.prepare(ubs);
+    memory_recurrent_test_access::prepare(m, ubs);
     EXPECT_EQ(snapshot(m), before);
     const std::vector<ubatch> bad = {make_ub({{{1}, {1}}}), make_ub({{{9}, {0}}})};
-    EXPECT_THROW(m.prepare(bad), error);  // the second fails after the first was placed: rolled back
+    EXPECT_THROW(memory_recurrent_test_access::prepare(m, bad), error);  // the second fails after the first was placed: rolled back
     EXPECT_EQ(snapshot(m), before);
 }
 

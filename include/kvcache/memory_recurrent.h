@@ -92,6 +92,9 @@ struct rs_slot {
     std::vector<rs_copy> hist_copy;  ///< history planes to carry over (empty when n_rs_seq == 0)
 };
 
+class memory_recurrent_context;
+struct memory_recurrent_test_access;  // tests/memory_recurrent_test_access.h
+
 /// The recurrent state memory. See the file comment for cells, the engine contract and rollback.
 class memory_recurrent final : public memory_i {
 public:
@@ -191,16 +194,6 @@ public:
     /// Read-only s tensor.
     const_tensor_view get_s(uint32_t il) const;
 
-    // -- placement (what init_batch and apply do; public for tests and custom drivers) --
-    /// Places an equal-seqs ubatch for real (design/recurrent.md §4.5) and returns what the engine needs. It
-    /// cannot run out of cells (a sequence needing a new cell shares one or has none, so a cell is free).
-    /// Throws kvc::error, nothing changed, for a sequence id outside [0, n_seq_max) or a ubatch this memory
-    /// cannot take: not equal_seqs, a block whose tokens differ in sequences, blocks sharing a sequence.
-    rs_slot find_slot(const ubatch& ub);
-    /// Dry run of find_slot on every ubatch in order (later ones see earlier ones); the cells are
-    /// restored afterwards. Throws what find_slot throws, memory unchanged.
-    void prepare(std::span<const ubatch> ubatches);
-
     // -- inspection --
     /// What a cell holds.
     struct cell_info {
@@ -225,8 +218,20 @@ public:
     void validate() const;
 
 private:
+    friend class memory_recurrent_context;
+    friend struct memory_recurrent_test_access;
     struct cell_rec;
     struct layer;
+
+    // placement: what the context does (init_batch prepares, apply places)
+    /// Places an equal-seqs ubatch for real (design/recurrent.md §4.5) and returns what the engine needs. It
+    /// cannot run out of cells (a sequence needing a new cell shares one or has none, so a cell is free).
+    /// Throws kvc::error, nothing changed, for a sequence id outside [0, n_seq_max) or a ubatch this memory
+    /// cannot take: not equal_seqs, a block whose tokens differ in sequences, blocks sharing a sequence.
+    rs_slot find_slot(const ubatch& ub);
+    /// Dry run of find_slot on every ubatch in order (later ones see earlier ones); the cells are
+    /// restored afterwards. Throws what find_slot throws, memory unchanged.
+    void prepare(std::span<const ubatch> ubatches);
 
     void check_seq(seq_id_t s, const char* what) const;
     const layer& own_layer(uint32_t il) const;
