@@ -14,8 +14,8 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
                     fmt::format("memory_hybrid: the attention part has n_seq_max {}, the recurrent part {}",
                                 params_.attn.n_seq_max, params_.recr.n_seq_max));
     if (params_.iswa)
-        attn_ = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{
-            .kv = params_.attn, .sizing = *params_.iswa});
+        attn_ = std::make_unique<kv_cache_iswa>(
+            kv_cache_iswa_params{.kv = params_.attn, .sizing = *params_.iswa});
     else
         attn_ = std::make_unique<kv_cache>(params_.attn);
     recr_ = std::make_unique<memory_recurrent>(params_.recr);

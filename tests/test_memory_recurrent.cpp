@@ -217,8 +217,10 @@ TEST(memory_recurrent, find_slot_rejects_what_it_cannot_place_and_changes_nothin
     memory_recurrent m(params(3));
     step(m, {{{0}, {0}}});
     const std::string before = snapshot(m);
-    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{3}, {0}}})), error);                 // seq id >= n_seq_max
-    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{1}, {0}}, {{1, 2}, {0}}})), error);  // seq 1 in two blocks
+    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{3}, {0}}})),
+                 error);  // seq id >= n_seq_max
+    EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{1}, {0}}, {{1, 2}, {0}}})),
+                 error);  // seq 1 in two blocks
     EXPECT_THROW((void)memory_recurrent_test_access::find_slot(m, make_ub({{{1}, {0}}, {{-1}, {0}}})), error);
     ubatch u = make_ub({{{1}, {0, 1}}});
     u.equal_seqs = false;
@@ -239,7 +241,8 @@ TEST(memory_recurrent, prepare_is_a_dry_run) {
     memory_recurrent_test_access::prepare(m, ubs);
     EXPECT_EQ(snapshot(m), before);
     const std::vector<ubatch> bad = {make_ub({{{1}, {1}}}), make_ub({{{9}, {0}}})};
-    EXPECT_THROW(memory_recurrent_test_access::prepare(m, bad), error);  // the second fails after the first was placed: rolled back
+    EXPECT_THROW(memory_recurrent_test_access::prepare(m, bad),
+                 error);  // the second fails after the first was placed: rolled back
     EXPECT_EQ(snapshot(m), before);
 }
 

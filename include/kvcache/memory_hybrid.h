@@ -34,8 +34,8 @@ namespace kvc {
 
 /// Everything a memory_hybrid is made from.
 struct memory_hybrid_params {
-    kv_cache_params attn;     ///< the attention part (its layers: those with has_kv that its filter keeps)
-    recurrent_params recr;    ///< the recurrent part (same n_seq_max as attn)
+    kv_cache_params attn;   ///< the attention part (its layers: those with has_kv that its filter keeps)
+    recurrent_params recr;  ///< the recurrent part (same n_seq_max as attn)
     /// set: the attention part is a kv_cache_iswa sized so (its SWA rule: attn.n_swa, attn.swa)
     std::optional<iswa_sizing> iswa;
 };

@@ -335,7 +335,8 @@ KVC_AVX512 void avx512_f32_to_q8_0(const float* x, uint8_t* y, int64_t n) {
             const __m512 v0 = _mm512_loadu_ps(x + j * qk8_0), v1 = _mm512_loadu_ps(x + j * qk8_0 + 16);
             // a NaN lane yields the other operand, as the scalar `a > amax ? a : amax`
             m[j] = _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps()));
-            const bool any = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q));
+            const bool any =
+                (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q));
             nan = static_cast<__mmask16>(nan | (any ? 1u << j : 0u));
         }
         avx512_fold_max<16>(m);  // m[0..7]: 2 blocks of 8 lanes each

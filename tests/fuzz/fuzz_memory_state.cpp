@@ -152,7 +152,8 @@ kv_cache_params composite_kv(uint32_t kv_size) {
 
 // Both caches of 16 cells; seq 0 with 6 tokens, seq 1 with 2.
 std::unique_ptr<memory_i> iswa_full() {
-    auto m = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{.kv = composite_kv(16), .sizing = {.swa_full = true}});
+    auto m = std::make_unique<kv_cache_iswa>(
+        kv_cache_iswa_params{.kv = composite_kv(16), .sizing = {.swa_full = true}});
     decode(*m, 2, run(0, 0, 6));
     decode(*m, 2, run(1, 0, 2));
     return m;
