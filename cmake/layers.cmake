@@ -33,7 +33,7 @@ endfunction()
 # batch.cpp never include memory.h, and memory.h never includes state.h. Every public header has a rank.
 set(KVC_INCLUDE_RANKS
   "0 types.h version.h"
-  "1 dtype.h seq_set.h io.h executor.h"
+  "1 dtype.h seq_set.h io.h executor.h prefix_cache.h"
   "2 tensor.h ops.h kv_storage.h"
   "3 kv_cells.h batch.h"
   "4 memory.h"
@@ -46,6 +46,7 @@ set(KVC_INCLUDE_RANKS
 set(KVC_SOURCE_HEADERS
   "ops_rope.cpp ops.h"
   "kv_cache_context.cpp kv_cache.h"
+  "kv_cache_prefix.cpp kv_cache.h"
 )
 # The highest rank each folder of src/ may include (sources without a header of their own).
 set(KVC_SOURCE_RANKS

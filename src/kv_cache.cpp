@@ -8,6 +8,7 @@
 #include <kvcache/kv_cache.h>
 
 #include "detail/kv_cache_layer.h"
+#include "detail/kv_cache_prefix.h"
 
 namespace kvc {
 
@@ -117,6 +118,17 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     streams_.reserve(n_stream);
     for (uint32_t s = 0; s < n_stream; ++s) streams_.emplace_back(p.kv_size, p.n_seq_max);
     heads_.assign(n_stream, 0);
+    if (p.prefix.enabled) {
+        if (n_stream != 1) bad("the prefix cache needs one unified stream (unified = true)");
+        if (p.swa != swa_type::none)
+            bad(fmt::format("the prefix cache needs no sliding window, not {}", to_string(p.swa)));
+        if (p.n_pos != 1)
+            bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
+        if (p.prefix.block_size == 0 || p.prefix.block_size > p.kv_size)
+            bad(fmt::format("prefix block_size {} must be in [1, kv_size {}]", p.prefix.block_size,
+                            p.kv_size));
+        prefix_init();
+    }
 }
 
 kv_cache::~kv_cache() = default;
@@ -356,6 +368,7 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
         seq_rm(q, pmin, m + 1);
     }
     for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
+    if (!j) prefix_record(sinfo, ub);
 }
 
 std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
@@ -368,6 +381,12 @@ std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
         heads_ = saved_heads;  // every stream's own head (design D3)
     };
     for (const ubatch& ub : ubatches) check_ubatch(ub);  // the only validation: placement relies on it
+    if (prefix_) {  // one stream: room for every token, evicting cached blocks only if that gives it
+        prefix_publish();
+        uint64_t need = 0;
+        for (const ubatch& ub : ubatches) need += ub.n_tokens;
+        if (need > params_.kv_size || !prefix_make_room(0, static_cast<uint32_t>(need))) return res;
+    }
     try {  // an allocation failing mid-way must not leave the trial placement behind
         for (const ubatch& ub : ubatches) {
             slot_info sinfo = find_slot(ub);
@@ -472,6 +491,7 @@ uint32_t kv_cache::compact() {
             const uint32_t from = used[hi - 1];
             if (hole >= from) break;
             c.mv(from, hole);
+            prefix_moved(s, from, hole);
             copies.push_back({row(s, from), row(s, hole)});
             --hi;
         }
@@ -512,20 +532,23 @@ bool kv_cache::update() {
 // -- memory_i: sequences --
 
 void kv_cache::clear(bool data) {
+    prefix_reset();
     for (kv_cells& c : streams_) c.reset();
     std::fill(heads_.begin(), heads_.end(), 0);
     if (data) storage_->clear();
 }
 
 bool kv_cache::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    if (seq_id != seq_all) check_seq(seq_id, "seq_rm");
+    prefix_before_rm(seq_id, p0, p1);
     if (seq_id == seq_all) {
         for (uint32_t s = 0; s < streams_.size(); ++s)
             lower_head(s, streams_[s].seq_rm_range(seq_all, p0, p1));
-        return true;
+    } else {
+        const uint32_t s = seq_to_stream(seq_id);
+        lower_head(s, streams_[s].seq_rm_range(seq_id, p0, p1));
     }
-    check_seq(seq_id, "seq_rm");
-    const uint32_t s = seq_to_stream(seq_id);
-    lower_head(s, streams_[s].seq_rm_range(seq_id, p0, p1));
+    prefix_sync();
     return true;
 }
 
@@ -535,6 +558,7 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     if (src == dst) return;
     const uint32_t ss = seq_to_stream(src), sd = seq_to_stream(dst);
     if (ss == sd) {
+        prefix_before_cp(src, dst, p0, p1);
         streams_[ss].seq_cp_range(src, dst, p0, p1);
         return;
     }
@@ -572,6 +596,7 @@ void kv_cache::seq_keep(seq_id_t seq_id) {
             heads_[s] = 0;
         }
     }
+    prefix_sync();
 }
 
 void kv_cache::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
@@ -582,6 +607,7 @@ void kv_cache::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
     if (p0 < 0) p0 = 0;
     if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
     if (p0 == p1) return;
+    prefix_before_shift(seq_id, p0, p1);
     const uint32_t s = seq_to_stream(seq_id);
     const uint32_t lowest = streams_[s].seq_add_range(seq_id, p0, p1, shift);
     heads_[s] = lowest != params_.kv_size ? lowest : 0;  // as upstream: back to the front when nothing freed
@@ -593,6 +619,7 @@ void kv_cache::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
         throw error(errc::unsupported, "seq_div: positions of an M-RoPE cache cannot be shifted");
     if (d < 1) throw error(errc::invalid_argument, fmt::format("seq_div: divisor {} must be >= 1", d));
     if (d == 1) return;
+    prefix_before_shift(seq_id, p0, p1);
     streams_[seq_to_stream(seq_id)].seq_div_range(seq_id, p0, p1, d);
 }
 

@@ -345,6 +345,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
     };
 
     if (seq_id == seq_all) {
+        prefix_reset();
         for (kv_cells& c : streams_) c.reset();  // design D2: every stream is replaced
         std::fill(heads_.begin(), heads_.end(), 0);
         std::vector<uint32_t> cells;  // a part's cells are 0..n-1 of its stream
@@ -359,6 +360,8 @@ void kv_cache::state_commit(state_stage_i& stage) {
             }
             copy_rows(part, part.stream, cells);
         }
+        prefix_forget(seq_all);  // the restored sequences' tokens are unknown: none publishes
+        prefix_sync();
         return;
     }
 
@@ -376,10 +379,13 @@ void kv_cache::state_commit(state_stage_i& stage) {
         // Only empty cells take the state's cells, so whether they fit is known before anything changes:
         // the empty cells and those the destination alone holds (it leaves them) must number at least n.
         if (n > params_.kv_size - c.get_used()) {  // else there is room whatever the destination frees
+            // (a cell the prefix cache holds stays when the destination leaves it; cached blocks may be
+            // evicted for the rest)
             uint32_t freed = 0;
             for (const auto& e : c.seq_entries(seq_id, -1, -1))
-                freed += c.seqs(e.second).is_only(seq_id) ? 1 : 0;
-            if (n > params_.kv_size - (c.get_used() - freed)) throw no_room();
+                freed += c.seqs(e.second).is_only(seq_id) && !c.is_held(e.second) ? 1 : 0;
+            if (n > params_.kv_size - (c.get_used() - freed) && !prefix_make_room(s, n - freed))
+                throw no_room();
         }
         seq_rm(seq_id, -1, -1);
         if (n > 0) {
@@ -414,6 +420,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
         }
     }
     if (part) copy_rows(*part, s, cells);
+    prefix_forget(seq_id);  // its tokens are unknown: it does not publish
 }
 
 bool kv_cache::state_fits(const state_stage_i& stage) {
@@ -424,6 +431,13 @@ bool kv_cache::state_fits(const state_stage_i& stage) {
     // what state_commit does (the destination leaves its cells, then the state's cells are placed), undone
     const seq_id_t seq_id = st->seq_id;
     kv_cells& c = streams_[seq_to_stream(seq_id)];
+    if (prefix_) {  // no window: empty cells, those the destination alone leaves, and evictable ones
+        const auto n = static_cast<uint32_t>(st->parts[0].pos.size());
+        uint32_t freed = 0;
+        for (const auto& e : c.seq_entries(seq_id, -1, -1))
+            freed += c.seqs(e.second).is_only(seq_id) && !c.is_held(e.second) ? 1 : 0;
+        return n <= freed || prefix_room_possible(0, n - freed);
+    }
     std::vector<uint32_t> old;
     c.seq_cells(seq_id, -1, -1, old);
     const cells_snapshot saved = c.cp(old);

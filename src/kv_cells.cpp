@@ -58,6 +58,7 @@ void kv_cells::resize(uint32_t n) {
     t_->used.assign(words, 0);
     t_->any_used.assign((words + 63) / 64, 0);
     t_->any_free.assign((words + 63) / 64, 0);
+    t_->held.assign(words, 0);
     reset();
 }
 
@@ -71,6 +72,8 @@ void kv_cells::reset() {
     std::fill(t_->any_free.begin(), t_->any_free.end(), 0);
     for (size_t w = 0; w < t_->used.size(); ++w) t_->any_free[w / 64] |= uint64_t{1} << (w % 64);
     for (auto& index : t_->seq_pos) index.clear();
+    std::fill(t_->held.begin(), t_->held.end(), 0);
+    t_->released.clear();
     n_used_ = 0;
     has_shift_ = false;
 }
@@ -277,6 +280,53 @@ void kv_cells::make_empty(uint32_t i) {
     mark_free(i);
 }
 
+bool kv_cells::held(uint32_t i) const {
+    return (t_->held[i / 64] >> (i % 64)) & 1;
+}
+
+bool kv_cells::drop(uint32_t i) {
+    if (!held(i)) {
+        make_empty(i);
+        return true;
+    }
+    seq_[i].clear();
+    t_->released.push_back(i);
+    return false;
+}
+
+void kv_cells::check_not_held(uint32_t i, const char* what) const {
+    if (held(i))
+        throw error(errc::invalid_state,
+                    fmt::format("kv_cells::{}: cell {} is held by the prefix cache", what, i));
+}
+
+bool kv_cells::is_held(uint32_t i) const {
+    return held(check(i));
+}
+
+void kv_cells::hold(uint32_t i) {
+    check_used(i, "hold");
+    if (held(i)) throw error(errc::invalid_state, fmt::format("kv_cells::hold: cell {} is already held", i));
+    t_->held[i / 64] |= bit(i);
+}
+
+bool kv_cells::unhold(uint32_t i) {
+    if (!held(check(i)))
+        throw error(errc::invalid_state, fmt::format("kv_cells::unhold: cell {} is not held", i));
+    t_->held[i / 64] &= ~bit(i);
+    if (!seq_[i].empty()) return false;
+    make_empty(i);
+    return true;
+}
+
+std::span<const uint32_t> kv_cells::released() const {
+    return t_->released;
+}
+
+void kv_cells::clear_released() {
+    t_->released.clear();
+}
+
 void kv_cells::pos_set(uint32_t i, pos_t p) {
     check(i);
     if (p < 0) throw error(errc::invalid_argument, fmt::format("kv_cells::pos_set: negative position {}", p));
@@ -340,8 +390,7 @@ bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {
     seq_[i].erase(s);
     t_->seq_pos[s].erase({pos_[i], i});
     if (!seq_[i].empty()) return false;
-    make_empty(i);
-    return true;
+    return drop(i);
 }
 
 bool kv_cells::seq_keep(uint32_t i, seq_id_t s) {
@@ -356,18 +405,19 @@ bool kv_cells::seq_keep(uint32_t i, seq_id_t s) {
     }
     if (seq_[i].empty()) return false;  // empty cell, or used with no sequence: left as is (as upstream)
     index_remove(i);
-    make_empty(i);
-    return true;
+    return drop(i);
 }
 
 void kv_cells::rm(uint32_t i) {
     check_used(i, "rm");
     index_remove(i);
+    t_->held[i / 64] &= ~bit(i);
     make_empty(i);
 }
 
 bool kv_cells::pos_add(uint32_t i, pos_t d) {
     check_used(i, "pos_add");
+    check_not_held(i, "pos_add");
     const int64_t p = int64_t{pos_[i]} + d;
     const int64_t sh = int64_t{shift_[i]} + d;
     constexpr int64_t lim = std::numeric_limits<pos_t>::max();
@@ -390,6 +440,7 @@ bool kv_cells::pos_add(uint32_t i, pos_t d) {
 
 void kv_cells::pos_div(uint32_t i, int d) {
     check_used(i, "pos_div");
+    check_not_held(i, "pos_div");
     if (d < 1)
         throw error(errc::invalid_argument, fmt::format("kv_cells::pos_div: divisor {} must be >= 1", d));
     const pos_t new_pos = pos_[i] / d;
@@ -416,6 +467,10 @@ void kv_cells::mv(uint32_t src, uint32_t dst) {
     seq_[dst] = seq_[src];
     mark_used(dst);
     index_add(dst);
+    if (held(src)) {  // the holder follows the cell (kv_cache::compact tells the prefix cache)
+        t_->held[src / 64] &= ~bit(src);
+        t_->held[dst / 64] |= bit(dst);
+    }
     make_empty(src);
 }
 
@@ -433,8 +488,8 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
         const int64_t hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
         for (uint32_t i = next_used(0); i < size(); i = next_used(i + 1)) {
             if (pos_[i] < std::max<pos_t>(p0, 0) || pos_[i] >= hi) continue;
-            make_empty(i);
-            lowest = std::min(lowest, i);
+            if (held(i) && seq_[i].empty()) continue;  // cached: belongs to no sequence
+            if (drop(i)) lowest = std::min(lowest, i);
         }
         return lowest;
     }
@@ -443,10 +498,7 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
     for (const auto* e = lo; e < hi; ++e) {
         const uint32_t i = e->second;
         seq_[i].erase(s);
-        if (seq_[i].empty()) {
-            make_empty(i);
-            lowest = std::min(lowest, i);
-        }
+        if (seq_[i].empty() && drop(i)) lowest = std::min(lowest, i);
     }
     detail::seq_index& index = t_->seq_pos[s];
     index.erase(static_cast<size_t>(lo - index.begin()), static_cast<size_t>(hi - index.begin()));
@@ -478,8 +530,7 @@ uint32_t kv_cells::seq_keep_all(seq_id_t s) {
                 seqs.insert(s);
             }
         } else if (!seqs.empty()) {  // a used cell with no sequence is left alone (as upstream)
-            make_empty(i);
-            lowest = std::min(lowest, i);
+            if (drop(i)) lowest = std::min(lowest, i);
         }
     }
     for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq_max_); ++q)
@@ -533,6 +584,7 @@ uint32_t kv_cells::seq_add_range(seq_id_t s, pos_t p0, pos_t p1, pos_t d) {
     constexpr int64_t lim = std::numeric_limits<pos_t>::max();
     for (const auto* e = lo; e < hi; ++e) {  // all or nothing: check every cell before moving any
         const uint32_t i = e->second;
+        check_not_held(i, "seq_add_range");
         const int64_t sh = int64_t{shift_[i]} + d;
         if (int64_t{pos_[i]} + d > lim || sh > lim || sh < -lim)
             throw error(errc::out_of_range,
@@ -574,6 +626,7 @@ void kv_cells::seq_div_range(seq_id_t s, pos_t p0, pos_t p1, int d) {
     if (lo == hi) return;
     for (const auto* e = lo; e < hi; ++e) {  // all or nothing
         const uint32_t i = e->second;
+        check_not_held(i, "seq_div_range");
         if (int64_t{shift_[i]} + pos_[i] / d - pos_[i] < -int64_t{std::numeric_limits<pos_t>::max()})
             throw error(
                 errc::out_of_range,
@@ -694,7 +747,7 @@ std::string kv_cells::picture() const {
         if (pos_[i] == pos_none) continue;
         const size_t n = seq_[i].size();
         if (n == 0)
-            s[i] = '?';
+            s[i] = held(i) ? '+' : '?';
         else if (n > 1)
             s[i] = 'M';
         else {
@@ -719,6 +772,7 @@ void kv_cells::validate() const {
         if (!u && (!seq_[i].empty() || shift_[i] != 0 || !(ext_[i] == cell_ext{})))
             fail(fmt::format("empty cell {} keeps sequences, shift or extension", i));
         if (shift_[i] != 0 && !has_shift_) fail(fmt::format("cell {} has a shift but has_shift is false", i));
+        if (held(i) && !u) fail(fmt::format("empty cell {} is held", i));
         for (seq_id_t s : seq_[i]) {
             if (static_cast<uint32_t>(s) >= n_seq_max_) fail(fmt::format("cell {} holds seq {}", i, s));
             index[s].emplace_back(pos_[i], i);

@@ -46,9 +46,10 @@ struct setup {
     uint32_t n_swa = 0;
     swa_type swa = swa_type::none;
     uint32_t n_ubatch = 512;
+    bool prefix = false;  // a prefix cache of 4-token blocks
     std::string name() const {
-        return fmt::format("k={} v={} v_trans={} unified={} swa={}", to_string(type_k), to_string(type_v),
-                           v_trans, unified, n_swa);
+        return fmt::format("k={} v={} v_trans={} unified={} swa={} prefix={}", to_string(type_k),
+                           to_string(type_v), v_trans, unified, n_swa, prefix);
     }
 };
 
@@ -64,6 +65,7 @@ public:
         p.unified = s.unified;
         p.n_swa = s.n_swa;
         p.swa = s.swa;
+        p.prefix = {.enabled = s.prefix, .block_size = 4};
         cache_ = std::make_unique<kv_cache>(p);
         rt_ = std::make_unique<runtime>(*m_, *cache_, runtime_params{.n_threads = 2, .n_ubatch = s.n_ubatch});
         ref_.set_swa(s.n_swa, s.swa);
@@ -95,6 +97,19 @@ public:
         const double rel = max_abs_diff(a.logits, r.logits) / std::max(scale, 1e-6f);
         worst_ = std::max(worst_, rel);
         return rel;
+    }
+    // The cache attaches the cached prefix of `prompt` to seq; the reference decodes those tokens (their
+    // logits are not compared). Returns how many.
+    uint32_t attach(seq_id_t seq, const std::vector<token_t>& prompt) {
+        const uint32_t n = cache_->prefix_attach(seq, prompt);
+        if (n > 0) {
+            batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
+            const seq_id_t ids[1] = {seq};
+            for (uint32_t i = 0; i < n; ++i) b.add(prompt[i], static_cast<pos_t>(i), ids, false);
+            EXPECT_EQ(ref_.decode(b.view()).status, memory_status::success);
+        }
+        EXPECT_EQ(cache_->seq_pos_max(seq), ref_.seq_pos_max(seq));
+        return n;
     }
     std::vector<token_t> tokens(size_t n) {
         std::vector<token_t> t(n);
@@ -134,6 +149,10 @@ std::vector<setup> every_setup() {
                 s.v_trans = v_trans;
                 s.unified = unified;
                 out.push_back(s);
+                if (unified) {  // every test again with a prefix cache, which must change nothing seen
+                    s.prefix = true;
+                    out.push_back(s);
+                }
             }
     return out;
 }
@@ -275,12 +294,113 @@ TEST_P(cache_equals_recompute, small_ubatches) {
     EXPECT_CLOSE(r);
 }
 
-INSTANTIATE_TEST_SUITE_P(types, cache_equals_recompute, ::testing::ValuesIn(every_setup()),
-                         [](const ::testing::TestParamInfo<setup>& i) {
-                             return fmt::format("{}_{}_{}", to_string(i.param.type_k),
-                                                i.param.v_trans ? "vt" : "v",
-                                                i.param.unified ? "unified" : "split");
-                         });
+// -- the prefix cache: attach-then-decode gives the logits of decoding the whole prompt --
+
+class prefix_equals_recompute : public cache_equals_recompute {};
+
+TEST_P(prefix_equals_recompute, hits_from_live_and_ended_sequences) {
+    pair_run r(GetParam());
+    const auto sys = r.tokens(14);  // 3 blocks + 2 tokens
+    r.decode({{{0}, 0, sys}});
+    for (int i = 0; i < 3; ++i) r.decode({{{0}, -1, r.tokens(1)}});
+    // seq 1: the system prompt and its own question; 12 tokens hit while seq 0 still holds them
+    auto q1 = sys;
+    for (token_t t : r.tokens(5)) q1.push_back(t);
+    EXPECT_EQ(r.attach(1, q1), 12u);
+    r.decode({{{1}, 12, {q1.begin() + 12, q1.end()}}});
+    // seq 0 ends: its blocks stay cached; seq 2 hits them, including the answer's first block
+    r.both([](auto& c, auto& f) {
+        c.seq_rm(0, -1, -1);
+        f.seq_rm(0, -1, -1);
+    });
+    EXPECT_GT(r.cache().get_prefix_stats().cached_cells, 0u);
+    EXPECT_EQ(r.attach(2, sys), 12u);  // whole blocks only: sys's last 2 tokens share one with the answer
+    r.decode({{{2}, 12, {sys.begin() + 12, sys.end()}}, {{1}, -1, r.tokens(2)}});
+    for (int i = 0; i < 4; ++i) r.decode({{{2}, -1, r.tokens(1)}, {{1}, -1, r.tokens(1)}});
+    const prefix_stats st = r.cache().get_prefix_stats();
+    EXPECT_EQ(st.hit_tokens, 24u);
+    EXPECT_GT(st.published_blocks, 3u);
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(prefix_equals_recompute, evictions_under_a_small_cache) {
+    pair_run r(GetParam(), 4, 64);  // 64 cells
+    std::vector<std::vector<token_t>> prompts;
+    for (int k = 0; k < 6; ++k) {  // six conversations of 20 tokens, one after another: later ones evict
+        prompts.push_back(r.tokens(20));
+        const auto& p = prompts.back();
+        const seq_id_t s = k % 4;
+        const uint32_t n = r.attach(s, p);
+        r.decode({{{s}, static_cast<pos_t>(n), {p.begin() + n, p.end()}}});
+        r.decode({{{s}, -1, r.tokens(3)}});
+        r.both([s](auto& c, auto& f) {
+            c.seq_rm(s, -1, -1);
+            f.seq_rm(s, -1, -1);
+        });
+    }
+    EXPECT_GT(r.cache().get_prefix_stats().evicted_blocks, 0u);
+    // the latest conversation is still cached; the first was evicted
+    EXPECT_EQ(r.cache().prefix_lookup(prompts[5]), 19u);
+    EXPECT_EQ(r.cache().prefix_lookup(prompts[0]), 0u);
+    EXPECT_EQ(r.attach(1, prompts[5]), 19u);
+    r.decode({{{1}, 19, {prompts[5].back()}}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(prefix_equals_recompute, holder_context_shift_leaves_the_others_alone) {
+    pair_run r(GetParam());
+    const auto sys = r.tokens(17);
+    r.decode({{{0}, 0, sys}});
+    EXPECT_EQ(r.attach(1, sys), 16u);
+    r.decode({{{1}, 16, {sys.back()}}});
+    // seq 0 shifts its context: the cells it shares with seq 1 are copied for it, seq 1 keeps its own
+    r.both([](auto& c, auto& f) {
+        c.seq_rm(0, 2, 6);
+        f.seq_rm(0, 2, 6);
+        c.seq_add(0, 6, -1, -4);
+        f.seq_add(0, 6, -1, -4);
+    });
+    r.decode({{{0}, -1, r.tokens(3)}, {{1}, -1, r.tokens(2)}});
+    r.decode({{{0}, -1, r.tokens(1)}, {{1}, -1, r.tokens(1)}});
+    // a new sequence still hits what seq 1 holds
+    EXPECT_EQ(r.attach(2, sys), 16u);
+    r.decode({{{2}, 16, {sys.back()}}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(prefix_equals_recompute, survives_suffix_removal_and_state_restores) {
+    pair_run r(GetParam());
+    const auto a = r.tokens(21);
+    r.decode({{{0}, 0, a}});
+    r.decode({{{0}, -1, r.tokens(1)}});
+    r.both([](auto& c, auto& f) {  // rollback of a suffix: the published blocks stay cached
+        c.seq_rm(0, 9, -1);
+        f.seq_rm(0, 9, -1);
+    });
+    EXPECT_EQ(r.attach(1, a), 20u);
+    r.decode({{{1}, 20, {a.back()}}, {{0}, 9, r.tokens(2)}});
+    // an attached sequence saved and restored into another one
+    const auto saved = state_seq_get_data(r.cache(), 1);
+    state_seq_set_data(r.cache(), saved, 3);
+    r.ref().seq_cp(1, 3, -1, -1);
+    r.decode({{{3}, -1, r.tokens(2)}, {{1}, -1, r.tokens(1)}});
+    EXPECT_CLOSE(r);
+}
+
+std::string setup_name(const ::testing::TestParamInfo<setup>& i) {
+    return fmt::format("{}_{}_{}{}", to_string(i.param.type_k), i.param.v_trans ? "vt" : "v",
+                       i.param.unified ? "unified" : "split", i.param.prefix ? "_prefix" : "");
+}
+
+std::vector<setup> prefix_setups() {
+    std::vector<setup> out;
+    for (const setup& s : every_setup())
+        if (s.prefix) out.push_back(s);
+    return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(types, cache_equals_recompute, ::testing::ValuesIn(every_setup()), setup_name);
+INSTANTIATE_TEST_SUITE_P(types, prefix_equals_recompute, ::testing::ValuesIn(prefix_setups()), setup_name);
 
 TEST(cache_equals_recompute_swa, a_sliding_window_sees_the_same_keys) {
     for (const swa_type t : {swa_type::standard, swa_type::chunked}) {

@@ -29,6 +29,7 @@
 #include <kvcache/kv_storage.h>
 #include <kvcache/memory.h>
 #include <kvcache/ops.h>
+#include <kvcache/prefix_cache.h>
 #include <kvcache/tensor.h>
 
 namespace kvc {
@@ -79,6 +80,9 @@ struct kv_cache_params {
     buffer_allocator* allocator = nullptr;  ///< null: host memory
     /// Runs the K-shift's pieces in parallel (e.g. a thread_pool's parallel_for); empty: one thread.
     executor exec;
+    /// Keep computed prompt prefixes for other sequences (kvcache/prefix_cache.h, docs/prefix-cache.md).
+    /// Needs one unified stream, no sliding window and one position per token.
+    prefix_cache_params prefix;
 };
 
 /// Where one ubatch goes (design/kv-cache.md §3.5): group k of size() tokens goes to stream strm[k], cells
@@ -163,6 +167,25 @@ public:
     /// that re-rotates keys itself.
     void set_input_k_shift(std::span<int32_t> dst) const;
 
+    // -- prefix cache (params().prefix.enabled; docs/prefix-cache.md) --
+    /// Tokens of `tokens` that prefix_attach would give a sequence now: the longest cached prefix in
+    /// whole blocks, at most tokens.size() - 1 (the engine still computes the last token's logits).
+    /// Changes no sequence and no cell (it counts a lookup, and publishes the blocks the previous step
+    /// computed). `key` separates namespaces (model revision, adapter, tenant): only blocks published
+    /// under the same key match. Throws kvc::error(unsupported) without a prefix cache.
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0);
+    /// Makes the empty sequence seq_id hold the cells of the longest cached prefix of `tokens` (shared,
+    /// not copied) at positions [0, n), as if it had decoded them, and returns n (what prefix_lookup
+    /// returns). The engine then decodes tokens[n:] from position n; the blocks that decoding completes
+    /// are published under `key`. Throws kvc::error, changing nothing, for a bad seq_id, a sequence that
+    /// holds cells, or no prefix cache.
+    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0);
+    /// Publishes now the blocks completed by the ubatches applied so far (the next init_batch,
+    /// init_ubatches, prefix_lookup or prefix_attach does it anyway); call it after computing them.
+    void prefix_publish();
+    /// What the prefix cache did and holds (zeros without one).
+    prefix_stats get_prefix_stats() const;
+
     // -- maintenance (what init_update's context runs) --
     /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
     /// Returns false when there was nothing to do.
@@ -181,6 +204,7 @@ private:
     struct layer;
     struct journal;       // cell snapshots taken by a trial placement, for its rollback
     struct staged_state;  // a parsed, checked state waiting to be applied
+    struct prefix_state;  // the prefix cache: index, per-sequence trackers (src/kv_cache_prefix.cpp)
 
     // -- placement: prepare validates each ubatch once; what follows relies on it --
     void check_ubatch(const ubatch& ub) const;                       // throws kvc::error: never placeable
@@ -203,13 +227,27 @@ private:
     uint64_t row(uint32_t stream, uint32_t cell) const { return uint64_t{stream} * params_.kv_size + cell; }
     void k_shift();
 
+    // -- prefix cache hooks (no-ops without one) --
+    void prefix_init();                                            // params_.prefix checked
+    void prefix_record(const slot_info& sinfo, const ubatch& ub);  // tokens a real apply placed
+    bool prefix_make_room(uint32_t stream, uint32_t n);            // >= n empty cells, evicting
+    bool prefix_room_possible(uint32_t stream, uint32_t n) const;  // make_room would succeed
+    void prefix_sync();  // after cells lost sequences: released blocks, emptied sequences
+    void prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1);
+    void prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);
+    void prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1);  // copies or unpublishes held cells
+    void prefix_forget(seq_id_t seq_id);  // its tracker stops publishing (seq_all: every tracker)
+    void prefix_reset();                  // everything the memory held is gone
+    void prefix_moved(uint32_t stream, uint32_t from, uint32_t to);  // compaction moved a cell
+
     kv_cache_params params_;
     std::vector<layer> layers_;       // own layers, ascending model index
     std::vector<int32_t> layer_map_;  // [model layers] index into layers_, or -1
     std::vector<uint32_t> layer_ids_;
-    std::unique_ptr<kv_storage> storage_;  // every K/V byte
-    std::vector<kv_cells> streams_;        // [n_stream]
-    std::vector<uint32_t> heads_;          // [n_stream] where the next search starts
+    std::unique_ptr<kv_storage> storage_;   // every K/V byte
+    std::vector<kv_cells> streams_;         // [n_stream]
+    std::vector<uint32_t> heads_;           // [n_stream] where the next search starts
+    std::unique_ptr<prefix_state> prefix_;  // null without a prefix cache
 };
 
 /// The context kv_cache returns from init_batch, init_full and init_update: an engine's way to the

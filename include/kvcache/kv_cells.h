@@ -8,6 +8,10 @@
 /// Contract:
 ///  - A cell is "used" iff its position is >= 0. A used cell normally has at least one sequence; it may
 ///    have none transiently or after restoring a state written with no sequence ids.
+///  - A used cell may be "held" (by the prefix cache): when its last sequence leaves, it stays used, with
+///    its position and rows, and is listed in released() instead of becoming empty. Only unhold() (or
+///    rm, reset) frees it. A held cell cannot be moved by seq_add / seq_div (the cache copies or lets go
+///    of it first).
 ///  - Every precondition is checked: a call that breaks one throws kvc::error and changes nothing.
 ///  - Costs: seq_pos_min/max O(1); a sequence's cells in a position range O(log + cells returned) via the
 ///    per-sequence index; range operations on one sequence O(cells touched) plus a memmove of its index;
@@ -117,6 +121,16 @@ public:
     /// run does not wrap around the end. nullopt when there is none.
     std::optional<uint32_t> find_contiguous(uint32_t n, uint32_t hint = 0) const;
 
+    // -- cells held by the prefix cache --
+    bool is_held(uint32_t i) const;  ///< cell i is held
+    void hold(uint32_t i);           ///< used cell, not yet held -> held
+    /// held cell -> not held; a cell without sequences becomes empty then (returns true).
+    bool unhold(uint32_t i);
+    /// Held cells whose last sequence left since clear_released(), in the order they did (a cell may
+    /// appear again after it was attached to and released anew).
+    std::span<const uint32_t> released() const;
+    void clear_released();  ///< forget released()
+
     // -- mutations --
     void pos_set(uint32_t i, pos_t p);     ///< empty cell with no sequences -> used at p (p >= 0)
     void ext_set(uint32_t i, cell_ext e);  ///< sets the M-RoPE (x, y) of cell i
@@ -129,7 +143,7 @@ public:
               seq_id_t s);
     bool seq_rm(uint32_t i, seq_id_t s);    ///< used cell holding s; true if the cell became empty
     bool seq_keep(uint32_t i, seq_id_t s);  ///< drop every other sequence; true if the cell became empty
-    void rm(uint32_t i);                    ///< used cell -> empty
+    void rm(uint32_t i);                    ///< used cell -> empty (held or not)
     /// used cell: pos += d, shift += d; true if it fell below 0 (now empty)
     bool pos_add(uint32_t i, pos_t d);
     void pos_div(uint32_t i, int d);      ///< used cell, d >= 1: pos /= d, shift += new - old
@@ -158,7 +172,8 @@ public:
     void set(std::span<const uint32_t> idxs, const cells_snapshot& snap);  ///< cell idxs[j] <- entry j
 
     /// One character per cell: '.' empty, the digit/letter of its only sequence (0-9, a-z, then '*'),
-    /// 'M' shared by several sequences, '?' used with no sequence. For tests and debugging.
+    /// 'M' shared by several sequences, '?' used with no sequence, '+' held with no sequence (cached). For
+    /// tests and debugging.
     std::string picture() const;
 
     /// Checks every internal invariant (indexes agree with the cells); throws kvc::error on a mismatch.
@@ -175,6 +190,11 @@ private:
     void mark_used(uint32_t i);
     void mark_free(uint32_t i);
     void make_empty(uint32_t i);  // used cell with its index entries already removed -> empty
+    // A used cell whose last sequence left (index entries already removed): empty, or released when
+    // held. True if it became empty.
+    bool drop(uint32_t i);
+    bool held(uint32_t i) const;
+    void check_not_held(uint32_t i, const char* what) const;
 
     uint32_t next_used(uint32_t from) const;  // first used index >= from, or size()
     uint32_t next_free(uint32_t from) const;  // first empty index >= from, or size()

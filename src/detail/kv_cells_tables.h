@@ -55,6 +55,9 @@ struct kv_cells::tables {
 
     std::vector<detail::seq_index> seq_pos;  // [n_seq_max]
 
+    std::vector<uint64_t> held;      // bit i: cell i is held by the prefix cache
+    std::vector<uint32_t> released;  // held cells whose last sequence left (kv_cells::released())
+
     struct move {
         seq_id_t seq;
         entry old_entry;

@@ -1,0 +1,63 @@
+// The prefix cache's state inside a kv_cache (src/kv_cache_prefix.cpp): the index and what each
+// sequence has decoded in order.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <kvcache/kv_cache.h>
+
+#include "detail/prefix_index.h"
+
+namespace kvc {
+
+// What one sequence has decoded from position 0 in order, for publishing: the chain of its full blocks
+// (tail: the last, found or published; checked by generation, as the record may be reused) and the
+// tokens and cells after it. Full blocks among them are published at the next step.
+struct prefix_tracker {
+    bool active = true;
+    uint64_t key = 0;
+    uint32_t tail = detail::prefix_index::none;
+    uint32_t tail_gen = 0;
+    uint32_t n_full = 0;          // chain blocks: positions [0, n_full * block_size)
+    std::vector<token_t> toks;    // positions [n_full * block_size, next())
+    std::vector<uint32_t> cells;  // their cells
+};
+
+struct kv_cache::prefix_state {
+    detail::prefix_index index;
+    std::vector<prefix_tracker> seqs;  // [n_seq_max]
+    std::vector<uint32_t> owner;       // [kv_size] block holding the cell, or none
+    std::vector<uint32_t> gen;         // [block ids] generation of each record
+    std::vector<seq_id_t> pending;     // sequences that may have full blocks to publish
+    prefix_stats stats;
+
+    prefix_state(uint32_t block_size, uint32_t kv_size, uint32_t n_seq_max)
+        : index(block_size, 1), seqs(n_seq_max), owner(kv_size, detail::prefix_index::none) {}
+
+    uint32_t bs() const { return index.block_size(); }
+    pos_t next(const prefix_tracker& t) const { return static_cast<pos_t>(t.n_full * bs() + t.toks.size()); }
+    void stop(prefix_tracker& t) {
+        t.active = false;
+        t.toks.clear();
+        t.cells.clear();
+    }
+    bool tail_alive(const prefix_tracker& t) const {
+        return t.tail == detail::prefix_index::none ||
+               (t.tail < gen.size() && gen[t.tail] == t.tail_gen &&
+                index.at(t.tail).st != detail::prefix_index::state::unused &&
+                index.at(t.tail).st != detail::prefix_index::state::dead);
+    }
+    void set_tail(prefix_tracker& t, uint32_t id) {
+        t.tail = id;
+        if (id == detail::prefix_index::none) return;
+        if (gen.size() <= id) gen.resize(id + 1, 0);
+        t.tail_gen = gen[id];
+    }
+    void forget_record(uint32_t id) {  // a record about to be reused: trackers pointing at it are stale
+        if (gen.size() <= id) gen.resize(id + 1, 0);
+        ++gen[id];
+    }
+};
+
+}  // namespace kvc

@@ -1,0 +1,375 @@
+// kv_cache: the prefix cache (docs/prefix-cache.md). The index (detail/prefix_index) knows blocks and
+// their cells; this file keeps it true to the cells: what each sequence has decoded in order (its
+// tracker), which cells the index holds (owner), and what happens to held cells when sequences leave
+// them, edit them or restore a state.
+#include <algorithm>
+#include <cassert>
+#include <limits>
+
+#include <fmt/format.h>
+#include <kvcache/kv_cache.h>
+
+#include "detail/kv_cache_prefix.h"
+
+namespace kvc {
+
+namespace {
+constexpr uint32_t none = detail::prefix_index::none;
+}  // namespace
+
+void kv_cache::prefix_init() {
+    prefix_ = std::make_unique<prefix_state>(params_.prefix.block_size, params_.kv_size, params_.n_seq_max);
+}
+
+// -- the API --
+
+uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
+    if (!prefix_) throw error(errc::unsupported, "prefix_lookup: the cache has no prefix cache");
+    prefix_publish();
+    prefix_state& ps = *prefix_;
+    ++ps.stats.lookups;
+    ps.stats.tokens_looked_up += tokens.size();
+    const uint32_t bs = ps.bs();
+    uint32_t parent = none, n = 0;
+    for (size_t j = 0; (j + 1) * bs <= tokens.size(); ++j) {
+        const uint32_t id = ps.index.find(parent, key, tokens.subspan(j * bs, bs));
+        if (id == none) break;
+        parent = id;
+        n += bs;
+    }
+    return tokens.empty() ? 0 : std::min<uint32_t>(n, static_cast<uint32_t>(tokens.size() - 1));
+}
+
+uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key) {
+    if (!prefix_) throw error(errc::unsupported, "prefix_attach: the cache has no prefix cache");
+    check_seq(seq_id, "prefix_attach");
+    kv_cells& cells = streams_[seq_to_stream(seq_id)];
+    if (cells.seq_pos_min(seq_id) >= 0)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_attach: seq {} is not empty (it holds positions {} to {})", seq_id,
+                                cells.seq_pos_min(seq_id), cells.seq_pos_max(seq_id)));
+    prefix_publish();
+    prefix_state& ps = *prefix_;
+    ++ps.stats.lookups;
+    ps.stats.tokens_looked_up += tokens.size();
+    const uint32_t bs = ps.bs();
+    std::vector<uint32_t> chain;
+    for (size_t j = 0; (j + 1) * bs <= tokens.size(); ++j) {
+        const uint32_t id =
+            ps.index.find(chain.empty() ? none : chain.back(), key, tokens.subspan(j * bs, bs));
+        if (id == none) break;
+        chain.push_back(id);
+    }
+    const uint32_t n = tokens.empty() ? 0
+                                      : std::min<uint32_t>(static_cast<uint32_t>(chain.size()) * bs,
+                                                           static_cast<uint32_t>(tokens.size() - 1));
+    // the sequence joins the cells of positions [0, n): block p / bs, its cell p % bs
+    for (uint32_t p = 0; p < n; ++p) {
+        const uint32_t id = chain[p / bs];
+        const uint32_t c = ps.index.cells(id)[p % bs];
+        assert(cells.pos_get(c) == static_cast<pos_t>(p) && ps.owner[c] == id);
+        if (cells.seq_count(c) == 0) ps.index.acquire(id);
+        cells.seq_add(c, seq_id);
+    }
+    prefix_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
+    t = prefix_tracker{};
+    t.key = key;
+    t.n_full = n / bs;
+    ps.set_tail(t, t.n_full == 0 ? none : chain[t.n_full - 1]);
+    for (uint32_t p = t.n_full * bs; p < n; ++p) {
+        t.toks.push_back(tokens[p]);
+        t.cells.push_back(ps.index.cells(chain[p / bs])[p % bs]);
+    }
+    ps.stats.hit_tokens += n;
+    return n;
+}
+
+void kv_cache::prefix_publish() {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const uint32_t bs = ps.bs();
+    kv_cells& cells = streams_[0];
+    for (seq_id_t s : ps.pending) {
+        prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        if (!t.active) continue;
+        size_t done = 0;
+        while (t.toks.size() - done >= bs) {
+            if (!ps.tail_alive(t)) {  // its chain was evicted or edited away
+                ps.stop(t);
+                break;
+            }
+            const std::span<const token_t> toks(t.toks.data() + done, bs);
+            const std::span<const uint32_t> cs(t.cells.data() + done, bs);
+            // the cells must still be what the sequence decoded there, unshifted
+            const pos_t p0 = static_cast<pos_t>(t.n_full * bs);
+            bool intact = true;
+            for (uint32_t j = 0; j < bs && intact; ++j)
+                intact = cells.pos_get(cs[j]) == p0 + static_cast<pos_t>(j) && cells.seq_has(cs[j], s) &&
+                         cells.get_shift(cs[j]) == 0;
+            if (!intact) {
+                ps.stop(t);
+                break;
+            }
+            uint32_t id = ps.index.find(t.tail, t.key, toks);
+            if (id == none) {
+                if (std::any_of(cs.begin(), cs.end(), [&](uint32_t c) { return ps.owner[c] != none; })) {
+                    ps.stop(t);  // its cells belong to another block (a partial attach that diverged)
+                    break;
+                }
+                id = ps.index.add(t.tail, t.key, toks, cs, 0);
+                for (uint32_t c : cs) {
+                    ps.owner[c] = id;
+                    cells.hold(c);
+                }
+                ++ps.stats.published_blocks;
+            }
+            ps.set_tail(t, id);
+            ++t.n_full;
+            done += bs;
+        }
+        if (t.active && done > 0) {
+            t.toks.erase(t.toks.begin(), t.toks.begin() + static_cast<ptrdiff_t>(done));
+            t.cells.erase(t.cells.begin(), t.cells.begin() + static_cast<ptrdiff_t>(done));
+        }
+    }
+    ps.pending.clear();
+}
+
+prefix_stats kv_cache::get_prefix_stats() const {
+    if (!prefix_) return {};
+    prefix_stats st = prefix_->stats;
+    const kv_cells& cells = streams_[0];
+    st.blocks = prefix_->index.size();
+    st.cached_cells = st.shared_cells = 0;
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (prefix_->owner[c] == none) continue;
+        (cells.seq_count(c) == 0 ? st.cached_cells : st.shared_cells) += 1;
+    }
+    st.free_cells = cells.size() - cells.get_used();
+    return st;
+}
+
+// -- hooks --
+
+void kv_cache::prefix_record(const slot_info& sinfo, const ubatch& ub) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const bool tokens = !ub.token.empty() && ub.n_pos == 1;
+    uint32_t i = 0;
+    for (size_t k = 0; k < sinfo.n_stream(); ++k)
+        for (uint32_t c : sinfo.idxs[k]) {
+            for (seq_id_t s : ub.seq_ids(i)) {
+                prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
+                if (!t.active) continue;
+                if (!tokens || ub.pos[i] != ps.next(t)) {  // embeddings, or not in order from 0
+                    ps.stop(t);
+                    continue;
+                }
+                t.toks.push_back(ub.token[i]);
+                t.cells.push_back(c);
+                if (t.toks.size() == ps.bs()) ps.pending.push_back(s);  // at most once per block run
+            }
+            ++i;
+        }
+}
+
+bool kv_cache::prefix_room_possible(uint32_t stream, uint32_t n) const {
+    const kv_cells& cells = streams_[stream];
+    const uint32_t free = cells.size() - cells.get_used();
+    if (free >= n) return true;
+    if (!prefix_) return false;
+    std::vector<uint32_t> plan;
+    return prefix_->index.plan_eviction(stream, n - free, plan);
+}
+
+bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
+    kv_cells& cells = streams_[stream];
+    const uint32_t free = cells.size() - cells.get_used();
+    if (free >= n) return true;
+    if (!prefix_) return false;
+    prefix_state& ps = *prefix_;
+    std::vector<uint32_t> plan;
+    if (!ps.index.plan_eviction(stream, n - free, plan)) return false;
+    for (uint32_t id : plan) {
+        for (uint32_t c : ps.index.cells(id)) {
+            ps.owner[c] = none;
+            cells.unhold(c);  // no sequence holds it: empty now
+            lower_head(stream, c);
+        }
+        ps.forget_record(id);
+        ps.index.remove(id);
+        ++ps.stats.evicted_blocks;
+    }
+    return true;
+}
+
+void kv_cache::prefix_sync() {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    kv_cells& cells = streams_[0];
+    // Blocks whose last cell with a sequence was let go: evictable now, the deepest of a chain first
+    // (a chain is let go from its end when a sequence leaves it).
+    std::vector<uint32_t> let_go;
+    for (uint32_t c : cells.released()) {
+        const uint32_t id = ps.owner[c];
+        if (id == none || !cells.is_held(c) || cells.seq_count(c) != 0) continue;  // gone, or attached again
+        ps.index.release(id);
+        if (ps.index.at(id).held == 0) let_go.push_back(id);
+    }
+    cells.clear_released();
+    std::sort(let_go.begin(), let_go.end(),
+              [&](uint32_t a, uint32_t b) { return ps.index.at(a).depth > ps.index.at(b).depth; });
+    ps.index.requeue(let_go);
+    // A sequence that holds no cell starts over: what it decodes from position 0 is published again.
+    for (size_t s = 0; s < ps.seqs.size(); ++s) {
+        prefix_tracker& t = ps.seqs[s];
+        if (cells.seq_pos_min(static_cast<seq_id_t>(s)) < 0 && (!t.active || t.n_full > 0 || !t.toks.empty()))
+            t = prefix_tracker{};
+    }
+}
+
+void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const int64_t lo = std::max<pos_t>(p0, 0), hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
+    if (hi <= lo) return;
+    const auto cut = [&](seq_id_t s) {
+        prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        const int64_t next = ps.next(t);
+        if (!t.active || lo >= next) return;
+        if (hi < next) {  // a hole: what follows is no longer the tokens in order
+            ps.stop(t);
+            return;
+        }
+        // a suffix goes: keep [0, lo)
+        const uint32_t bs = ps.bs();
+        const auto keep = static_cast<uint64_t>(lo);
+        if (keep >= uint64_t{t.n_full} * bs) {
+            t.toks.resize(keep - uint64_t{t.n_full} * bs);
+            t.cells.resize(t.toks.size());
+            return;
+        }
+        if (!ps.tail_alive(t)) {
+            ps.stop(t);
+            return;
+        }
+        // back up the chain to block keep / bs; its first keep % bs tokens stay pending
+        uint32_t cut_block = none, tail = t.tail;
+        for (uint32_t d = t.n_full; d > keep / bs; --d) {
+            cut_block = tail;
+            tail = ps.index.at(tail).parent;
+        }
+        t.n_full = static_cast<uint32_t>(keep / bs);
+        ps.set_tail(t, tail);
+        const auto rem = static_cast<uint32_t>(keep % bs);
+        const auto toks = ps.index.tokens(cut_block);
+        t.toks.assign(toks.begin(), toks.begin() + rem);
+        t.cells.clear();
+        for (const auto& e :
+             streams_[0].seq_entries(s, static_cast<pos_t>(t.n_full * bs), static_cast<pos_t>(keep)))
+            t.cells.push_back(e.second);
+        if (t.cells.size() != t.toks.size()) ps.stop(t);  // a position held twice: not a plain prefix
+    };
+    if (seq_id == seq_all) {
+        for (size_t s = 0; s < ps.seqs.size(); ++s) cut(static_cast<seq_id_t>(s));
+    } else {
+        cut(seq_id);
+    }
+}
+
+void kv_cache::prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const kv_cells& cells = streams_[0];
+    if (cells.seq_pos_min(src) < 0) return;  // nothing is copied
+    prefix_tracker& d = ps.seqs[static_cast<size_t>(dst)];
+    const prefix_tracker& s = ps.seqs[static_cast<size_t>(src)];
+    // dst continues src's tokens only if it was empty and gets all of them
+    const bool whole = p0 <= 0 && (p1 < 0 || p1 > cells.seq_pos_max(src));
+    if (cells.seq_pos_min(dst) < 0 && whole && s.active) {
+        d = s;
+        if (d.toks.size() >= ps.bs()) ps.pending.push_back(dst);
+    } else {
+        ps.stop(d);
+    }
+}
+
+void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    kv_cells& cells = streams_[0];
+    ps.stop(ps.seqs[static_cast<size_t>(seq_id)]);  // its positions no longer count its tokens
+    std::vector<uint32_t> shared, alone;
+    for (const auto& e : cells.seq_entries(seq_id, p0, p1)) {
+        if (!cells.is_held(e.second)) continue;
+        (cells.seq_count(e.second) > 1 ? shared : alone).push_back(e.second);
+    }
+    if (shared.empty() && alone.empty()) return;
+    // Cells other sequences hold too keep their positions for them: the moving sequence gets copies.
+    if (!shared.empty()) {
+        if (!prefix_make_room(0, static_cast<uint32_t>(shared.size())))
+            throw error(errc::invalid_state,
+                        fmt::format("seq {} shares {} cells of cached prefixes with other sequences; moving "
+                                    "them needs as many free cells, and only {} are free or evictable",
+                                    seq_id, shared.size(), cells.size() - cells.get_used()));
+        std::vector<uint32_t> fresh;
+        cells.find_free(static_cast<uint32_t>(shared.size()), heads_[0], fresh);
+        std::vector<row_copy> copies(shared.size());
+        for (size_t k = 0; k < shared.size(); ++k) {
+            const uint32_t from = shared[k], to = fresh[k];
+            cells.pos_set(to, cells.pos_get(from));  // held cells have no pending shift
+            cells.seq_add(to, seq_id);
+            cells.seq_rm(from, seq_id);
+            copies[k] = {row(0, from), row(0, to)};
+        }
+        storage_->copy_rows(copies);
+    }
+    // Cells only this sequence holds: their blocks leave the index (a block's meaning is its positions).
+    for (uint32_t c : alone) {
+        const uint32_t id = ps.owner[c];
+        if (id == none) continue;  // taken out with an earlier cell of the same block
+        for (uint32_t bc : ps.index.cells(id)) {
+            ps.owner[bc] = none;
+            if (cells.unhold(bc)) lower_head(0, bc);
+        }
+        ps.forget_record(id);
+        ps.index.remove(id);
+        ++ps.stats.unpublished_blocks;
+    }
+    prefix_sync();
+}
+
+void kv_cache::prefix_forget(seq_id_t seq_id) {
+    if (!prefix_) return;
+    if (seq_id == seq_all) {
+        for (prefix_tracker& t : prefix_->seqs) prefix_->stop(t);
+    } else {
+        prefix_->stop(prefix_->seqs[static_cast<size_t>(seq_id)]);
+    }
+}
+
+void kv_cache::prefix_reset() {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    for (uint32_t id = 0; id < ps.gen.size(); ++id) ++ps.gen[id];
+    ps.index.clear();
+    std::fill(ps.owner.begin(), ps.owner.end(), none);
+    for (prefix_tracker& t : ps.seqs) t = prefix_tracker{};
+    ps.pending.clear();
+}
+
+void kv_cache::prefix_moved(uint32_t stream, uint32_t from, uint32_t to) {
+    if (!prefix_ || stream != 0) return;
+    prefix_state& ps = *prefix_;
+    const uint32_t id = ps.owner[from];
+    if (id != none) {
+        ps.owner[to] = id;
+        ps.owner[from] = none;
+        const auto cs = ps.index.cells(id);
+        for (uint32_t j = 0; j < cs.size(); ++j)
+            if (cs[j] == from) ps.index.set_cell(id, j, to);
+    }
+    for (prefix_tracker& t : ps.seqs) std::replace(t.cells.begin(), t.cells.end(), from, to);
+}
+
+}  // namespace kvc
