@@ -1,8 +1,10 @@
 // kvcache demo: the main job. A llama model (the built-in tiny one, or --model FILE) serves several
 // sequences through the cache the way an inference server does — a shared system prompt, parallel
-// decoding, a context shift, a sequence saved to a session file and restored into another, compaction —
-// and after every phase the logits are compared with a reference that recomputes attention from plain
-// f32 keys and values without the cache. Exit status 1 if a difference exceeds the K/V types' tolerance.
+// decoding, a context shift, a sequence saved to a session file and restored into another, compaction,
+// then chat sessions through the prefix cache (turns that reuse what earlier turns and sessions
+// computed, sessions that end, evictions) — and after every phase the logits are compared with a
+// reference that recomputes attention from plain f32 keys and values without the cache. Exit status 1
+// if a difference exceeds the K/V types' tolerance.
 #include <unistd.h>
 
 #include <algorithm>
@@ -71,6 +73,7 @@ public:
             ref_.set_swa(o.swa, swa_type::standard, windowed);
             mem_ = iswa_.get();
         } else {
+            p.prefix.enabled = o.unified;  // the chat phases reuse prompt prefixes (one stream only)
             cache_ = std::make_unique<kv_cache>(p);
             rt_ = std::make_unique<runtime>(m, *cache_, rp);
             mem_ = cache_.get();
@@ -99,8 +102,10 @@ public:
                 o_.swa, iswa_->get_swa().get_size(),
                 static_cast<double>(iswa_->get_swa().size_bytes()) *
                     (static_cast<double>(c.get_size()) / iswa_->get_swa().get_size() - 1) / 1024);
-        fmt::print("cells   one character per {} cells: the sequence holding them, + several, . empty\n\n",
-                   cells_per_char());
+        fmt::print(
+            "cells   one character per {} cells: the sequence holding them, + several, : cached (prefix "
+            "cache), . empty\n\n",
+            cells_per_char());
 
         const uint32_t n = o_.seqs;
         // 1. a system prompt in sequence 0, shared by every sequence through seq_cp
@@ -167,6 +172,8 @@ public:
                                100 * before, 100 * after);
         });
 
+        if (cache_ && cache_->params().prefix.enabled) chat();
+
         fmt::print(
             "\n{} tokens decoded through the cache in {:.2f} s; worst difference {:.2e} (limit {:.0e}): {}\n",
             n_decoded_, seconds_, worst_, limit_, worst_ <= limit_ ? "cache == recompute" : "MISMATCH");
@@ -175,6 +182,90 @@ public:
     }
 
 private:
+    // Chat sessions through the prefix cache: every turn is a request whose prompt is the system prompt,
+    // the conversation so far and a new message; the engine attaches what is cached, decodes the rest,
+    // answers, and ends the request. The reference recomputes every prompt in full.
+    void chat() {
+        mem_->clear(true);
+        ref_.clear();
+        const std::vector<token_t> system = tokens(64);
+        std::vector<std::vector<token_t>> history;  // per session: its prompts and answers so far
+        const auto turn = [&](std::vector<size_t> sessions) {
+            // one request per session, at most o_.seqs at a time; each gets a sequence of its own
+            for (size_t k = 0; k < sessions.size(); k += o_.seqs) {
+                std::vector<std::pair<seq_id_t, std::vector<token_t>>> rest;
+                for (size_t j = k; j < std::min(sessions.size(), k + o_.seqs); ++j) {
+                    auto& h = history[sessions[j]];
+                    if (h.empty()) h = system;
+                    const auto msg = tokens(20);
+                    h.insert(h.end(), msg.begin(), msg.end());
+                    const auto s = static_cast<seq_id_t>(j - k);
+                    rest.emplace_back(s, attach(s, h));
+                }
+                std::vector<token_t> next_tok = step(rest);
+                for (int i = 0; i < 12; ++i) {  // the answers, every token appended to its conversation
+                    std::vector<std::pair<seq_id_t, std::vector<token_t>>> groups;
+                    for (size_t g = 0; g < rest.size(); ++g) {
+                        history[sessions[k + g]].push_back(next_tok[g]);
+                        groups.emplace_back(rest[g].first, std::vector<token_t>{next_tok[g]});
+                    }
+                    next_tok = step(groups);
+                }
+                // the requests end; what they computed stays cached (published first: the last step
+                // completed blocks that no later step would publish)
+                cache_->prefix_publish();
+                for (const auto& [s, toks] : rest) {
+                    mem_->seq_rm(s, -1, -1);
+                    ref_.seq_rm(s, -1, -1);
+                }
+            }
+        };
+        const auto sessions = [](size_t a, size_t b) {
+            std::vector<size_t> v;
+            for (size_t i = a; i < b; ++i) v.push_back(i);
+            return v;
+        };
+        const size_t n = o_.seqs;
+        // enough sessions that their conversations outgrow the cache: the oldest cached blocks go
+        const size_t more = std::max<size_t>(n, (base().get_size() / 16 + 1) / 2);
+        history.resize(n + more);
+        chat_phase("chat: first turns", [&] {  // the first session computes the system prompt for all
+            turn(sessions(0, 1));
+            turn(sessions(1, n));
+        });
+        chat_phase("chat: second turns", [&] { turn(sessions(0, n)); });
+        chat_phase("chat: new sessions", [&] { turn(sessions(n, n + more)); });
+        chat_phase("chat: third turns", [&] { turn(sessions(0, n)); });
+    }
+
+    // The cache attaches the cached prefix of prompt to s (the reference decodes it, unchecked); returns
+    // the rest of the prompt.
+    std::vector<token_t> attach(seq_id_t s, const std::vector<token_t>& prompt) {
+        const uint32_t n = cache_->prefix_attach(s, prompt);
+        if (n > 0) {
+            batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
+            const seq_id_t ids[1] = {s};
+            for (uint32_t i = 0; i < n; ++i) b.add(prompt[i], static_cast<pos_t>(i), ids, false);
+            ref_.decode(b.view());
+        }
+        return {prompt.begin() + n, prompt.end()};
+    }
+
+    template <class F>
+    void chat_phase(const char* name, F&& body) {
+        const prefix_stats a = cache_->get_prefix_stats();
+        phase(name, [&] {
+            body();
+            const prefix_stats b = cache_->get_prefix_stats();
+            const uint64_t looked = b.tokens_looked_up - a.tokens_looked_up,
+                           hit = b.hit_tokens - a.hit_tokens;
+            return fmt::format(
+                "{} requests, {} of {} prompt tokens reused ({:.0f}%), {} blocks published, {} evicted",
+                b.lookups - a.lookups, hit, looked, looked ? 100.0 * hit / looked : 0.0,
+                b.published_blocks - a.published_blocks, b.evicted_blocks - a.evicted_blocks);
+        });
+    }
+
     std::vector<token_t> tokens(size_t count) {
         std::vector<token_t> t(count);
         for (auto& x : t) x = static_cast<token_t>(next() % m_.hparams().n_vocab);
@@ -291,7 +382,8 @@ private:
                 char ch = '.';
                 for (uint32_t j = i; j < std::min(c.size(), i + per); ++j) {
                     if (c.is_empty(j)) continue;
-                    const char d = c.seq_count(j) > 1 ? '+' : static_cast<char>('0' + c.seq_get(j) % 10);
+                    const uint32_t k = c.seq_count(j);
+                    const char d = k == 0 ? ':' : k > 1 ? '+' : static_cast<char>('0' + c.seq_get(j) % 10);
                     ch = ch == '.' ? d : (ch == d ? ch : '+');
                 }
                 out += ch;
@@ -304,9 +396,22 @@ private:
     void plot(const char* name) const {
         fs::create_directories(o_.plot);
         const uint32_t cols = 64, px = 10;
-        std::string svg;
-        uint32_t y = 30;
+        // the legend: a swatch per kind of cell, then one per sequence
         std::string body;
+        uint32_t lx = 4;
+        const auto swatch = [&](const char* fill, const std::string& label) {
+            body += fmt::format(
+                "<rect x='{}' y='26' width='10' height='10' fill='{}'/><text x='{}' y='35' font-size='11' "
+                "font-family='sans-serif'>{}</text>\n",
+                lx, fill, lx + 13, label);
+            lx += 26 + 6 * static_cast<uint32_t>(label.size());
+        };
+        swatch("#eeeeee", "empty");
+        swatch("#9ecae1", "cached (no sequence)");
+        swatch("#555555", "shared");
+        for (seq_id_t s = 0; s < static_cast<seq_id_t>(std::min<uint32_t>(o_.seqs, 6)); ++s)
+            swatch(colour(s), fmt::format("seq {}", s));
+        uint32_t y = 44;
         for (uint32_t st = 0; st < base().get_n_stream(); ++st) {
             const kv_cells& c = base().cells(st);
             body += fmt::format(
@@ -315,18 +420,20 @@ private:
             for (uint32_t i = 0; i < c.size(); ++i) {
                 const uint32_t x0 = 4 + (i % cols) * px, y0 = y + (i / cols) * px;
                 const char* fill = "#eeeeee";
-                if (!c.is_empty(i)) fill = c.seq_count(i) > 1 ? "#555555" : colour(c.seq_get(i));
+                if (!c.is_empty(i))
+                    fill = c.seq_count(i) == 0  ? "#9ecae1"
+                           : c.seq_count(i) > 1 ? "#555555"
+                                                : colour(c.seq_get(i));
                 body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='{}' stroke='white'/>\n",
                                     x0, y0, px, px, fill);
             }
             y += (c.size() + cols - 1) / cols * px + 10;
         }
-        svg = fmt::format(
-            "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}'>\n<text x='4' y='18' "
-            "font-size='13' "
-            "font-family='sans-serif'>phase {}: {} (dark: cells shared by several "
-            "sequences)</text>\n{}</svg>\n",
-            8 + cols * px, y + 4, n_phase_, name, body);
+        const std::string svg = fmt::format(
+            "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}'>\n<rect width='100%' "
+            "height='100%' fill='white'/>\n<text x='4' y='18' font-size='13' font-family='sans-serif'>phase "
+            "{}: {}</text>\n{}</svg>\n",
+            std::max(8 + cols * px, lx), y + 4, n_phase_, name, body);
         std::string file = fmt::format("{}/phase-{}.svg", o_.plot, n_phase_);
         std::ofstream(file) << svg;
     }
