@@ -29,14 +29,9 @@ uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) 
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
-    const uint32_t bs = ps.bs();
-    uint32_t parent = none, n = 0;
-    for (size_t j = 0; (j + 1) * bs <= tokens.size(); ++j) {
-        const uint32_t id = ps.index.find(parent, key, tokens.subspan(j * bs, bs));
-        if (id == none) break;
-        parent = id;
-        n += bs;
-    }
+    std::vector<uint32_t> chain;
+    ps.index.match(key, tokens, chain);
+    const auto n = static_cast<uint32_t>(chain.size()) * ps.bs();
     return tokens.empty() ? 0 : std::min<uint32_t>(n, static_cast<uint32_t>(tokens.size() - 1));
 }
 
@@ -54,12 +49,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     ps.stats.tokens_looked_up += tokens.size();
     const uint32_t bs = ps.bs();
     std::vector<uint32_t> chain;
-    for (size_t j = 0; (j + 1) * bs <= tokens.size(); ++j) {
-        const uint32_t id =
-            ps.index.find(chain.empty() ? none : chain.back(), key, tokens.subspan(j * bs, bs));
-        if (id == none) break;
-        chain.push_back(id);
-    }
+    ps.index.match(key, tokens, chain);
     const uint32_t n = tokens.empty() ? 0
                                       : std::min<uint32_t>(static_cast<uint32_t>(chain.size()) * bs,
                                                            static_cast<uint32_t>(tokens.size() - 1));
@@ -146,6 +136,11 @@ prefix_stats kv_cache::get_prefix_stats() const {
         (cells.seq_count(c) == 0 ? st.cached_cells : st.shared_cells) += 1;
     }
     st.free_cells = cells.size() - cells.get_used();
+    const prefix_state& ps = *prefix_;
+    st.index_bytes = ps.index.bytes() + ps.owner.capacity() * sizeof(uint32_t) +
+                     ps.gen.capacity() * sizeof(uint32_t) + ps.pending.capacity() * sizeof(seq_id_t);
+    for (const prefix_tracker& t : ps.seqs)
+        st.index_bytes += sizeof(t) + t.toks.capacity() * sizeof(token_t) + t.cells.capacity() * sizeof(uint32_t);
     return st;
 }
 

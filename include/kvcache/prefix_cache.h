@@ -10,6 +10,7 @@
 /// batch finds no free cell. docs/prefix-cache.md has the guarantees and the engine loop.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kvc {
@@ -32,6 +33,9 @@ struct prefix_stats {
     uint32_t cached_cells = 0;        ///< cells held by the index and by no sequence (evictable)
     uint32_t shared_cells = 0;        ///< cells held by the index and by sequences
     uint32_t free_cells = 0;          ///< empty cells
+    /// Memory of the index: block records, their tokens and cells, the hash table, the per-cell owner
+    /// map and the sequences' trackers.
+    size_t index_bytes = 0;
 };
 
 }  // namespace kvc

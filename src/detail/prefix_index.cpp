@@ -77,6 +77,44 @@ uint32_t prefix_index::find(uint32_t parent, uint64_t key, std::span<const token
     return none;
 }
 
+void prefix_index::match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const {
+    const size_t n = toks.size() / bs_;
+    if (n == 0) return;
+    std::vector<uint64_t> h(n);
+    uint64_t seed = key;
+    for (size_t j = 0; j < n; ++j) seed = h[j] = hash_of(seed, toks.subspan(j * bs_, bs_));
+    const size_t mask = slots_.size() - 1;
+    constexpr size_t ahead = 4;
+    for (size_t j = 0; j < std::min(n, ahead); ++j) __builtin_prefetch(&slots_[h[j] & mask]);
+    uint32_t parent = none;
+    seed = key;
+    for (size_t j = 0; j < n; ++j) {
+        if (j + ahead < n) __builtin_prefetch(&slots_[h[j + ahead] & mask]);
+        if (j + 1 < n) {  // the next block's candidates: their records and tokens
+            const uint32_t c = slots_[h[j + 1] & mask];
+            if (c != none) {
+                __builtin_prefetch(&blocks_[c]);
+                __builtin_prefetch(tokens_.data() + size_t{c} * bs_);
+            }
+        }
+        const std::span<const token_t> t = toks.subspan(j * bs_, bs_);
+        uint32_t found = none;
+        for (size_t i = h[j] & mask; slots_[i] != none; i = (i + 1) & mask) {
+            const uint32_t id = slots_[i];
+            const block& b = blocks_[id];
+            if (b.hash == h[j] && b.parent == parent && b.seed == seed &&
+                std::memcmp(tokens(id).data(), t.data(), t.size_bytes()) == 0) {
+                found = id;
+                break;
+            }
+        }
+        if (found == none) return;
+        out.push_back(found);
+        parent = found;
+        seed = h[j];
+    }
+}
+
 uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
                            std::span<const uint32_t> cells, uint32_t stream) {
     assert(toks.size() == bs_ && cells.size() == bs_ && stream < queues_.size());

@@ -48,6 +48,10 @@ public:
 
     // The block after `parent` (none: a root of `key`) holding exactly `toks` (block_size tokens).
     uint32_t find(uint32_t parent, uint64_t key, std::span<const token_t> toks) const;
+    // The chain of blocks holding the longest prefix of `toks` in whole blocks, appended to out. The
+    // hashes of a chain depend on the tokens only, so they are computed first and the table, records and
+    // tokens of the blocks ahead are fetched while a block is verified.
+    void match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const;
     // A new held block (held = block_size) after `parent` (none: a root of `key`). The caller checked
     // that find() has none.
     uint32_t add(uint32_t parent, uint64_t key, std::span<const token_t> toks,

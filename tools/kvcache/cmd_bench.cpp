@@ -70,8 +70,10 @@ double memcpy_gbs(size_t bytes, int reps) {
     return static_cast<double>(bytes) / s / 1e9;
 }
 
-ubatch tokens_of(seq_id_t s, pos_t p0, uint32_t n) {
+// n tokens of s from p0 (token ids from toks when given)
+ubatch tokens_of(seq_id_t s, pos_t p0, uint32_t n, const token_t* toks = nullptr) {
     ubatch u;
+    if (toks) u.token.assign(toks, toks + n);
     u.n_tokens = n;
     u.n_seq_tokens = n;
     u.n_seqs = 1;
@@ -133,6 +135,7 @@ public:
         mask();
         seq_ops();
         k_shift();
+        prefix();
         state();
         decode();
         return std::move(out_);
@@ -297,6 +300,94 @@ private:
             add({section_, fmt::format("{} K, {} cells x 4 layers x 1,024 dims", to_string(t), cells), g,
                  "GB/s", mc, "memcpy GB/s", g / mc, t == dtype::f16 ? 0.5 : 0.25});
         }
+    }
+
+    void prefix() {
+        section("prefix cache (16-token blocks): a 1,024-token request whose first 1,008 tokens are cached");
+        struct result {
+            double ns_per_token, index_bytes_per_token;
+        };
+        std::mt19937 rng(11);
+        const auto place = [](kv_cache& c, seq_id_t s, pos_t p0, std::span<const token_t> t) {
+            for (size_t i = 0; i < t.size(); i += 512) {
+                const auto m = static_cast<uint32_t>(std::min<size_t>(512, t.size() - i));
+                auto ctx = c.init_ubatches({tokens_of(s, p0 + static_cast<pos_t>(i), m, t.data() + i)}, {});
+                if (is_fail(ctx->get_status())) throw error(errc::invalid_state, "bench: the cache is full");
+                ctx->apply();
+            }
+        };
+        const auto params = [](uint32_t cells) {
+            kv_cache_params p = shape(cells, 2, 1, 1, 32, dtype::q4_0);
+            p.prefix.enabled = true;
+            return p;
+        };
+        // ns per prompt token of a request that hits (attach, place the other 16, publish, end) with
+        // `cached` tokens of ended conversations in the cache; and the index's bytes per cached token
+        const auto hit = [&](uint32_t cached) {
+            kv_cache c(params(cached + 65536));
+            std::vector<std::vector<token_t>> convs(cached / 1024, std::vector<token_t>(1024));
+            for (auto& t : convs) {
+                for (auto& x : t) x = static_cast<token_t>(rng() % 32000);
+                place(c, 0, 0, t);
+                c.prefix_publish();
+                c.seq_rm(0, -1, -1);
+            }
+            const prefix_stats st = c.get_prefix_stats();
+            const double tokens = 16.0 * st.blocks;
+            // the requests: a random conversation's first 1,008 tokens and 16 new ones
+            const int calls = o_.quick ? 200 : 2000;
+            std::vector<std::vector<token_t>> prompts(static_cast<size_t>(calls));
+            for (auto& prompt : prompts) {
+                const auto& t = convs[rng() % convs.size()];
+                prompt.assign(t.begin(), t.begin() + 1008);
+                for (size_t k = 1008; k < 1024; ++k) prompt.push_back(static_cast<token_t>(rng() % 32000));
+            }
+            const double s = best_of(reps_, [&] {
+                for (const auto& prompt : prompts) {
+                    const uint32_t n = c.prefix_attach(1, prompt);
+                    place(c, 1, static_cast<pos_t>(n), std::span(prompt).subspan(n));
+                    c.prefix_publish();
+                    c.seq_rm(1, -1, -1);
+                }
+            });
+            return result{s / calls / 1024 * 1e9,
+                          (static_cast<double>(st.index_bytes) - 4 * tokens) / tokens};
+        };
+        const uint32_t small = o_.quick ? 1u << 16 : 1u << 20, big = o_.quick ? 1u << 18 : 10u << 20;
+        const result a = hit(small), b = hit(big);
+        add({section_, fmt::format("request at {:.1f}M cached tokens", big / 1048576.0), b.ns_per_token,
+             "ns/token", a.ns_per_token, fmt::format("at {:.2f}M", small / 1048576.0),
+             b.ns_per_token / a.ns_per_token, 1.3, false});
+        add({section_, "index memory beyond the token ids", b.index_bytes_per_token, "B/token", 4.0,
+             "token ids B/token", b.index_bytes_per_token / 4, 2.0, false});
+        // placing 512 tokens when every cell is cached (32 blocks evicted) vs into free cells
+        const auto placing = [&](bool full) {
+            kv_cache c(params(65536));
+            std::vector<token_t> t(512);
+            const auto fresh = [&] {
+                for (auto& x : t) x = static_cast<token_t>(rng() % 32000);
+            };
+            for (uint32_t done = 0; full && done < c.get_size(); done += 512) {
+                fresh();
+                place(c, 0, 0, t);
+                c.prefix_publish();
+                c.seq_rm(0, -1, -1);
+            }
+            const int calls = o_.quick ? 20 : 100;
+            return best_of(reps_,
+                           [&] {
+                               for (int i = 0; i < calls; ++i) {
+                                   fresh();
+                                   place(c, 1, 0, t);
+                                   c.prefix_publish();
+                                   c.seq_rm(1, -1, -1);
+                               }
+                           }) /
+                   calls / 512 * 1e9;
+        };
+        const double free = placing(false), evicting = placing(true);
+        add({section_, "placing 512 tokens, evicting 32 blocks", evicting, "ns/token", free,
+             "into free cells", evicting / free, 2.0, false});
     }
 
     void state() {
