@@ -140,7 +140,8 @@ prefix_stats kv_cache::get_prefix_stats() const {
     st.index_bytes = ps.index.bytes() + ps.owner.capacity() * sizeof(uint32_t) +
                      ps.gen.capacity() * sizeof(uint32_t) + ps.pending.capacity() * sizeof(seq_id_t);
     for (const prefix_tracker& t : ps.seqs)
-        st.index_bytes += sizeof(t) + t.toks.capacity() * sizeof(token_t) + t.cells.capacity() * sizeof(uint32_t);
+        st.index_bytes +=
+            sizeof(t) + t.toks.capacity() * sizeof(token_t) + t.cells.capacity() * sizeof(uint32_t);
     return st;
 }
 

@@ -44,7 +44,7 @@ struct kv_cache_iswa_params {
     /// padding, positions per token, allocator. kv_size sizes the base cache; n_swa and swa are the rule
     /// of the SWA layers (swa must not be none).
     kv_cache_params kv;
-    iswa_sizing sizing;
+    iswa_sizing sizing;  ///< how the SWA cache is sized
 };
 
 /// The SWA cache's cells per stream for these parameters (the formula in the file comment).

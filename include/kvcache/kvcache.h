@@ -264,7 +264,7 @@ typedef struct kvc_iswa_params {
     /// full-attention cache), streams, padding, positions per token; n_swa and swa_type are the rule of
     /// the sliding-window layers (swa_type must not be #KVC_SWA_TYPE_NONE, n_swa must be positive).
     kvc_kv_cache_params kv;
-    kvc_iswa_sizing sizing;
+    kvc_iswa_sizing sizing;  ///< how the sliding-window cache is sized
 } kvc_iswa_params;
 
 /// @brief The defaults of an iSWA memory: kvc_kv_cache_default_params() (no layers, no window: set them),
