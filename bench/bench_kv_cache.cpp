@@ -56,7 +56,7 @@ void fill(kv_cache& c, uint32_t n_seq, uint32_t per_seq) {
                 b.add(1, static_cast<pos_t>(k), std::vector<seq_id_t>{static_cast<seq_id_t>(s)}, false);
         batch_allocr a;
         a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
-        auto ctx = c.init_batch(a, 4096, false);
+        auto ctx = c.init_batch(a, 4096, /*embd_all=*/false);
         do ctx->apply();
         while (ctx->next());
     }
@@ -88,7 +88,7 @@ void bm_decode_step(benchmark::State& state) {
         }
         a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
         {
-            auto ctx = c.init_batch(a, 512, false);
+            auto ctx = c.init_batch(a, 512, /*embd_all=*/false);
             do ctx->apply();
             while (ctx->next());
         }
@@ -119,7 +119,7 @@ mask_setup& mask_fixture() {
             for (int k = 0; k < 128; ++k) b.add(1, 8064 + k, std::vector<seq_id_t>{q}, true);
         batch_allocr a;
         a.init(b.view(), positions_of(s.cache.get()), {.n_seq_max = 4});
-        s.holder = s.cache->init_batch(a, 512, false);
+        s.holder = s.cache->init_batch(a, 512, /*embd_all=*/false);
         s.holder->apply();
         s.dst.resize(size_t{32768} * 512 * 4);
         return s;

@@ -39,7 +39,7 @@ void next_tokens(batch_storage& b, batch_allocr& a, const memory_recurrent& m, u
 
 // init_batch + apply of every ubatch; returns the rows an engine moves (per layer and tensor).
 size_t place(memory_recurrent& m, batch_allocr& a) {
-    auto ctx = m.init_batch(a, 512, false);
+    auto ctx = m.init_batch(a, 512, /*embd_all=*/false);
     memory_recurrent_context& rc = *ctx->get_recr();
     size_t rows = 0;
     do {

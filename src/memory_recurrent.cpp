@@ -433,7 +433,7 @@ bool memory_recurrent::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     if (seq_id == seq_all) {
         if (range.empty()) return true;
         if (p0 > 0 || (p1 >= 0 && p1 != std::numeric_limits<pos_t>::max())) return false;  // partial
-        clear(false);  // design D13: no sequence keeps a tail into an emptied cell
+        clear(/*data=*/false);  // design D13: no sequence keeps a tail into an emptied cell
         return true;
     }
     check_seq(seq_id, "seq_rm");

@@ -160,7 +160,7 @@ void memory_recurrent::state_commit(state_stage_i& stage) {
     const auto n = static_cast<uint32_t>(st.pos.size());
     uint32_t first = 0;  // restored cells are [first, first + n)
     if (seq_id == seq_all) {
-        clear(false);  // cells compacted to 0..n-1
+        clear(/*data=*/false);  // cells compacted to 0..n-1
         for (uint32_t j = 0; j < n; ++j) {
             cells_[j].pos = st.pos[j];
             cells_[j].src = static_cast<int32_t>(j);

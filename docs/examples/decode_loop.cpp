@@ -79,7 +79,8 @@ std::vector<float> attend_direct(const std::vector<entry>& hist, kvc::pos_t pos,
 
 // One llama_decode: pending work, validation, placement, then per ubatch K/V rows, mask and attention.
 void decode(kvc::kv_cache& cache, const kvc::batch& b, std::vector<std::vector<entry>>& hist) {
-    if (auto up = cache.init_update(false); up->get_status() == kvc::memory_status::success) up->apply();
+    if (auto up = cache.init_update(/*optimize=*/false); up->get_status() == kvc::memory_status::success)
+        up->apply();
     kvc::batch_allocr balloc;
     balloc.init(b, kvc::positions_of(cache),
                 {.n_seq_max = cache.params().n_seq_max, .n_vocab = 1000});  // throws if invalid

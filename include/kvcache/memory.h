@@ -14,10 +14,9 @@
 ///
 /// Driver loop of one decode step (design/kv-cache.md §1.5):
 /// @verbatim
-///   if (auto up = mem.init_update(false); up->get_status() == memory_status::success) up->apply();
-///   auto ctx = mem.init_batch(balloc, n_ubatch, false);
-///   if (is_fail(ctx->get_status())) -> the batch does not fit; nothing changed
-///   do {
+///   if (auto up = mem.init_update(/*optimize=*/false); up->get_status() == memory_status::success)
+///   up->apply(); auto ctx = mem.init_batch(balloc, n_ubatch, /*embd_all=*/false); if
+///   (is_fail(ctx->get_status())) -> the batch does not fit; nothing changed do {
 ///       ctx->apply();
 ///       for each layer il: ctx->get_attn(il) (K/V, mask, views) or ctx->get_recr() (state rows)
 ///   } while (ctx->next());

@@ -180,13 +180,14 @@ decode_result runtime::decode(const batch& b) {
     const model_hparams& hp = m.hp;
     const kv_cache& base = cache();
     // the memory's pending work first (K-shift, compaction), as llama_decode does
-    if (auto up = mem_->init_update(false); up->get_status() == memory_status::success) up->apply();
+    if (auto up = mem_->init_update(/*optimize=*/false); up->get_status() == memory_status::success)
+        up->apply();
 
     batch_allocr balloc;
     balloc.init(b, positions_of(mem_),
                 {.n_seq_max = base.params().n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
     decode_result res;
-    auto ctx = mem_->init_batch(balloc, params_.n_ubatch, false);
+    auto ctx = mem_->init_batch(balloc, params_.n_ubatch, /*embd_all=*/false);
     if (is_fail(ctx->get_status())) {
         res.status = ctx->get_status();
         return res;

@@ -202,7 +202,7 @@ private:
                 }
                 batch_allocr a;
                 a.init(b.view(), positions_of(c), {.n_seq_max = n_seq});
-                auto ctx = c.init_batch(a, 512, false);
+                auto ctx = c.init_batch(a, 512, /*embd_all=*/false);
                 do ctx->apply();
                 while (ctx->next());
                 for (uint32_t q = 0; q < n_seq; ++q) {  // back to the same contents

@@ -165,7 +165,8 @@ public:
             mem_->seq_rm(done, -1, -1);
             ref_.seq_rm(done, -1, -1);
             const float before = base().fragmentation();
-            if (auto up = mem_->init_update(true); up->get_status() == memory_status::success) up->apply();
+            if (auto up = mem_->init_update(/*optimize=*/true); up->get_status() == memory_status::success)
+                up->apply();
             const float after = base().fragmentation();
             generate(8, "decode");
             return fmt::format("seq {} done; compacted (fragmentation {:.0f}% -> {:.0f}%)", done,
@@ -186,7 +187,7 @@ private:
     // the conversation so far and a new message; the engine attaches what is cached, decodes the rest,
     // answers, and ends the request. The reference recomputes every prompt in full.
     void chat() {
-        mem_->clear(true);
+        mem_->clear(/*data=*/true);
         ref_.clear();
         const std::vector<token_t> system = tokens(64);
         std::vector<std::vector<token_t>> history;  // per session: its prompts and answers so far

@@ -90,7 +90,8 @@ void op_decode(replay_memory& m, const words& w) {
     if (groups.empty()) fail("decode: no group");
 
     // the memory's pending work first, as an engine's decode does
-    if (auto up = m.mem->init_update(false); up->get_status() == memory_status::success) up->apply();
+    if (auto up = m.mem->init_update(/*optimize=*/false); up->get_status() == memory_status::success)
+        up->apply();
 
     size_t n = 0, max_seqs = m.n_seq_max;
     for (const group& g : groups) {
@@ -122,7 +123,7 @@ void op_decode(replay_memory& m, const words& w) {
         fmt::print("decode failed invalid-batch: {}\n", e.what());
         return;
     }
-    auto ctx = m.mem->init_batch(a, m.n_ubatch, false);
+    auto ctx = m.mem->init_batch(a, m.n_ubatch, /*embd_all=*/false);
     if (is_fail(ctx->get_status())) {
         fmt::print("decode failed no-slot\n");
         return;
@@ -188,7 +189,7 @@ void op_clear(replay_memory& m, const words& w) {
 }
 
 void op_update(replay_memory& m, const words&) {
-    auto up = m.mem->init_update(false);
+    auto up = m.mem->init_update(/*optimize=*/false);
     if (up->get_status() != memory_status::success) {
         fmt::print("update none\n");
         return;
