@@ -35,32 +35,14 @@ kv_cache_params params(uint32_t kv_size, uint32_t n_seq_max) {
     return p;
 }
 
-ubatch tokens_ub(seq_id_t s, pos_t p0, std::span<const token_t> toks) {
-    ubatch u;
-    u.n_tokens = static_cast<uint32_t>(toks.size());
-    u.n_seq_tokens = 1;
-    u.n_seqs = u.n_tokens;
-    u.n_seqs_unq = 1;
-    u.seq_id_unq = {s};
-    u.token.assign(toks.begin(), toks.end());
-    u.seq_id_begin.resize(toks.size() + 1);
-    for (size_t i = 0; i < toks.size(); ++i) {
-        u.pos.push_back(p0 + static_cast<pos_t>(i));
-        u.n_seq_id.push_back(1);
-        u.seq_id_data.push_back(s);
-        u.seq_id_begin[i + 1] = static_cast<uint32_t>(i + 1);
-        u.output.push_back(0);
-        u.batch_idx.push_back(static_cast<int32_t>(i));
-    }
-    return u;
-}
-
+// Decodes toks into s from p0 the way an engine does: a batch, its validation, init_batch, apply.
 bool place(kv_cache& c, seq_id_t s, pos_t p0, std::span<const token_t> toks) {
-    std::vector<ubatch> ubs;
-    for (size_t i = 0; i < toks.size(); i += 512)
-        ubs.push_back(tokens_ub(s, p0 + static_cast<pos_t>(i),
-                                toks.subspan(i, std::min<size_t>(512, toks.size() - i))));
-    auto ctx = c.init_ubatches(std::move(ubs), {});
+    batch_storage b = batch::init(static_cast<int32_t>(toks.size()), 0, 1);
+    const seq_id_t ids[1] = {s};
+    for (size_t i = 0; i < toks.size(); ++i) b.add(toks[i], p0 + static_cast<pos_t>(i), ids, false);
+    batch_allocr a;
+    a.init(b.view(), positions_of(c), {.n_seq_max = c.params().n_seq_max});
+    auto ctx = c.init_batch(a, 512, /*embd_all=*/false);
     if (ctx->get_status() != memory_status::success) return false;
     do ctx->apply();
     while (ctx->next());
