@@ -150,6 +150,8 @@ void kv_cache::state_write(io_write_i& io, seq_id_t seq_id,
         cells.clear();
         if (seq_id == seq_all) {
             c.used_cells(cells);
+            // cached cells (the prefix cache's, no sequence) are no sequence's state: the index is not saved
+            std::erase_if(cells, [&](uint32_t i) { return c.is_held(i) && c.seq_count(i) == 0; });
         } else if (seq_to_stream(seq_id) == s) {
             const pos_t pmax = c.seq_pos_max(seq_id);
             for (const auto& [pos, i] : c.seq_entries(seq_id, -1, -1))  // SWA: cells the sequence still sees

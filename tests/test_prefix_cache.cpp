@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/state.h>
 
 namespace kvc {
 namespace {
@@ -212,6 +213,23 @@ TEST(prefix_cache, eviction_takes_the_least_recently_released_deepest_first) {
     EXPECT_FALSE(e.decode(1, std::vector<token_t>(8, 4)));
     EXPECT_EQ(e.c.get_prefix_stats().evicted_blocks, before.evicted_blocks);
     EXPECT_EQ(e.c.prefix_lookup(b), 4u);
+}
+
+TEST(prefix_cache, a_whole_state_saves_the_sequences_not_the_cached_cells) {
+    engine e(64, 2);
+    ASSERT_TRUE(e.decode(0, seq_of({1, 2, 3, 4, 5, 6, 7, 8, 9})));
+    ASSERT_TRUE(e.decode(1, seq_of({1, 2, 3, 4, 7})));
+    e.c.prefix_publish();
+    e.c.seq_rm(0, -1, -1);
+    e.seqs[0].clear();
+    ASSERT_GT(e.c.get_prefix_stats().cached_cells, 0u);
+    const auto saved = state_seq_get_data(e.c, seq_all);
+    state_seq_set_data(e.c, saved, seq_all);
+    e.check(1);
+    e.check_cells();  // no cell without a sequence came back
+    EXPECT_EQ(e.c.cells(0).get_used(), 5u);
+    EXPECT_EQ(e.c.get_prefix_stats().blocks, 0u);  // a whole restore empties the index
+    EXPECT_EQ(e.c.prefix_lookup(seq_of({1, 2, 3, 4, 5})), 0u);
 }
 
 TEST(prefix_cache, a_hit_refreshes_a_block) {
