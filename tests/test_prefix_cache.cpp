@@ -312,8 +312,21 @@ TEST(prefix_cache_property, hits_always_hold_the_tokens_they_claim) {
                 e.seqs[static_cast<size_t>(d)] = h;
             }
         } else if (what < 96) {
-            e.c.clear(false);
-            for (auto& q : e.seqs) q.clear();
+            if (rng() % 2) {
+                e.c.clear(/*data=*/false);
+                for (auto& q : e.seqs) q.clear();
+            } else {  // the whole memory through a state buffer: sequences stay, the index empties
+                state_seq_set_data(e.c, state_seq_get_data(e.c, seq_all), seq_all);
+            }
+        } else if (what < 97) {  // one sequence through a state buffer into an empty one
+            const auto d = static_cast<seq_id_t>(rng() % 4);
+            if (d != s && e.seqs[static_cast<size_t>(d)].empty() && !h.empty()) {
+                try {
+                    state_seq_set_data(e.c, state_seq_get_data(e.c, s), d);
+                    e.seqs[static_cast<size_t>(d)] = h;
+                } catch (const error&) {  // no room: nothing changed
+                }
+            }
         } else {  // only a lookup, verified by attaching to a free sequence
             std::vector<token_t> prompt = systems[rng() % systems.size()];
             const uint32_t n = e.c.prefix_lookup(prompt);
