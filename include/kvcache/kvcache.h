@@ -210,6 +210,12 @@ typedef bool (*kvc_layer_filter)(uint32_t il, void* user_data);
 
 /// @brief Everything a KV cache is made from. Start from kvc_kv_cache_default_params() and set the
 /// fields you need; `layers` must be set.
+/// @brief A KV cache's prefix cache (kvcache_prefix.h, docs/prefix-cache.md).
+typedef struct kvc_prefix_cache_params {
+    bool enabled;         ///< keep computed prompt prefixes (needs unified, no window, n_pos 1)
+    uint32_t block_size;  ///< tokens per block: reuse comes in whole blocks
+} kvc_prefix_cache_params;
+
 typedef struct kvc_kv_cache_params {
     const kvc_layer_desc* layers;  ///< [n_layers] every model layer, by model index (read during creation)
     size_t n_layers;               ///< entries of layers (>= 1)
@@ -228,6 +234,7 @@ typedef struct kvc_kv_cache_params {
     kvc_swa_type swa_type;         ///< the SWA rule
     uint32_t n_pos;                ///< positions per token (4 for M-RoPE)
     float compact_threshold;  ///< compact on update once this fraction of cells are holes (0: on request)
+    kvc_prefix_cache_params prefix;  ///< the prefix cache (off by default)
 } kvc_kv_cache_params;
 
 /// @brief The defaults of a layer: 1 KV head, has_kv, normal RoPE with base 10000; head sizes 0 (set them).
@@ -798,5 +805,7 @@ KVC_API kvc_status kvc_memory_get_s(kvc_memory_context* ctx, uint32_t il, kvc_te
 
 // Sequence operations and state buffers and files: the second half of the API.
 #include <kvcache/kvcache_state.h>
+// The prefix cache.
+#include <kvcache/kvcache_prefix.h>
 
 #endif  // KVCACHE_KVCACHE_H

@@ -145,6 +145,7 @@ kv_cache_params to_cpp(const kvc_kv_cache_params& c, const char* name) {
     p.swa = static_cast<swa_type>(swa);
     p.n_pos = c.n_pos;
     p.compact_threshold = c.compact_threshold;
+    p.prefix = {.enabled = c.prefix.enabled, .block_size = c.prefix.block_size};
     return p;
 }
 
@@ -382,6 +383,7 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
     c.swa_type = static_cast<kvc_swa_type>(p.swa);
     c.n_pos = p.n_pos;
     c.compact_threshold = p.compact_threshold;
+    c.prefix = {.enabled = p.prefix.enabled, .block_size = p.prefix.block_size};
     return c;
 }
 

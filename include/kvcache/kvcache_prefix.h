@@ -1,0 +1,73 @@
+/// @file kvcache_prefix.h
+/// @brief The C API of the prefix cache (docs/prefix-cache.md): a KV cache created with
+/// kvc_kv_cache_params::prefix enabled keeps computed prompt prefixes for other sequences. Included by
+/// kvcache.h, whose conventions apply; include kvcache.h.
+#ifndef KVCACHE_KVCACHE_PREFIX_H
+#define KVCACHE_KVCACHE_PREFIX_H
+
+#include <kvcache/kvcache.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/// @brief What the prefix cache did and holds (the C++ kvc::prefix_stats).
+typedef struct kvc_prefix_stats {
+    uint64_t lookups;             ///< kvc_memory_prefix_lookup and kvc_memory_prefix_attach calls
+    uint64_t tokens_looked_up;    ///< prompt tokens they were given
+    uint64_t hit_tokens;          ///< tokens attaches gave a sequence without recomputation
+    uint64_t published_blocks;    ///< blocks added to the index
+    uint64_t evicted_blocks;      ///< blocks whose cells were freed for new tokens
+    uint64_t unpublished_blocks;  ///< blocks taken out because a sequence edit changed their cells
+    uint32_t blocks;              ///< blocks in the index now
+    uint32_t cached_cells;        ///< cells held by the index and by no sequence (evictable)
+    uint32_t shared_cells;        ///< cells held by the index and by sequences
+    uint32_t free_cells;          ///< empty cells
+    uint64_t index_bytes;         ///< memory of the index
+} kvc_prefix_stats;
+
+/// @brief How many of the tokens kvc_memory_prefix_attach() would give a sequence now: the longest
+/// cached prefix in whole blocks, at most n_tokens - 1. Changes no sequence (it publishes what the
+/// previous step computed and counts a lookup).
+/// @param mem A KV cache with a prefix cache.
+/// @param tokens [n_tokens] the prompt (may be NULL when n_tokens is 0).
+/// @param n_tokens Its length (at most INT32_MAX).
+/// @param key The namespace (model revision, adapter, tenant): only blocks published under it match.
+/// @param out Receives the count.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a count above INT32_MAX;
+/// #KVC_ERR_UNSUPPORTED for a memory without a prefix cache.
+KVC_API kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
+                                            uint64_t key, uint32_t* out) KVC_NOEXCEPT;
+
+/// @brief Makes the empty sequence seq_id hold the cells of the longest cached prefix of the tokens
+/// (shared, not copied) at positions [0, n), and returns n; decode the tokens from n on. The blocks that
+/// decoding completes are published under key.
+/// @param mem A KV cache with a prefix cache.
+/// @param seq_id The sequence (it must hold no cell).
+/// @param tokens [n_tokens] the prompt (may be NULL when n_tokens is 0).
+/// @param n_tokens Its length (at most INT32_MAX).
+/// @param key The namespace (see kvc_memory_prefix_lookup()).
+/// @param out Receives n.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers, a count above INT32_MAX or a sequence
+/// that is not empty; #KVC_ERR_OUT_OF_RANGE for a bad sequence id; #KVC_ERR_UNSUPPORTED without a prefix
+/// cache. Nothing changes on an error.
+KVC_API kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, const int32_t* tokens,
+                                            size_t n_tokens, uint64_t key, uint32_t* out) KVC_NOEXCEPT;
+
+/// @brief Publishes now the blocks completed by the ubatches applied so far (the next batch, lookup or
+/// attach does it anyway); call it after computing them, e.g. before ending a request.
+/// @param mem A KV cache with a prefix cache.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL; #KVC_ERR_UNSUPPORTED without a prefix cache.
+KVC_API kvc_status kvc_memory_prefix_publish(kvc_memory* mem) KVC_NOEXCEPT;
+
+/// @brief The prefix cache's counters.
+/// @param mem A KV cache with a prefix cache.
+/// @param out Receives them.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL; #KVC_ERR_UNSUPPORTED without a prefix cache.
+KVC_API kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* out) KVC_NOEXCEPT;
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // KVCACHE_KVCACHE_PREFIX_H

@@ -1,0 +1,71 @@
+// The C API of the prefix cache: kv_cache's prefix_* calls on a KV cache memory.
+#include <cstdint>
+#include <limits>
+#include <span>
+
+#include <fmt/format.h>
+
+#include "capi_impl.h"
+
+using namespace kvc::capi;
+using kvc::errc;
+
+namespace {
+
+// The memory's KV cache, when it has a prefix cache.
+kvc::kv_cache& prefix_cache_of(const kvc_memory& m) {
+    if (m.kv == nullptr || !m.kv->params().prefix.enabled)
+        throw_error(errc::unsupported,
+                    "this memory has no prefix cache (a KV cache created with prefix.enabled)");
+    return *m.kv;
+}
+
+std::span<const kvc::token_t> tokens_of(const int32_t* tokens, size_t n) {
+    if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+        throw_error(errc::invalid_argument,
+                    fmt::format("n_tokens = {} exceeds {}", n, std::numeric_limits<int32_t>::max()));
+    if (n > 0 && tokens == nullptr)
+        throw_error(errc::invalid_argument, fmt::format("tokens is NULL for {} tokens", n));
+    return {tokens, n};
+}
+
+}  // namespace
+
+kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
+                                    uint32_t* out) noexcept {
+    return guarded(__func__, [&] {
+        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        uint32_t& n = need(out, "out");  // checked before the lookup publishes anything
+        n = c.prefix_lookup(tokens_of(tokens, n_tokens), key);
+    });
+}
+
+kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, const int32_t* tokens, size_t n_tokens,
+                                    uint64_t key, uint32_t* out) noexcept {
+    return guarded(__func__, [&] {
+        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        uint32_t& n = need(out, "out");
+        n = c.prefix_attach(seq_id, tokens_of(tokens, n_tokens), key);
+    });
+}
+
+kvc_status kvc_memory_prefix_publish(kvc_memory* mem) noexcept {
+    return guarded(__func__, [&] { prefix_cache_of(need(mem, "mem")).prefix_publish(); });
+}
+
+kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* out) noexcept {
+    return guarded(__func__, [&] {
+        const kvc::prefix_stats s = prefix_cache_of(need(mem, "mem")).get_prefix_stats();
+        need(out, "out") = kvc_prefix_stats{.lookups = s.lookups,
+                                            .tokens_looked_up = s.tokens_looked_up,
+                                            .hit_tokens = s.hit_tokens,
+                                            .published_blocks = s.published_blocks,
+                                            .evicted_blocks = s.evicted_blocks,
+                                            .unpublished_blocks = s.unpublished_blocks,
+                                            .blocks = s.blocks,
+                                            .cached_cells = s.cached_cells,
+                                            .shared_cells = s.shared_cells,
+                                            .free_cells = s.free_cells,
+                                            .index_bytes = s.index_bytes};
+    });
+}
