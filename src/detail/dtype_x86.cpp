@@ -11,8 +11,10 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVC_HAVE_X86_KERNELS 1
 #if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's AVX-512 headers start from _mm512_undefined_*() and trip -Wmaybe-uninitialized (GCC PR 105593).
+// GCC 12's AVX-512 headers start from _mm512_undefined_*() and trip -Wmaybe-uninitialized, and with
+// sanitizers -Wuninitialized (GCC PR 105593).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 #endif
