@@ -208,14 +208,14 @@ typedef enum kvc_swa_type {
 /// @return true to keep the layer.
 typedef bool (*kvc_layer_filter)(uint32_t il, void* user_data);
 
-/// @brief Everything a KV cache is made from. Start from kvc_kv_cache_default_params() and set the
-/// fields you need; `layers` must be set.
 /// @brief A KV cache's prefix cache (kvcache_prefix.h, docs/prefix-cache.md).
 typedef struct kvc_prefix_cache_params {
     bool enabled;         ///< keep computed prompt prefixes (needs unified, no window, n_pos 1)
     uint32_t block_size;  ///< tokens per block: reuse comes in whole blocks
 } kvc_prefix_cache_params;
 
+/// @brief Everything a KV cache is made from. Start from kvc_kv_cache_default_params() and set the
+/// fields you need; `layers` must be set.
 typedef struct kvc_kv_cache_params {
     const kvc_layer_desc* layers;  ///< [n_layers] every model layer, by model index (read during creation)
     size_t n_layers;               ///< entries of layers (>= 1)
