@@ -105,6 +105,7 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
         layers_.push_back({il, d});
     }
     if (layers_.empty()) bad("the filter keeps no layer");
+    if (p.prefix.enabled) check_prefix_params(p, n_stream);
     kv_storage_params sp;
     for (const layer& l : layers_)
         sp.layers.push_back({l.desc.n_head_kv, l.desc.n_embd_head_k, l.desc.n_embd_head_v, l.desc.rope});
@@ -118,17 +119,7 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     streams_.reserve(n_stream);
     for (uint32_t s = 0; s < n_stream; ++s) streams_.emplace_back(p.kv_size, p.n_seq_max);
     heads_.assign(n_stream, 0);
-    if (p.prefix.enabled) {
-        if (n_stream != 1) bad("the prefix cache needs one unified stream (unified = true)");
-        if (p.swa != swa_type::none)
-            bad(fmt::format("the prefix cache needs no sliding window, not {}", to_string(p.swa)));
-        if (p.n_pos != 1)
-            bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
-        if (p.prefix.block_size == 0 || p.prefix.block_size > p.kv_size)
-            bad(fmt::format("prefix block_size {} must be in [1, kv_size {}]", p.prefix.block_size,
-                            p.kv_size));
-        prefix_init();
-    }
+    if (p.prefix.enabled) prefix_init();
 }
 
 kv_cache::~kv_cache() = default;

@@ -17,14 +17,45 @@ namespace {
 constexpr uint32_t none = detail::prefix_index::none;
 }  // namespace
 
+void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) {
+    const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache: " + msg); };
+    const prefix_cache_params& q = p.prefix;
+    if (n_stream != 1) bad("the prefix cache needs one unified stream (unified = true)");
+    if (p.swa != swa_type::none)
+        bad(fmt::format("the prefix cache needs no sliding window, not {}", to_string(p.swa)));
+    if (p.n_pos != 1) bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
+    if (q.block_size == 0 || q.block_size > p.kv_size || p.kv_size % q.block_size != 0)
+        bad(fmt::format("prefix block_size {} must divide kv_size {}", q.block_size, p.kv_size));
+    if (q.policy != evict_policy::lru && q.policy != evict_policy::slru)
+        bad(fmt::format("prefix policy {} unknown", static_cast<int>(q.policy)));
+    if (!(q.protected_fraction >= 0.0f && q.protected_fraction <= 1.0f))
+        bad(fmt::format("prefix protected_fraction {} must be in [0, 1]", q.protected_fraction));
+    if (!(q.max_pinned_fraction >= 0.0f && q.max_pinned_fraction <= 1.0f))
+        bad(fmt::format("prefix max_pinned_fraction {} must be in [0, 1]", q.max_pinned_fraction));
+    if (q.n_vocab < 0) bad(fmt::format("prefix n_vocab {} must not be negative", q.n_vocab));
+}
+
 void kv_cache::prefix_init() {
-    prefix_ = std::make_unique<prefix_state>(params_.prefix.block_size, params_.kv_size, params_.n_seq_max);
+    prefix_ = std::make_unique<prefix_state>(params_.prefix, params_.kv_size, params_.n_seq_max);
+}
+
+void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
+    if (!prefix_) throw error(errc::unsupported, fmt::format("{}: the cache has no prefix cache", what));
+    if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+        throw error(errc::invalid_argument,
+                    fmt::format("{}: {} tokens, more than {}", what, tokens.size(), INT32_MAX));
+    const int32_t n_vocab = params_.prefix.n_vocab;
+    if (n_vocab <= 0) return;
+    for (size_t i = 0; i < tokens.size(); ++i)
+        if (tokens[i] < 0 || tokens[i] >= n_vocab)
+            throw error(errc::invalid_argument,
+                        fmt::format("{}: token[{}] = {} not in [0, {})", what, i, tokens[i], n_vocab));
 }
 
 // -- the API --
 
 uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
-    if (!prefix_) throw error(errc::unsupported, "prefix_lookup: the cache has no prefix cache");
+    check_prefix_tokens(tokens, "prefix_lookup");
     prefix_publish();
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;
@@ -35,9 +66,13 @@ uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) 
     return tokens.empty() ? 0 : std::min<uint32_t>(n, static_cast<uint32_t>(tokens.size() - 1));
 }
 
-uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key) {
-    if (!prefix_) throw error(errc::unsupported, "prefix_attach: the cache has no prefix cache");
+uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
+                                 uint8_t priority) {
+    check_prefix_tokens(tokens, "prefix_attach");
     check_seq(seq_id, "prefix_attach");
+    if (priority > prefix_max_priority)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
     kv_cells& cells = streams_[seq_to_stream(seq_id)];
     if (cells.seq_pos_min(seq_id) >= 0)
         throw error(errc::invalid_argument,
@@ -53,6 +88,11 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     const uint32_t n = tokens.empty() ? 0
                                       : std::min<uint32_t>(static_cast<uint32_t>(chain.size()) * bs,
                                                            static_cast<uint32_t>(tokens.size() - 1));
+    // the blocks it reuses count a hit and are worth at least its priority
+    for (uint32_t d = 0; d < (n + bs - 1) / bs; ++d) {
+        ps.index.hit(chain[d]);
+        if (ps.index.at(chain[d]).priority < priority) ps.index.set_priority(chain[d], priority);
+    }
     // the sequence joins the cells of positions [0, n): block p / bs, its cell p % bs
     for (uint32_t p = 0; p < n; ++p) {
         const uint32_t id = chain[p / bs];
@@ -64,6 +104,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     prefix_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
     t = prefix_tracker{};
     t.key = key;
+    t.priority = priority;
     t.n_full = n / bs;
     ps.set_tail(t, t.n_full == 0 ? none : chain[t.n_full - 1]);
     for (uint32_t p = t.n_full * bs; p < n; ++p) {
@@ -72,6 +113,59 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     }
     ps.stats.hit_tokens += n;
     return n;
+}
+
+// The blocks of the longest cached prefix of tokens in whole blocks (the last token included).
+static std::vector<uint32_t> whole_blocks(const detail::prefix_index& index, std::span<const token_t> tokens,
+                                          uint64_t key) {
+    std::vector<uint32_t> chain;
+    index.match(key, tokens, chain);
+    return chain;
+}
+
+uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
+    check_prefix_tokens(tokens, "prefix_pin");
+    prefix_publish();
+    prefix_state& ps = *prefix_;
+    const std::vector<uint32_t> chain = whole_blocks(ps.index, tokens, key);
+    uint64_t more = 0;
+    for (uint32_t id : chain) more += ps.index.at(id).pins == 0;
+    const uint64_t bs = ps.bs(), pinned = ps.index.pinned_blocks(0) * bs;
+    const auto limit = static_cast<uint64_t>(static_cast<double>(params_.prefix.max_pinned_fraction) *
+                                             static_cast<double>(params_.kv_size));
+    if (pinned + more * bs > limit)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_pin: pinning {} more cells would pin {} of {} cells; the limit is {} "
+                                "(prefix.max_pinned_fraction {})",
+                                more * bs, pinned + more * bs, params_.kv_size, limit,
+                                params_.prefix.max_pinned_fraction));
+    for (uint32_t id : chain) ps.index.pin(id);
+    return static_cast<uint32_t>(chain.size() * bs);
+}
+
+uint32_t kv_cache::prefix_unpin(std::span<const token_t> tokens, uint64_t key) {
+    check_prefix_tokens(tokens, "prefix_unpin");
+    prefix_publish();
+    prefix_state& ps = *prefix_;
+    uint32_t n = 0;
+    for (uint32_t id : whole_blocks(ps.index, tokens, key)) {
+        if (ps.index.at(id).pins == 0) break;  // pins cover a chain from its root
+        ps.index.unpin(id);
+        n += ps.bs();
+    }
+    return n;
+}
+
+uint32_t kv_cache::prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority) {
+    check_prefix_tokens(tokens, "prefix_set_priority");
+    if (priority > prefix_max_priority)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_set_priority: priority {} above {}", priority, prefix_max_priority));
+    prefix_publish();
+    prefix_state& ps = *prefix_;
+    const std::vector<uint32_t> chain = whole_blocks(ps.index, tokens, key);
+    for (uint32_t id : chain) ps.index.set_priority(id, priority);
+    return static_cast<uint32_t>(chain.size()) * ps.bs();
 }
 
 void kv_cache::prefix_publish() {
@@ -106,12 +200,13 @@ void kv_cache::prefix_publish() {
                     ps.stop(t);  // its cells belong to another block (a partial attach that diverged)
                     break;
                 }
-                id = ps.index.add(t.tail, t.key, toks, cs, 0);
+                id = ps.index.add(t.tail, t.key, toks, cs, 0, t.priority);
                 for (uint32_t c : cs) {
                     ps.owner[c] = id;
                     cells.hold(c);
                 }
                 ++ps.stats.published_blocks;
+                ps.emit(prefix_event::kind::stored, id);
             }
             ps.set_tail(t, id);
             ++t.n_full;
@@ -137,6 +232,7 @@ prefix_stats kv_cache::get_prefix_stats() const {
     }
     st.free_cells = cells.size() - cells.get_used();
     const prefix_state& ps = *prefix_;
+    st.pinned_cells = ps.index.pinned_blocks(0) * ps.bs();
     st.index_bytes = ps.index.bytes() + ps.owner.capacity() * sizeof(uint32_t) +
                      ps.gen.capacity() * sizeof(uint32_t) + ps.pending.capacity() * sizeof(seq_id_t);
     for (const prefix_tracker& t : ps.seqs)
@@ -187,6 +283,7 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
     std::vector<uint32_t> plan;
     if (!ps.index.plan_eviction(stream, n - free, plan)) return false;
     for (uint32_t id : plan) {
+        ps.emit(prefix_event::kind::removed, id);
         for (uint32_t c : ps.index.cells(id)) {
             ps.owner[c] = none;
             cells.unhold(c);  // no sequence holds it: empty now
@@ -298,7 +395,9 @@ void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
     std::vector<uint32_t> shared, alone;
     for (const auto& e : cells.seq_entries(seq_id, p0, p1)) {
         if (!cells.is_held(e.second)) continue;
-        (cells.seq_count(e.second) > 1 ? shared : alone).push_back(e.second);
+        // a pinned block keeps its cells too
+        const bool keep = cells.seq_count(e.second) > 1 || ps.index.at(ps.owner[e.second]).pins > 0;
+        (keep ? shared : alone).push_back(e.second);
     }
     if (shared.empty() && alone.empty()) return;
     // Cells other sequences hold too keep their positions for them: the moving sequence gets copies.
@@ -319,11 +418,14 @@ void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
             copies[k] = {row(0, from), row(0, to)};
         }
         storage_->copy_rows(copies);
+        for (uint32_t li = 0; li < layer_ids_.size(); ++li)
+            ps.stats.bytes_copied += shared.size() * (storage_->k_row_bytes(li) + storage_->v_row_bytes(li));
     }
     // Cells only this sequence holds: their blocks leave the index (a block's meaning is its positions).
     for (uint32_t c : alone) {
         const uint32_t id = ps.owner[c];
         if (id == none) continue;  // taken out with an earlier cell of the same block
+        ps.emit(prefix_event::kind::removed, id);
         for (uint32_t bc : ps.index.cells(id)) {
             ps.owner[bc] = none;
             if (cells.unhold(bc)) lower_head(0, bc);
@@ -348,6 +450,7 @@ void kv_cache::prefix_reset() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
     for (uint32_t id = 0; id < ps.gen.size(); ++id) ++ps.gen[id];
+    if (ps.index.size() > 0) ps.call(prefix_event{.type = prefix_event::kind::cleared});
     ps.index.clear();
     std::fill(ps.owner.begin(), ps.owner.end(), none);
     for (prefix_tracker& t : ps.seqs) t = prefix_tracker{};

@@ -177,9 +177,22 @@ public:
     /// Makes the empty sequence seq_id hold the cells of the longest cached prefix of `tokens` (shared,
     /// not copied) at positions [0, n), as if it had decoded them, and returns n (what prefix_lookup
     /// returns). The engine then decodes tokens[n:] from position n; the blocks that decoding completes
-    /// are published under `key`. Throws kvc::error, changing nothing, for a bad seq_id, a sequence that
-    /// holds cells, or no prefix cache.
-    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0);
+    /// are published under `key` with `priority` (0-100: lower priorities are evicted first), and the
+    /// blocks it reuses are raised to it. Throws kvc::error, changing nothing, for a bad seq_id, a
+    /// sequence that holds cells, a token outside the vocabulary, a priority above 100, or no prefix cache.
+    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
+                           uint8_t priority = prefix_default_priority);
+    /// Pins the blocks of the longest cached prefix of `tokens` (in whole blocks, the whole prompt
+    /// included) and returns the tokens pinned: no eviction takes them until as many prefix_unpin calls.
+    /// Throws kvc::error, changing nothing, when the pinned cells would exceed
+    /// prefix.max_pinned_fraction of the cache.
+    uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key = 0);
+    /// Undoes one prefix_pin of the same prefix: unpins the pinned blocks of the longest cached prefix of
+    /// `tokens` and returns their tokens.
+    uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key = 0);
+    /// Sets the priority (0-100) of the blocks of the longest cached prefix of `tokens`; returns their
+    /// tokens. A cached block moves to the newest end of its new priority's queue.
+    uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority);
     /// Publishes now the blocks completed by the ubatches applied so far (the next init_batch,
     /// init_ubatches, prefix_lookup or prefix_attach does it anyway); call it after computing them.
     void prefix_publish();
@@ -228,7 +241,9 @@ private:
     void k_shift();
 
     // -- prefix cache hooks (no-ops without one) --
+    static void check_prefix_params(const kv_cache_params& p, uint32_t n_stream);
     void prefix_init();                                            // params_.prefix checked
+    void check_prefix_tokens(std::span<const token_t> tokens, const char* what) const;
     void prefix_record(const slot_info& sinfo, const ubatch& ub);  // tokens a real apply placed
     bool prefix_make_room(uint32_t stream, uint32_t n);            // >= n empty cells, evicting
     bool prefix_room_possible(uint32_t stream, uint32_t n) const;  // make_room would succeed

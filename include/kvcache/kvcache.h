@@ -208,10 +208,44 @@ typedef enum kvc_swa_type {
 /// @return true to keep the layer.
 typedef bool (*kvc_layer_filter)(uint32_t il, void* user_data);
 
+/// @brief Which cached blocks of one priority a batch that needs room evicts first.
+typedef enum kvc_evict_policy {
+    KVC_EVICT_LRU = 0,   ///< least recently released first
+    KVC_EVICT_SLRU = 1,  ///< segmented LRU: blocks never hit since publishing before blocks hit at least once
+} kvc_evict_policy;
+
+/// @brief What happened to a prefix cache's index (the C++ kvc::prefix_event::kind).
+typedef enum kvc_prefix_event_type {
+    KVC_PREFIX_EVENT_STORED = 0,   ///< a block was published
+    KVC_PREFIX_EVENT_REMOVED = 1,  ///< a block left the index (evicted, or its cells were edited)
+    KVC_PREFIX_EVENT_CLEARED = 2,  ///< every block left the index
+} kvc_prefix_event_type;
+
+/// @brief One event of a prefix cache (the C++ kvc::prefix_event).
+typedef struct kvc_prefix_event {
+    kvc_prefix_event_type type;  ///< what happened
+    uint64_t hash;               ///< the block's chain hash: XXH3-64 of its tokens seeded with parent_hash
+    uint64_t parent_hash;        ///< the previous block's hash; for the first block of a chain, its key
+    uint32_t depth;              ///< the block covers positions [depth * n_tokens, (depth + 1) * n_tokens)
+    const int32_t* tokens;       ///< [n_tokens] the block's tokens, valid during the call (NULL: cleared)
+    uint32_t n_tokens;           ///< the block size (0: cleared)
+} kvc_prefix_event;
+
+/// @brief Receives a prefix cache's events, synchronously; it must not call into the same memory.
+/// @param event The event (valid during the call).
+/// @param user_data The `on_event_user_data` of the parameters.
+typedef void (*kvc_prefix_event_fn)(const kvc_prefix_event* event, void* user_data);
+
 /// @brief A KV cache's prefix cache (kvcache_prefix.h, docs/prefix-cache.md).
 typedef struct kvc_prefix_cache_params {
-    bool enabled;         ///< keep computed prompt prefixes (needs unified, no window, n_pos 1)
-    uint32_t block_size;  ///< tokens per block: reuse comes in whole blocks
+    bool enabled;                  ///< keep computed prompt prefixes (needs unified, no window, n_pos 1)
+    uint32_t block_size;           ///< tokens per block: reuse comes in whole blocks (divides kv_size)
+    kvc_evict_policy policy;       ///< the eviction order of blocks of one priority
+    float protected_fraction;      ///< SLRU: the protected segment holds at most this fraction of blocks
+    float max_pinned_fraction;     ///< pins may hold at most this fraction of the cells
+    int32_t n_vocab;               ///< > 0: prompt tokens must be in [0, n_vocab)
+    kvc_prefix_event_fn on_event;  ///< NULL: no events
+    void* on_event_user_data;      ///< passed to on_event
 } kvc_prefix_cache_params;
 
 /// @brief Everything a KV cache is made from. Start from kvc_kv_cache_default_params() and set the

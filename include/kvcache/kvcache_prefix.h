@@ -19,9 +19,12 @@ typedef struct kvc_prefix_stats {
     uint64_t published_blocks;    ///< blocks added to the index
     uint64_t evicted_blocks;      ///< blocks whose cells were freed for new tokens
     uint64_t unpublished_blocks;  ///< blocks taken out because a sequence edit changed their cells
+    uint64_t bytes_copied;        ///< K/V bytes copied for edits of shared cells
+    uint64_t event_errors;        ///< always 0 from C (a C callback cannot throw)
     uint32_t blocks;              ///< blocks in the index now
-    uint32_t cached_cells;        ///< cells held by the index and by no sequence (evictable)
+    uint32_t cached_cells;        ///< cells held by the index and by no sequence (evictable unless pinned)
     uint32_t shared_cells;        ///< cells held by the index and by sequences
+    uint32_t pinned_cells;        ///< cells of pinned blocks
     uint32_t free_cells;          ///< empty cells
     uint64_t index_bytes;         ///< memory of the index
 } kvc_prefix_stats;
@@ -41,18 +44,54 @@ KVC_API kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* toke
 
 /// @brief Makes the empty sequence seq_id hold the cells of the longest cached prefix of the tokens
 /// (shared, not copied) at positions [0, n), and returns n; decode the tokens from n on. The blocks that
-/// decoding completes are published under key.
+/// decoding completes are published under key with the priority, and the blocks it reuses are raised to it.
 /// @param mem A KV cache with a prefix cache.
 /// @param seq_id The sequence (it must hold no cell).
 /// @param tokens [n_tokens] the prompt (may be NULL when n_tokens is 0).
 /// @param n_tokens Its length (at most INT32_MAX).
 /// @param key The namespace (see kvc_memory_prefix_lookup()).
+/// @param priority 0 to 100 (lower priorities are evicted first); 50 is the default of the C++ API.
 /// @param out Receives n.
-/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers, a count above INT32_MAX or a sequence
-/// that is not empty; #KVC_ERR_OUT_OF_RANGE for a bad sequence id; #KVC_ERR_UNSUPPORTED without a prefix
-/// cache. Nothing changes on an error.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers, a count above INT32_MAX, a token outside
+/// the vocabulary, a priority above 100 or a sequence that is not empty; #KVC_ERR_OUT_OF_RANGE for a bad
+/// sequence id; #KVC_ERR_UNSUPPORTED without a prefix cache. Nothing changes on an error.
 KVC_API kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, const int32_t* tokens,
-                                            size_t n_tokens, uint64_t key, uint32_t* out) KVC_NOEXCEPT;
+                                            size_t n_tokens, uint64_t key, uint32_t priority,
+                                            uint32_t* out) KVC_NOEXCEPT;
+
+/// @brief Pins the blocks of the longest cached prefix of the tokens (whole blocks): no eviction takes
+/// them until as many kvc_memory_prefix_unpin() calls.
+/// @param mem A KV cache with a prefix cache.
+/// @param tokens [n_tokens] the prefix (may be NULL when n_tokens is 0).
+/// @param n_tokens Its length (at most INT32_MAX).
+/// @param key The namespace.
+/// @param out Receives the tokens pinned.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or when the pinned cells would exceed
+/// prefix.max_pinned_fraction of the cache (nothing changes); #KVC_ERR_UNSUPPORTED without a prefix cache.
+KVC_API kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
+                                         uint32_t* out) KVC_NOEXCEPT;
+
+/// @brief Undoes one kvc_memory_prefix_pin() of the same prefix.
+/// @param mem A KV cache with a prefix cache.
+/// @param tokens [n_tokens] the prefix (may be NULL when n_tokens is 0).
+/// @param n_tokens Its length (at most INT32_MAX).
+/// @param key The namespace.
+/// @param out Receives the tokens unpinned.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_UNSUPPORTED without a prefix cache.
+KVC_API kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
+                                           uint64_t key, uint32_t* out) KVC_NOEXCEPT;
+
+/// @brief Sets the priority of the blocks of the longest cached prefix of the tokens.
+/// @param mem A KV cache with a prefix cache.
+/// @param tokens [n_tokens] the prefix (may be NULL when n_tokens is 0).
+/// @param n_tokens Its length (at most INT32_MAX).
+/// @param key The namespace.
+/// @param priority 0 to 100.
+/// @param out Receives the tokens of the blocks changed.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a priority above 100;
+/// #KVC_ERR_UNSUPPORTED without a prefix cache.
+KVC_API kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
+                                                  uint64_t key, uint32_t priority, uint32_t* out) KVC_NOEXCEPT;
 
 /// @brief Publishes now the blocks completed by the ubatches applied so far (the next batch, lookup or
 /// attach does it anyway); call it after computing them, e.g. before ending a request.

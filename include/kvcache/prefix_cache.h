@@ -1,27 +1,68 @@
 /// @file
-/// The prefix cache of a kv_cache: what it is configured with and what it counts.
+/// The prefix cache of a kv_cache: what it is configured with, what it reports and what it counts.
 ///
 /// With `kv_cache_params::prefix.enabled`, every full block of `block_size` tokens that a sequence decodes
 /// from position 0 in order is published (at the engine's next step, once its rows are computed) under a
 /// hash chained over the tokens before it. kv_cache::prefix_attach gives a new sequence the cells of the
 /// longest cached prefix of its prompt (shared, no copy), so the engine decodes only the rest. When a
 /// sequence leaves its cells, published ones stay as cached cells that belong to no sequence: invisible
-/// to every mask, evicted (least recently released first, deepest blocks of a chain first) only when a
-/// batch finds no free cell. docs/prefix-cache.md has the guarantees and the engine loop.
+/// to every mask, evicted in policy order (deepest blocks of a chain first) only when a batch finds no
+/// free cell. docs/prefix-cache.md has the guarantees and the engine loop.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <span>
+
+#include <kvcache/types.h>
 
 namespace kvc {
+
+/// Which cached blocks go first when a batch needs room. Lower priorities always go before higher ones;
+/// the policy orders blocks of one priority.
+enum class evict_policy : uint8_t {
+    lru,   ///< least recently released first
+    slru,  ///< segmented LRU: blocks never hit since publishing go before blocks hit at least once
+};
+
+/// Highest priority of a prefix (kv_cache::prefix_attach, prefix_set_priority); 0 is evicted first.
+inline constexpr uint8_t prefix_max_priority = 100;
+/// Priority of blocks published by a sequence attached without one.
+inline constexpr uint8_t prefix_default_priority = 50;
+
+/// What happened to the index (kv_cache_params::prefix.on_event), in the spirit of vLLM's KV events: a
+/// router that follows them knows which prompt prefixes an engine holds.
+struct prefix_event {
+    enum class kind : uint8_t {
+        stored,   ///< a block was published
+        removed,  ///< a block left the index (evicted, or its cells were edited)
+        cleared,  ///< every block left the index (clear(), a whole-memory state restore)
+    };
+    kind type = kind::stored;
+    /// The block's chain hash: XXH3-64 of its tokens (as int32 little-endian) seeded with parent_hash.
+    uint64_t hash = 0;
+    uint64_t parent_hash = 0;  ///< the previous block's hash; for the first block of a chain, its key
+    uint32_t depth = 0;        ///< the block covers positions [depth * block_size, (depth + 1) * block_size)
+    std::span<const token_t> tokens{};  ///< the block's tokens (valid during the call; empty for cleared)
+};
 
 /// How a kv_cache keeps prompt prefixes for reuse.
 struct prefix_cache_params {
     bool enabled = false;      ///< keep and index published blocks
-    uint32_t block_size = 16;  ///< tokens per block: reuse comes in whole blocks
+    uint32_t block_size = 16;  ///< tokens per block: reuse comes in whole blocks (divides kv_size)
+    evict_policy policy = evict_policy::lru;  ///< the order of blocks of one priority
+    /// SLRU: the protected segment holds at most this fraction of a stream's blocks.
+    float protected_fraction = 0.8f;
+    /// Pins may hold at most this fraction of a stream's cells (kv_cache::prefix_pin).
+    float max_pinned_fraction = 0.5f;
+    int32_t n_vocab = 0;  ///< > 0: prompt tokens must be in [0, n_vocab); 0: only non-negative
+    /// Called synchronously for every block stored and removed and when the index empties. It must not
+    /// call back into the cache; an exception it throws is caught and counted (event_errors).
+    std::function<void(const prefix_event&)> on_event{};
 };
 
-/// What the prefix cache did and holds (kv_cache::prefix_stats()).
+/// What the prefix cache did and holds (kv_cache::get_prefix_stats()).
 struct prefix_stats {
     uint64_t lookups = 0;             ///< prefix_lookup and prefix_attach calls
     uint64_t tokens_looked_up = 0;    ///< prompt tokens they were given
@@ -29,9 +70,12 @@ struct prefix_stats {
     uint64_t published_blocks = 0;    ///< blocks added to the index
     uint64_t evicted_blocks = 0;      ///< blocks whose cells were freed for new tokens
     uint64_t unpublished_blocks = 0;  ///< blocks taken out because a sequence edit changed their cells
+    uint64_t bytes_copied = 0;        ///< K/V bytes attaches and edits of shared cells copied
+    uint64_t event_errors = 0;        ///< exceptions thrown by on_event (caught)
     uint32_t blocks = 0;              ///< blocks in the index now
-    uint32_t cached_cells = 0;        ///< cells held by the index and by no sequence (evictable)
+    uint32_t cached_cells = 0;        ///< cells held by the index and by no sequence (evictable unless pinned)
     uint32_t shared_cells = 0;        ///< cells held by the index and by sequences
+    uint32_t pinned_cells = 0;        ///< cells of pinned blocks
     uint32_t free_cells = 0;          ///< empty cells
     /// Memory of the index: block records, their tokens and cells, the hash table, the per-cell owner
     /// map and the sequences' trackers.

@@ -115,6 +115,31 @@ std::function<bool(uint32_t)> to_cpp(kvc_layer_filter filter, void* user_data) {
     return [filter, user_data](uint32_t il) { return filter(il, user_data); };
 }
 
+prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* name) {
+    const int32_t policy = raw(c.policy);
+    if (policy < 0 || policy > static_cast<int32_t>(evict_policy::slru))
+        throw_error(errc::invalid_argument,
+                    fmt::format("{}.prefix.policy = {} is not a kvc_evict_policy (0 to 1)", name, policy));
+    prefix_cache_params p{.enabled = c.enabled,
+                          .block_size = c.block_size,
+                          .policy = static_cast<evict_policy>(policy),
+                          .protected_fraction = c.protected_fraction,
+                          .max_pinned_fraction = c.max_pinned_fraction,
+                          .n_vocab = c.n_vocab,
+                          .on_event = {}};
+    if (c.on_event != nullptr)
+        p.on_event = [fn = c.on_event, user = c.on_event_user_data](const prefix_event& e) {
+            const kvc_prefix_event ce{.type = static_cast<kvc_prefix_event_type>(e.type),
+                                      .hash = e.hash,
+                                      .parent_hash = e.parent_hash,
+                                      .depth = e.depth,
+                                      .tokens = e.tokens.empty() ? nullptr : e.tokens.data(),
+                                      .n_tokens = static_cast<uint32_t>(e.tokens.size())};
+            fn(&ce, user);
+        };
+    return p;
+}
+
 [[noreturn]] void no_layers(const char* name, const void* layers, size_t n_layers) {
     throw_error(errc::invalid_argument,
                 fmt::format("{}.layers must list every model layer (layers {}, n_layers {})", name,
@@ -145,7 +170,7 @@ kv_cache_params to_cpp(const kvc_kv_cache_params& c, const char* name) {
     p.swa = static_cast<swa_type>(swa);
     p.n_pos = c.n_pos;
     p.compact_threshold = c.compact_threshold;
-    p.prefix = {.enabled = c.prefix.enabled, .block_size = c.prefix.block_size};
+    p.prefix = prefix_to_cpp(c.prefix, name);
     return p;
 }
 
@@ -383,7 +408,14 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
     c.swa_type = static_cast<kvc_swa_type>(p.swa);
     c.n_pos = p.n_pos;
     c.compact_threshold = p.compact_threshold;
-    c.prefix = {.enabled = p.prefix.enabled, .block_size = p.prefix.block_size};
+    c.prefix = {.enabled = p.prefix.enabled,
+                .block_size = p.prefix.block_size,
+                .policy = static_cast<kvc_evict_policy>(p.prefix.policy),
+                .protected_fraction = p.prefix.protected_fraction,
+                .max_pinned_fraction = p.prefix.max_pinned_fraction,
+                .n_vocab = p.prefix.n_vocab,
+                .on_event = nullptr,
+                .on_event_user_data = nullptr};
     return c;
 }
 

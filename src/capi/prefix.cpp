@@ -29,6 +29,13 @@ std::span<const kvc::token_t> tokens_of(const int32_t* tokens, size_t n) {
     return {tokens, n};
 }
 
+uint8_t priority_of(uint32_t priority) {
+    if (priority > kvc::prefix_max_priority)
+        throw_error(errc::invalid_argument,
+                    fmt::format("priority = {} above {}", priority, kvc::prefix_max_priority));
+    return static_cast<uint8_t>(priority);
+}
+
 }  // namespace
 
 kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
@@ -41,11 +48,38 @@ kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* tokens, size
 }
 
 kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, const int32_t* tokens, size_t n_tokens,
-                                    uint64_t key, uint32_t* out) noexcept {
+                                    uint64_t key, uint32_t priority, uint32_t* out) noexcept {
     return guarded(__func__, [&] {
         kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");
-        n = c.prefix_attach(seq_id, tokens_of(tokens, n_tokens), key);
+        n = c.prefix_attach(seq_id, tokens_of(tokens, n_tokens), key, priority_of(priority));
+    });
+}
+
+kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
+                                 uint32_t* out) noexcept {
+    return guarded(__func__, [&] {
+        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        uint32_t& n = need(out, "out");
+        n = c.prefix_pin(tokens_of(tokens, n_tokens), key);
+    });
+}
+
+kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
+                                   uint32_t* out) noexcept {
+    return guarded(__func__, [&] {
+        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        uint32_t& n = need(out, "out");
+        n = c.prefix_unpin(tokens_of(tokens, n_tokens), key);
+    });
+}
+
+kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
+                                          uint64_t key, uint32_t priority, uint32_t* out) noexcept {
+    return guarded(__func__, [&] {
+        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        uint32_t& n = need(out, "out");
+        n = c.prefix_set_priority(tokens_of(tokens, n_tokens), key, priority_of(priority));
     });
 }
 
@@ -62,9 +96,12 @@ kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* 
                                             .published_blocks = s.published_blocks,
                                             .evicted_blocks = s.evicted_blocks,
                                             .unpublished_blocks = s.unpublished_blocks,
+                                            .bytes_copied = s.bytes_copied,
+                                            .event_errors = s.event_errors,
                                             .blocks = s.blocks,
                                             .cached_cells = s.cached_cells,
                                             .shared_cells = s.shared_cells,
+                                            .pinned_cells = s.pinned_cells,
                                             .free_cells = s.free_cells,
                                             .index_bytes = s.index_bytes};
     });

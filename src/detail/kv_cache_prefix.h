@@ -16,6 +16,7 @@ namespace kvc {
 // tokens and cells after it. Full blocks among them are published at the next step.
 struct prefix_tracker {
     bool active = true;
+    uint8_t priority = prefix_default_priority;  // of the blocks it publishes
     uint64_t key = 0;
     uint32_t tail = detail::prefix_index::none;
     uint32_t tail_gen = 0;
@@ -31,9 +32,29 @@ struct kv_cache::prefix_state {
     std::vector<uint32_t> gen;         // [block ids] generation of each record
     std::vector<seq_id_t> pending;     // sequences that may have full blocks to publish
     prefix_stats stats;
+    std::function<void(const prefix_event&)> on_event;
 
-    prefix_state(uint32_t block_size, uint32_t kv_size, uint32_t n_seq_max)
-        : index(block_size, 1), seqs(n_seq_max), owner(kv_size, detail::prefix_index::none) {}
+    // Tells on_event that block id was stored or removed (its record still intact).
+    void emit(prefix_event::kind type, uint32_t id) {
+        if (!on_event) return;
+        const detail::prefix_index::block& b = index.at(id);
+        call({.type = type, .hash = b.hash, .parent_hash = b.seed, .depth = b.depth, .tokens = index.tokens(id)});
+    }
+    void call(const prefix_event& e) {
+        if (!on_event) return;
+        try {
+            on_event(e);
+        } catch (...) {  // the cache's state must not depend on the listener
+            ++stats.event_errors;
+        }
+    }
+
+    prefix_state(const prefix_cache_params& p, uint32_t kv_size, uint32_t n_seq_max)
+        : index(p.block_size, 1, p.policy,
+                static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * (kv_size / p.block_size))),
+          seqs(n_seq_max),
+          owner(kv_size, detail::prefix_index::none),
+          on_event(p.on_event) {}
 
     uint32_t bs() const { return index.block_size(); }
     pos_t next(const prefix_tracker& t) const { return static_cast<pos_t>(t.n_full * bs() + t.toks.size()); }

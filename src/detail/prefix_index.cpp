@@ -8,7 +8,8 @@
 
 namespace kvc::detail {
 
-prefix_index::prefix_index(uint32_t block_size, uint32_t n_stream) : bs_(block_size), queues_(n_stream) {
+prefix_index::prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected)
+    : bs_(block_size), policy_(policy), max_protected_(max_protected), streams_(n_stream) {
     slots_.assign(64, none);
 }
 
@@ -116,8 +117,8 @@ void prefix_index::match(uint64_t key, std::span<const token_t> toks, std::vecto
 }
 
 uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
-                           std::span<const uint32_t> cells, uint32_t stream) {
-    assert(toks.size() == bs_ && cells.size() == bs_ && stream < queues_.size());
+                           std::span<const uint32_t> cells, uint32_t stream, uint8_t priority) {
+    assert(toks.size() == bs_ && cells.size() == bs_ && stream < streams_.size());
     uint32_t id;
     if (!free_ids_.empty()) {
         id = free_ids_.back();
@@ -135,7 +136,8 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
     b.parent = parent;
     b.held = bs_;
     b.depth = parent == none ? 0 : blocks_[parent].depth + 1;
-    b.stream = stream;
+    b.stream = static_cast<uint16_t>(stream);
+    b.priority = std::min(priority, prefix_max_priority);
     b.st = state::held;
     std::copy(toks.begin(), toks.end(), tokens_.begin() + static_cast<ptrdiff_t>(size_t{id} * bs_));
     std::copy(cells.begin(), cells.end(), cells_.begin() + static_cast<ptrdiff_t>(size_t{id} * bs_));
@@ -144,52 +146,129 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
     return id;
 }
 
-// -- queue --
+// -- queues --
+
+uint32_t prefix_index::next_level(const stream_queues& q, uint32_t from, bool protected_only) {
+    for (uint32_t w = from / 64; w < q.nonempty.size(); ++w) {
+        uint64_t bits = q.nonempty[w];
+        if (w == from / 64) bits &= ~uint64_t{0} << (from % 64);
+        if (protected_only) bits &= 0xAAAAAAAAAAAAAAAAull;  // odd levels
+        if (bits != 0) return w * 64 + static_cast<uint32_t>(__builtin_ctzll(bits));
+    }
+    return n_levels;
+}
 
 void prefix_index::push_back(uint32_t id) {
-    queue& q = queues_[blocks_[id].stream];
     block& b = blocks_[id];
+    stream_queues& sq = streams_[b.stream];
+    const uint32_t l = level_of(b);
+    queue& q = sq.levels[l];
     b.prev = q.tail;
     b.next = none;
     (q.tail == none ? q.head : blocks_[q.tail].next) = id;
     q.tail = id;
+    sq.nonempty[l / 64] |= uint64_t{1} << (l % 64);
+    sq.n_protected += b.segment;
     b.st = state::queued;
 }
 
 void prefix_index::push_front(uint32_t id) {
-    queue& q = queues_[blocks_[id].stream];
     block& b = blocks_[id];
+    stream_queues& sq = streams_[b.stream];
+    const uint32_t l = level_of(b);
+    queue& q = sq.levels[l];
     b.next = q.head;
     b.prev = none;
     (q.head == none ? q.tail : blocks_[q.head].prev) = id;
     q.head = id;
+    sq.nonempty[l / 64] |= uint64_t{1} << (l % 64);
+    sq.n_protected += b.segment;
     b.st = state::queued;
 }
 
 void prefix_index::unlink(uint32_t id) {
-    queue& q = queues_[blocks_[id].stream];
     block& b = blocks_[id];
+    stream_queues& sq = streams_[b.stream];
+    const uint32_t l = level_of(b);
+    queue& q = sq.levels[l];
     (b.prev == none ? q.head : blocks_[b.prev].next) = b.next;
     (b.next == none ? q.tail : blocks_[b.next].prev) = b.prev;
     b.prev = b.next = none;
+    if (q.head == none) sq.nonempty[l / 64] &= ~(uint64_t{1} << (l % 64));
+    sq.n_protected -= b.segment;
+}
+
+// The oldest protected block of the lowest priority goes back to probation (as its newest block).
+void prefix_index::demote_protected(uint32_t stream) {
+    stream_queues& sq = streams_[stream];
+    while (sq.n_protected > max_protected_) {
+        const uint32_t l = next_level(sq, 0, /*protected_only=*/true);
+        assert(l < n_levels);
+        const uint32_t id = sq.levels[l].head;
+        unlink(id);
+        blocks_[id].segment = 0;
+        blocks_[id].hits = 0;  // back in protection only after another hit
+        push_back(id);
+    }
+}
+
+void prefix_index::make_evictable(uint32_t id) {
+    block& b = blocks_[id];
+    if (policy_ == evict_policy::slru && b.hits > 0) b.segment = 1;  // stays until demoted
+    if (b.n_children > 0) {
+        b.st = state::waiting;
+        return;
+    }
+    push_back(id);
+    if (b.segment) demote_protected(b.stream);
+}
+
+void prefix_index::make_held(uint32_t id) {
+    block& b = blocks_[id];
+    if (b.st == state::queued) unlink(id);
+    b.st = state::held;
 }
 
 void prefix_index::acquire(uint32_t id) {
     block& b = blocks_[id];
     assert(b.held < bs_);
-    if (b.held++ > 0) return;
-    if (b.st == state::queued) unlink(id);
-    b.st = state::held;
+    if (b.held++ == 0 && b.pins == 0) make_held(id);
 }
 
 void prefix_index::release(uint32_t id) {
     block& b = blocks_[id];
     assert(b.held > 0 && b.st == state::held);
-    if (--b.held > 0) return;
-    if (b.n_children > 0)
-        b.st = state::waiting;
-    else
-        push_back(id);
+    if (--b.held == 0 && b.pins == 0) make_evictable(id);
+}
+
+void prefix_index::pin(uint32_t id) {
+    block& b = blocks_[id];
+    if (b.pins++ > 0) return;
+    ++streams_[b.stream].n_pinned;
+    if (b.held == 0) make_held(id);
+}
+
+void prefix_index::unpin(uint32_t id) {
+    block& b = blocks_[id];
+    assert(b.pins > 0);
+    if (--b.pins > 0) return;
+    --streams_[b.stream].n_pinned;
+    if (b.held == 0) make_evictable(id);
+}
+
+void prefix_index::hit(uint32_t id) {
+    block& b = blocks_[id];
+    if (b.hits < UINT16_MAX) ++b.hits;
+}
+
+void prefix_index::set_priority(uint32_t id, uint8_t priority) {
+    block& b = blocks_[id];
+    priority = std::min(priority, prefix_max_priority);
+    if (b.priority == priority) return;
+    const bool queued = b.st == state::queued;
+    if (queued) unlink(id);
+    b.priority = priority;
+    if (queued) push_back(id);
 }
 
 void prefix_index::requeue(std::span<const uint32_t> ids) {
@@ -201,21 +280,32 @@ void prefix_index::requeue(std::span<const uint32_t> ids) {
 }
 
 bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out) const {
-    // Walk the queue oldest first; a waiting parent whose children all go in the plan goes right after
-    // them (it was released no later than they were).
+    // Walk the levels lowest first, each queue oldest first. A waiting parent whose children all go in
+    // the plan joins the head of its level's queue then (as child_gone does), so it goes next unless a
+    // lower level still has blocks.
+    const stream_queues& sq = streams_[stream];
     std::vector<std::pair<uint32_t, uint32_t>> left;  // (waiting parent, children not yet planned)
-    std::vector<uint32_t> ready;
+    std::vector<uint32_t> ready;                      // parents at queue heads, the last readied first
     const size_t start = out.size();
     uint64_t got = 0;
-    uint32_t cur = queues_[stream].head;
+    uint32_t level = next_level(sq, 0);
+    uint32_t cur = level < n_levels ? sq.levels[level].head : none;
     while (got < n) {
+        // the ready parent of the lowest level (the last readied among equals), if not above the walk's
+        auto best = ready.end();
+        for (auto it = ready.begin(); it != ready.end(); ++it)
+            if (best == ready.end() || level_of(blocks_[*it]) <= level_of(blocks_[*best])) best = it;
         uint32_t id;
-        if (!ready.empty()) {
-            id = ready.back();
-            ready.pop_back();
+        if (best != ready.end() && level_of(blocks_[*best]) <= level) {
+            id = *best;
+            ready.erase(best);
         } else if (cur != none) {
             id = cur;
             cur = blocks_[cur].next;
+            if (cur == none) {
+                level = next_level(sq, level + 1);
+                cur = level < n_levels ? sq.levels[level].head : none;
+            }
         } else {
             out.resize(start);
             return false;
@@ -244,7 +334,7 @@ void prefix_index::child_gone(uint32_t parent) {
         assert(p.n_children > 0);
         if (--p.n_children > 0) return;
         if (p.st == state::waiting) {
-            push_front(parent);
+            push_front(parent);  // the protected bound is enforced again at the next release
             return;
         }
         if (p.st != state::dead) return;
@@ -258,11 +348,12 @@ void prefix_index::remove(uint32_t id) {
     block& b = blocks_[id];
     assert(b.st != state::unused && b.st != state::dead);
     if (b.st == state::queued) unlink(id);
+    if (b.pins > 0) --streams_[b.stream].n_pinned;
     table_erase(id);
     const uint32_t parent = b.parent;
     if (b.n_children > 0) {
         b.st = state::dead;  // its children must never verify against a block reusing this id
-        b.held = 0;
+        b.held = b.pins = 0;
         return;
     }
     free_record(id);
@@ -276,7 +367,7 @@ void prefix_index::clear() {
     free_ids_.clear();
     slots_.assign(64, none);
     n_live_ = 0;
-    for (queue& q : queues_) q = queue{};
+    for (stream_queues& q : streams_) q = stream_queues{};
 }
 
 size_t prefix_index::bytes() const {

@@ -1,20 +1,26 @@
 // The index of a kv_cache's prefix cache: blocks of block_size tokens chained by hash, their cells, and
-// the queue they are evicted from. It knows cells by index only; kv_cache holds and frees them
+// the queues they are evicted from. It knows cells by index only; kv_cache holds and frees them
 // (src/kv_cache_prefix.cpp).
 //
 // A block is found by (parent, tokens): the hash finds candidates, the parent id and the stored tokens
 // prove the match, so a hit never serves cells of other tokens (a root's parent is its key). States:
-//   held     some cell of the block has a sequence: not evictable
-//   queued   no cell has a sequence and no block depends on it: in its stream's queue, oldest first
-//   waiting  no cell has a sequence, but children still depend on it: queued when the last one goes
+//   held     some cell of the block has a sequence, or the block is pinned: not evictable
+//   queued   evictable and no block depends on it: in its stream's queue of its level, oldest first
+//   waiting  evictable, but children still depend on it: queued when the last one goes
 //   dead     out of the table (its cells changed), kept only until its children go, so that no
 //            child can ever verify against a block that reuses its id
+// Eviction order: the lowest level first, each level's queue oldest first. A level is the block's
+// priority (0-100) and, with the SLRU policy, its segment: a block that was hit since it was published
+// joins the protected segment of its priority, which goes after the probationary one; the protected
+// blocks of a stream are bounded (the oldest of the lowest priority drop back to probation).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include <kvcache/prefix_cache.h>
 #include <kvcache/types.h>
 
 namespace kvc::detail {
@@ -22,6 +28,7 @@ namespace kvc::detail {
 class prefix_index {
 public:
     static constexpr uint32_t none = UINT32_MAX;
+    static constexpr uint32_t n_levels = 2 * (prefix_max_priority + 1);
     enum class state : uint8_t { unused, held, queued, waiting, dead };
 
     struct block {
@@ -31,13 +38,18 @@ public:
         uint32_t prev = none;  // eviction queue links
         uint32_t next = none;
         uint32_t n_children = 0;
-        uint32_t held = 0;   // cells with at least one sequence
+        uint32_t held = 0;  // cells with at least one sequence
+        uint32_t pins = 0;
         uint32_t depth = 0;  // its tokens are at positions [depth * block_size, + block_size)
-        uint32_t stream = 0;
+        uint16_t stream = 0;
+        uint16_t hits = 0;  // attaches that reused it since it last left protection (saturating)
+        uint8_t priority = prefix_default_priority;
+        uint8_t segment = 0;  // 1: protected (SLRU)
         state st = state::unused;
     };
 
-    prefix_index(uint32_t block_size, uint32_t n_stream);
+    // max_protected: queued protected blocks per stream (SLRU); ignored by LRU.
+    prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected);
 
     uint32_t block_size() const { return bs_; }
     uint32_t size() const { return n_live_; }  // blocks in the table
@@ -45,6 +57,7 @@ public:
     std::span<const token_t> tokens(uint32_t id) const { return {tokens_.data() + size_t{id} * bs_, bs_}; }
     std::span<const uint32_t> cells(uint32_t id) const { return {cells_.data() + size_t{id} * bs_, bs_}; }
     void set_cell(uint32_t id, uint32_t j, uint32_t cell) { cells_[size_t{id} * bs_ + j] = cell; }
+    uint32_t pinned_blocks(uint32_t stream) const { return streams_[stream].n_pinned; }
 
     // The block after `parent` (none: a root of `key`) holding exactly `toks` (block_size tokens).
     uint32_t find(uint32_t parent, uint64_t key, std::span<const token_t> toks) const;
@@ -54,13 +67,19 @@ public:
     void match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const;
     // A new held block (held = block_size) after `parent` (none: a root of `key`). The caller checked
     // that find() has none.
-    uint32_t add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
-                 std::span<const uint32_t> cells, uint32_t stream);
+    uint32_t add(uint32_t parent, uint64_t key, std::span<const token_t> toks, std::span<const uint32_t> cells,
+                 uint32_t stream, uint8_t priority);
 
     // held 0 -> 1 (a sequence joined a cell of a block without any): out of the queue
     void acquire(uint32_t id);
-    // held 1 -> 0: to the end of its stream's queue, or waiting while children depend on it
+    // held 1 -> 0: evictable unless pinned
     void release(uint32_t id);
+    void pin(uint32_t id);
+    void unpin(uint32_t id);
+    // An attach reused the block (SLRU: it joins the protected segment when it is let go).
+    void hit(uint32_t id);
+    // A queued block moves to the end of its new level's queue.
+    void set_priority(uint32_t id, uint8_t priority);
     // Queued blocks to the end of their queues again, in this order (blocks let go together: the deepest
     // go first).
     void requeue(std::span<const uint32_t> ids);
@@ -76,31 +95,46 @@ public:
     size_t bytes() const;  // memory of the index (records, tokens, cells, table)
 
 private:
+    struct queue {
+        uint32_t head = none;
+        uint32_t tail = none;
+    };
+    struct stream_queues {
+        std::array<queue, n_levels> levels;
+        std::array<uint64_t, (n_levels + 63) / 64> nonempty{};  // bit l: levels[l] has blocks
+        uint32_t n_protected = 0;                              // queued blocks of protected levels
+        uint32_t n_pinned = 0;
+    };
+
     uint64_t hash_of(uint64_t seed, std::span<const token_t> toks) const;
     uint64_t seed_of(uint32_t parent, uint64_t key) const {
         return parent == none ? key : blocks_[parent].hash;
     }
+    static uint32_t level_of(const block& b) { return 2u * b.priority + b.segment; }
+    // The lowest non-empty level >= from (of protected levels only: odd), or n_levels.
+    static uint32_t next_level(const stream_queues& q, uint32_t from, bool protected_only = false);
     void table_insert(uint32_t id);
     void table_erase(uint32_t id);
     void grow();
     void push_back(uint32_t id);   // queue tail (newest)
     void push_front(uint32_t id);  // queue head (next to go)
     void unlink(uint32_t id);
+    void make_evictable(uint32_t id);  // no sequence and no pin holds it any more
+    void make_held(uint32_t id);       // a sequence or a pin holds it now
+    void demote_protected(uint32_t stream);
     void free_record(uint32_t id);
     void child_gone(uint32_t parent);
 
     uint32_t bs_;
+    evict_policy policy_;
+    uint32_t max_protected_;
     std::vector<block> blocks_;
     std::vector<token_t> tokens_;  // [blocks * bs]
     std::vector<uint32_t> cells_;  // [blocks * bs]
     std::vector<uint32_t> free_ids_;
     std::vector<uint32_t> slots_;  // open addressing by hash, linear probing; none = empty
     uint32_t n_live_ = 0;
-    struct queue {
-        uint32_t head = none;
-        uint32_t tail = none;
-    };
-    std::vector<queue> queues_;  // per stream
+    std::vector<stream_queues> streams_;
 };
 
 }  // namespace kvc::detail
