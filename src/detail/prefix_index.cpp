@@ -141,7 +141,15 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
     b.st = state::held;
     std::copy(toks.begin(), toks.end(), tokens_.begin() + static_cast<ptrdiff_t>(size_t{id} * bs_));
     std::copy(cells.begin(), cells.end(), cells_.begin() + static_cast<ptrdiff_t>(size_t{id} * bs_));
-    if (parent != none) ++blocks_[parent].n_children;
+    if (parent != none) {
+        block& p = blocks_[parent];
+        ++p.n_children;
+        // an evictable parent now waits for its child (a chain is never cut from its root)
+        if (p.st == state::queued) {
+            unlink(parent);
+            p.st = state::waiting;
+        }
+    }
     table_insert(id);
     return id;
 }
