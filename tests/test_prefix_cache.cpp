@@ -5,6 +5,8 @@
 #include <map>
 #include <random>
 #include <set>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -65,7 +67,8 @@ struct engine {
     kv_cache c;
     std::vector<std::vector<token_t>> seqs;  // what each sequence has decoded (positions 0..)
 
-    engine(uint32_t kv_size, uint32_t n_seq_max) : c(prefix_params(kv_size, n_seq_max)), seqs(n_seq_max) {}
+    engine(uint32_t kv_size, uint32_t n_seq_max) : engine(prefix_params(kv_size, n_seq_max)) {}
+    explicit engine(const kv_cache_params& p) : c(p), seqs(p.n_seq_max) {}
 
     // Decodes toks after what s holds; false (nothing changed) when they do not fit.
     bool decode(seq_id_t s, std::span<const token_t> toks) {
@@ -251,6 +254,196 @@ TEST(prefix_cache, a_hit_refreshes_a_block) {
     EXPECT_EQ(e.c.prefix_lookup(b), 0u);
 }
 
+TEST(prefix_cache, tokens_outside_the_vocabulary_and_bad_sizes_are_errors) {
+    auto p = prefix_params(64, 2);
+    p.prefix.block_size = 5;  // does not divide 64
+    try {
+        kv_cache c{p};
+        FAIL() << "block_size 5 accepted";
+    } catch (const error& x) {
+        EXPECT_NE(std::string(x.what()).find("block_size 5 must divide kv_size 64"), std::string::npos) << x.what();
+    }
+    p = prefix_params(64, 2);
+    p.prefix.max_pinned_fraction = 1.5f;
+    EXPECT_THROW(kv_cache{p}, error);
+    p = prefix_params(64, 2);
+    p.prefix.n_vocab = 10;
+    kv_cache c(p);
+    const auto bad = seq_of({1, 2, 10, 4});
+    try {
+        c.prefix_attach(0, bad);
+        FAIL() << "token 10 accepted";
+    } catch (const error& x) {
+        EXPECT_NE(std::string(x.what()).find("token[2] = 10 not in [0, 10)"), std::string::npos) << x.what();
+    }
+    EXPECT_THROW(c.prefix_lookup(seq_of({-1})), error);
+    EXPECT_THROW(c.prefix_pin(bad), error);
+    EXPECT_THROW(c.prefix_attach(0, seq_of({1}), 0, 101), error);
+    EXPECT_EQ(c.get_prefix_stats().lookups, 0u);  // nothing was counted
+}
+
+// Fills a cache with new tokens in one sequence until it has used `n` cells, then ends it.
+void churn(engine& e, seq_id_t s, uint32_t n) {
+    ASSERT_TRUE(e.decode(s, std::vector<token_t>(n, 9)));
+    e.c.seq_rm(s, -1, -1);
+    e.seqs[static_cast<size_t>(s)].clear();
+}
+
+TEST(prefix_cache, pinned_prefixes_survive_and_pins_are_bounded) {
+    engine e(32, 2);  // 8 blocks of 4; pins may hold 16 cells
+    const auto a = seq_of({1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4});
+    ASSERT_TRUE(e.decode(0, a));
+    e.c.prefix_publish();
+    e.c.seq_rm(0, -1, -1);
+    e.seqs[0].clear();
+    EXPECT_EQ(e.c.prefix_pin(a), 12u);  // three whole blocks
+    EXPECT_EQ(e.c.get_prefix_stats().pinned_cells, 12u);
+    ASSERT_NO_FATAL_FAILURE(churn(e, 1, 20));  // every other cell: the pinned blocks stay
+    EXPECT_EQ(e.c.prefix_lookup(a), 12u);
+    EXPECT_FALSE(e.decode(1, std::vector<token_t>(21, 9)));  // 20 free, the pinned 12 are not evictable
+    // a second pin of 8 more cells would pin 20 > 16: refused, nothing pinned
+    const auto b = seq_of({5, 5, 5, 5, 6, 6, 6, 6, 7});
+    ASSERT_TRUE(e.decode(0, b));
+    e.c.prefix_publish();
+    try {
+        e.c.prefix_pin(b);
+        FAIL() << "pin beyond the limit accepted";
+    } catch (const error& x) {
+        EXPECT_NE(std::string(x.what()).find("would pin 20 of 32 cells; the limit is 16"), std::string::npos)
+            << x.what();
+    }
+    EXPECT_EQ(e.c.get_prefix_stats().pinned_cells, 12u);
+    e.c.seq_rm(0, -1, -1);
+    e.seqs[0].clear();
+    // pins nest; the last unpin makes the blocks evictable again
+    EXPECT_EQ(e.c.prefix_pin(a), 12u);
+    EXPECT_EQ(e.c.prefix_unpin(a), 12u);
+    ASSERT_NO_FATAL_FAILURE(churn(e, 1, 20));  // still pinned once: b's cached blocks go
+    EXPECT_EQ(e.c.prefix_lookup(a), 12u);
+    EXPECT_EQ(e.c.prefix_unpin(a), 12u);
+    EXPECT_EQ(e.c.prefix_unpin(a), 0u);
+    ASSERT_NO_FATAL_FAILURE(churn(e, 1, 32));
+    EXPECT_EQ(e.c.prefix_lookup(a), 0u);
+    e.check_cells();
+}
+
+TEST(prefix_cache, a_holder_that_shifts_copies_the_cells_of_a_pinned_block) {
+    engine e(32, 2);
+    const auto a = seq_of({1, 1, 1, 1, 2});
+    ASSERT_TRUE(e.decode(0, a));
+    e.c.prefix_publish();
+    ASSERT_EQ(e.c.prefix_pin(a), 4u);
+    e.c.seq_add(0, 0, -1, 3);  // the only holder moves: the pinned block keeps its cells
+    EXPECT_EQ(e.c.get_prefix_stats().unpublished_blocks, 0u);
+    EXPECT_GT(e.c.get_prefix_stats().bytes_copied, 0u);
+    e.c.seq_rm(0, -1, -1);
+    e.seqs[0].clear();
+    ASSERT_EQ(e.attach(1, a), 4u);
+    e.check(1);
+}
+
+TEST(prefix_cache, lower_priorities_are_evicted_first) {
+    engine e(32, 3);
+    const auto low = seq_of({1, 1, 1, 1, 0});
+    const auto high = seq_of({2, 2, 2, 2, 0});
+    ASSERT_EQ(e.c.prefix_attach(0, high, 0, 90), 0u);
+    ASSERT_TRUE(e.decode(0, high));
+    e.c.prefix_publish();
+    e.c.seq_rm(0, -1, -1);  // released first, but worth more
+    e.seqs[0].clear();
+    ASSERT_EQ(e.c.prefix_attach(1, low, 0, 10), 0u);
+    ASSERT_TRUE(e.decode(1, low));
+    e.c.prefix_publish();
+    e.c.seq_rm(1, -1, -1);
+    e.seqs[1].clear();
+    ASSERT_NO_FATAL_FAILURE(churn(e, 2, 28));  // needs one of the two blocks
+    EXPECT_EQ(e.c.prefix_lookup(high), 4u);
+    EXPECT_EQ(e.c.prefix_lookup(low), 0u);
+    // set_priority lowers it: now it goes first
+    EXPECT_EQ(e.c.prefix_set_priority(high, 0, 0), 4u);
+    ASSERT_TRUE(e.decode(1, std::vector<token_t>(4, 8)));  // a new block of priority 50 is published
+    e.c.prefix_publish();
+    e.c.seq_rm(1, -1, -1);
+    e.seqs[1].clear();
+    ASSERT_NO_FATAL_FAILURE(churn(e, 2, 32));
+    EXPECT_EQ(e.c.prefix_lookup(high), 0u);
+}
+
+TEST(prefix_cache, slru_keeps_a_shared_prompt_through_a_burst_of_one_off_prompts) {
+    for (evict_policy policy : {evict_policy::lru, evict_policy::slru}) {
+        auto p = prefix_params(32, 2);
+        p.prefix.policy = policy;
+        engine e(p);
+        const auto sys = seq_of({1, 1, 1, 1, 2, 2, 2, 2, 0});
+        ASSERT_TRUE(e.decode(0, sys));
+        e.c.prefix_publish();
+        e.c.seq_rm(0, -1, -1);
+        e.seqs[0].clear();
+        ASSERT_EQ(e.attach(0, sys), 8u);  // a hit
+        e.c.seq_rm(0, -1, -1);
+        e.seqs[0].clear();
+        for (token_t t = 3; t < 13; ++t) {  // one-off prompts of one block each: 12 blocks for 8
+            ASSERT_TRUE(e.decode(1, std::vector<token_t>(4, t)));
+            e.c.prefix_publish();
+            e.c.seq_rm(1, -1, -1);
+            e.seqs[1].clear();
+        }
+        const uint32_t want = policy == evict_policy::slru ? 8 : 0;
+        EXPECT_EQ(e.c.prefix_lookup(sys), want) << "policy " << static_cast<int>(policy);
+    }
+}
+
+TEST(prefix_cache, events_let_a_router_mirror_the_index) {
+    std::map<uint64_t, std::pair<uint64_t, std::vector<token_t>>> mirror;  // hash -> (parent hash, tokens)
+    uint32_t cleared = 0;
+    auto p = prefix_params(32, 2);
+    p.prefix.on_event = [&](const prefix_event& ev) {
+        switch (ev.type) {
+            case prefix_event::kind::stored:
+                ASSERT_TRUE(mirror.emplace(ev.hash, std::pair(ev.parent_hash, std::vector(ev.tokens.begin(), ev.tokens.end()))).second);
+                break;
+            case prefix_event::kind::removed:
+                ASSERT_EQ(mirror.erase(ev.hash), 1u);
+                break;
+            case prefix_event::kind::cleared:
+                mirror.clear();
+                ++cleared;
+                break;
+        }
+    };
+    engine e(p);
+    const auto a = seq_of({1, 1, 1, 1, 2, 2, 2, 2, 0});
+    ASSERT_EQ(e.c.prefix_attach(0, a, 42), 0u);
+    ASSERT_TRUE(e.decode(0, a));
+    e.c.prefix_publish();
+    ASSERT_EQ(mirror.size(), 2u);
+    // a router computes the chain of a prompt itself: XXH3-64 of each block seeded by the previous hash
+    const uint64_t h0 = XXH3_64bits_withSeed(a.data(), 4 * sizeof(token_t), 42);
+    const uint64_t h1 = XXH3_64bits_withSeed(a.data() + 4, 4 * sizeof(token_t), h0);
+    ASSERT_TRUE(mirror.count(h0) && mirror.count(h1));
+    EXPECT_EQ(mirror[h0].first, 42u);
+    EXPECT_EQ(mirror[h1].first, h0);
+    EXPECT_EQ(mirror[h1].second, seq_of({2, 2, 2, 2}));
+    e.c.seq_rm(0, -1, -1);
+    e.seqs[0].clear();
+    ASSERT_NO_FATAL_FAILURE(churn(e, 1, 28));  // evicts the deeper block
+    EXPECT_EQ(mirror.size(), 1u);
+    EXPECT_TRUE(mirror.count(h0));
+    EXPECT_EQ(mirror.size(), e.c.get_prefix_stats().blocks);
+    e.c.clear(false);
+    EXPECT_EQ(cleared, 1u);
+    EXPECT_TRUE(mirror.empty());
+    // a listener that throws is counted, and the cache goes on
+    e.c.seq_rm(-1, -1, -1);
+    auto q = prefix_params(32, 1);
+    q.prefix.on_event = [](const prefix_event&) { throw std::runtime_error("listener"); };
+    engine f(q);
+    ASSERT_TRUE(f.decode(0, a));
+    f.c.prefix_publish();
+    EXPECT_EQ(f.c.get_prefix_stats().event_errors, 2u);
+    EXPECT_EQ(f.c.get_prefix_stats().blocks, 2u);
+}
+
 bool shares_plain_cells(const kv_cache& c, seq_id_t s) {
     const kv_cells& cells = c.cells(0);
     for (const auto& [pos, cell] : cells.seq_entries(s, -1, -1))
@@ -258,13 +451,23 @@ bool shares_plain_cells(const kv_cache& c, seq_id_t s) {
     return false;
 }
 
-// Random attaches, decodes, removals, rollbacks, shifts, copies and clears against the fingerprints:
-// never a wrong hit, never a leaked cell.
-TEST(prefix_cache_property, hits_always_hold_the_tokens_they_claim) {
+// Random attaches (at random priorities), decodes, removals, rollbacks, shifts, copies, pins and clears
+// against the fingerprints: never a wrong hit, never a leaked cell, every hit a prefix some sequence
+// decoded (the "may hit" oracle), every pinned prefix still whole.
+void random_ops(evict_policy policy, uint32_t seed) {
     const char* env = std::getenv("KVC_LONG_TESTS");
-    const int n_ops = env && *env ? 2000000 : 60000;
-    std::mt19937 rng(2024);
-    engine e(96, 4);
+    const int n_ops = env && *env ? 1000000 : 30000;
+    std::mt19937 rng(seed);
+    auto params = prefix_params(96, 4);
+    params.prefix.policy = policy;
+    engine e(params);
+    std::set<std::vector<token_t>> may_hit;  // block-aligned prefixes decoded since the index last emptied
+    const auto decoded = [&](seq_id_t s) {
+        const auto& h = e.seqs[static_cast<size_t>(s)];
+        for (size_t n = bs; n <= h.size(); n += bs) may_hit.emplace(h.begin(), h.begin() + static_cast<ptrdiff_t>(n));
+    };
+    std::vector<std::vector<uint32_t>> pins(4);  // per system prompt: the tokens each of its pins covered
+    uint64_t n_pinned = 0;
     std::vector<std::vector<token_t>> systems;
     for (int k = 0; k < 4; ++k) {
         std::vector<token_t> s(4 + rng() % 12);
@@ -279,16 +482,22 @@ TEST(prefix_cache_property, hits_always_hold_the_tokens_they_claim) {
         if (h.empty() && what < 60) {  // a new request: a system prompt and a question
             std::vector<token_t> prompt = systems[rng() % systems.size()];
             for (uint32_t i = rng() % 8; i > 0; --i) prompt.push_back(static_cast<token_t>(rng() % 3));
-            const uint32_t n = e.attach(s, prompt);
+            const uint32_t n = e.c.prefix_attach(s, prompt, 0, static_cast<uint8_t>(rng() % 101));
+            h.assign(prompt.begin(), prompt.begin() + n);
+            const size_t covered = (n + bs - 1) / bs * bs;  // the whole blocks the hit came from
+            ASSERT_TRUE(n == 0 || may_hit.count({prompt.begin(), prompt.begin() + static_cast<ptrdiff_t>(covered)}))
+                << "a hit of " << n << " tokens no sequence decoded";
             hits += n;
             ASSERT_NO_FATAL_FAILURE(e.check(s));
             if (!e.decode(s, std::span(prompt).subspan(n))) {
                 e.c.seq_rm(s, -1, -1);
                 h.clear();
             }
+            decoded(s);
         } else if (what < 75 && !h.empty()) {  // a step
             const token_t t = static_cast<token_t>(rng() % 3);
             e.decode(s, std::span(&t, 1));
+            decoded(s);
         } else if (what < 83) {  // the request ends
             e.c.seq_rm(s, -1, -1);
             h.clear();
@@ -318,6 +527,8 @@ TEST(prefix_cache_property, hits_always_hold_the_tokens_they_claim) {
             } else {  // the whole memory through a state buffer: sequences stay, the index empties
                 state_seq_set_data(e.c, state_seq_get_data(e.c, seq_all), seq_all);
             }
+            may_hit.clear();
+            for (auto& p : pins) p.clear();
         } else if (what < 97) {  // one sequence through a state buffer into an empty one
             const auto d = static_cast<seq_id_t>(rng() % 4);
             if (d != s && e.seqs[static_cast<size_t>(d)].empty() && !h.empty()) {
@@ -326,6 +537,20 @@ TEST(prefix_cache_property, hits_always_hold_the_tokens_they_claim) {
                     e.seqs[static_cast<size_t>(d)] = h;
                 } catch (const error&) {  // no room: nothing changed
                 }
+            }
+        } else if (what < 98 && rng() % 2) {  // pin or unpin a system prompt
+            const size_t k = rng() % systems.size();
+            if (rng() % 2) {
+                try {
+                    const uint32_t n = e.c.prefix_pin(systems[k]);
+                    if (n > 0) pins[k].push_back(n);
+                    n_pinned += n > 0;
+                } catch (const error&) {  // over the limit: nothing pinned
+                }
+            } else if (!pins[k].empty()) {
+                const auto top = std::max_element(pins[k].begin(), pins[k].end());
+                ASSERT_EQ(e.c.prefix_unpin(systems[k]), *top);
+                pins[k].erase(top);
             }
         } else {  // only a lookup, verified by attaching to a free sequence
             std::vector<token_t> prompt = systems[rng() % systems.size()];
@@ -341,11 +566,26 @@ TEST(prefix_cache_property, hits_always_hold_the_tokens_they_claim) {
             ASSERT_NO_FATAL_FAILURE(e.check(q))
                 << "op " << op << " kind " << what << " seq " << s << " cells " << e.c.cells(0).picture();
         ASSERT_NO_FATAL_FAILURE(e.check_cells()) << "op " << op;
+        for (size_t k = 0; k < systems.size(); ++k) {
+            if (pins[k].empty()) continue;
+            const uint32_t want = std::min<uint32_t>(*std::max_element(pins[k].begin(), pins[k].end()),
+                                                     static_cast<uint32_t>(systems[k].size() - 1));
+            ASSERT_GE(e.c.prefix_lookup(systems[k]), want) << "op " << op << ": pinned prefix " << k << " lost";
+        }
     }
     EXPECT_GT(hits, uint64_t(n_ops) / 10) << "the test must exercise hits";
     const prefix_stats st = e.c.get_prefix_stats();
     EXPECT_GT(st.evicted_blocks, 0u);
-    RecordProperty("hit_tokens", static_cast<int>(hits));
+    EXPECT_GT(n_pinned, uint64_t(n_ops) / 200) << "the test must pin";
+    ::testing::Test::RecordProperty("hit_tokens", static_cast<int>(hits));
+}
+
+TEST(prefix_cache_property, lru_hits_always_hold_the_tokens_they_claim) {
+    random_ops(evict_policy::lru, 2024);
+}
+
+TEST(prefix_cache_property, slru_hits_always_hold_the_tokens_they_claim) {
+    random_ops(evict_policy::slru, 2025);
 }
 
 }  // namespace
