@@ -574,58 +574,6 @@ static void test_sequence_ops(void) {
 }
 
 /* M-RoPE caches cannot shift positions. */
-static void test_prefix_cache(void) {
-    kvc_kv_cache_params p = small_params(32, 3);
-    CHECK(!p.prefix.enabled && p.prefix.block_size == 16);
-    p.prefix.enabled = true;
-    p.prefix.block_size = 4;
-    kvc_memory* mem = NULL;
-    CHECK_OK(kvc_kv_cache_create(&p, &mem));
-    kvc_batch* b = seq_batch(0, 0, 10); /* tokens 100..109 */
-    decode(mem, b, 16);
-    kvc_batch_free(b);
-    int32_t prompt[12];
-    for (int i = 0; i < 12; ++i) prompt[i] = 100 + i;
-    uint32_t n = 99;
-    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 12, 0, &n)); /* two full blocks of seq 0 */
-    CHECK(n == 8);
-    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 12, 5, &n)); /* another key: nothing */
-    CHECK(n == 0);
-    CHECK_ERR(kvc_memory_prefix_attach(mem, 0, prompt, 12, 0, 50, &n), KVC_ERR_INVALID_ARGUMENT,
-              "seq 0 is not empty");
-    CHECK_ERR(kvc_memory_prefix_attach(mem, 7, prompt, 12, 0, 50, &n), KVC_ERR_OUT_OF_RANGE, "seq_id 7");
-    CHECK_ERR(kvc_memory_prefix_attach(mem, 1, NULL, 12, 0, 50, &n), KVC_ERR_INVALID_ARGUMENT, "tokens is NULL");
-    CHECK_ERR(kvc_memory_prefix_attach(mem, 1, prompt, 12, 0, 50, NULL), KVC_ERR_INVALID_ARGUMENT, "out");
-    CHECK_ERR(kvc_memory_prefix_lookup(NULL, prompt, 12, 0, &n), KVC_ERR_INVALID_ARGUMENT, "mem");
-    int32_t pos = 0;
-    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
-    CHECK(pos == -1); /* the failed attaches changed nothing */
-    CHECK_OK(kvc_memory_prefix_attach(mem, 1, prompt, 12, 0, 50, &n));
-    CHECK(n == 8);
-    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
-    CHECK(pos == 7);
-    kvc_prefix_stats st;
-    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
-    CHECK(st.blocks == 2 && st.hit_tokens == 8 && st.shared_cells == 8 && st.lookups == 3);
-    CHECK(st.tokens_looked_up == 36 && st.index_bytes > 0);
-    /* both sequences end: the blocks stay cached, the other cells are free */
-    CHECK_OK(kvc_memory_seq_rm(mem, 0, -1, -1, NULL));
-    CHECK_OK(kvc_memory_seq_rm(mem, 1, -1, -1, NULL));
-    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
-    CHECK(st.cached_cells == 8 && st.shared_cells == 0 && st.free_cells == 24);
-    CHECK_OK(kvc_memory_prefix_publish(mem));
-    kvc_memory_free(mem);
-
-    mem = small_cache(16, 1);
-    CHECK_ERR(kvc_memory_prefix_publish(mem), KVC_ERR_UNSUPPORTED, "no prefix cache");
-    CHECK_ERR(kvc_memory_get_prefix_stats(mem, &st), KVC_ERR_UNSUPPORTED, "no prefix cache");
-    kvc_memory_free(mem);
-    p.unified = false;
-    mem = NULL;
-    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "unified");
-    CHECK(mem == NULL);
-}
-
 static void test_mrope_cannot_shift(void) {
     kvc_kv_cache_params p = small_params(8, 1);
     p.n_pos = 4;
@@ -817,7 +765,6 @@ int main(void) {
     test_embeddings_batch();
     test_batch_errors_and_no_fit();
     test_sequence_ops();
-    test_prefix_cache();
     test_mrope_cannot_shift();
     test_split_streams();
     test_null_contexts();

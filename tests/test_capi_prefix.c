@@ -1,0 +1,169 @@
+/* The C API of the prefix cache, compiled as C11: lookups, attaches, pins, priorities, events and the
+ * errors of each call. The runner and fixtures are in capi_test.h. */
+#include <stdlib.h>
+#include <string.h>
+
+#include <kvcache/kvcache.h>
+
+#include "capi_test.h"
+
+/* Lookups, attaches, stats and the errors of each call. */
+static void test_prefix_cache(void) {
+    kvc_kv_cache_params p = small_params(32, 3);
+    CHECK(!p.prefix.enabled && p.prefix.block_size == 16);
+    p.prefix.enabled = true;
+    p.prefix.block_size = 4;
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_kv_cache_create(&p, &mem));
+    kvc_batch* b = seq_batch(0, 0, 10); /* tokens 100..109 */
+    decode(mem, b, 16);
+    kvc_batch_free(b);
+    int32_t prompt[12];
+    for (int i = 0; i < 12; ++i) prompt[i] = 100 + i;
+    uint32_t n = 99;
+    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 12, 0, &n)); /* two full blocks of seq 0 */
+    CHECK(n == 8);
+    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 12, 5, &n)); /* another key: nothing */
+    CHECK(n == 0);
+    CHECK_ERR(kvc_memory_prefix_attach(mem, 0, prompt, 12, 0, 50, &n), KVC_ERR_INVALID_ARGUMENT,
+              "seq 0 is not empty");
+    CHECK_ERR(kvc_memory_prefix_attach(mem, 7, prompt, 12, 0, 50, &n), KVC_ERR_OUT_OF_RANGE, "seq_id 7");
+    CHECK_ERR(kvc_memory_prefix_attach(mem, 1, NULL, 12, 0, 50, &n), KVC_ERR_INVALID_ARGUMENT, "tokens is NULL");
+    CHECK_ERR(kvc_memory_prefix_attach(mem, 1, prompt, 12, 0, 50, NULL), KVC_ERR_INVALID_ARGUMENT, "out");
+    CHECK_ERR(kvc_memory_prefix_lookup(NULL, prompt, 12, 0, &n), KVC_ERR_INVALID_ARGUMENT, "mem");
+    int32_t pos = 0;
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == -1); /* the failed attaches changed nothing */
+    CHECK_OK(kvc_memory_prefix_attach(mem, 1, prompt, 12, 0, 50, &n));
+    CHECK(n == 8);
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == 7);
+    kvc_prefix_stats st;
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.blocks == 2 && st.hit_tokens == 8 && st.shared_cells == 8 && st.lookups == 3);
+    CHECK(st.tokens_looked_up == 36 && st.index_bytes > 0);
+    /* both sequences end: the blocks stay cached, the other cells are free */
+    CHECK_OK(kvc_memory_seq_rm(mem, 0, -1, -1, NULL));
+    CHECK_OK(kvc_memory_seq_rm(mem, 1, -1, -1, NULL));
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.cached_cells == 8 && st.shared_cells == 0 && st.free_cells == 24);
+    CHECK_OK(kvc_memory_prefix_publish(mem));
+    kvc_memory_free(mem);
+
+    mem = small_cache(16, 1);
+    CHECK_ERR(kvc_memory_prefix_publish(mem), KVC_ERR_UNSUPPORTED, "no prefix cache");
+    CHECK_ERR(kvc_memory_get_prefix_stats(mem, &st), KVC_ERR_UNSUPPORTED, "no prefix cache");
+    kvc_memory_free(mem);
+    p.unified = false;
+    mem = NULL;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "unified");
+    CHECK(mem == NULL);
+}
+
+/* An event listener that mirrors the index: the hashes stored and not removed. */
+typedef struct mirror {
+    uint64_t hashes[64];
+    uint64_t parents[64];
+    int n;
+    int cleared;
+} mirror;
+
+static void on_event(const kvc_prefix_event* e, void* user_data) {
+    mirror* m = (mirror*)user_data;
+    if (e->type == KVC_PREFIX_EVENT_STORED) {
+        CHECK(m->n < 64 && e->n_tokens == 4 && e->tokens != NULL);
+        m->parents[m->n] = e->parent_hash;
+        m->hashes[m->n++] = e->hash;
+    } else if (e->type == KVC_PREFIX_EVENT_REMOVED) {
+        int found = 0;
+        for (int i = 0; i < m->n && !found; ++i)
+            if (m->hashes[i] == e->hash) {
+                m->hashes[i] = m->hashes[--m->n];
+                m->parents[i] = m->parents[m->n];
+                found = 1;
+            }
+        CHECK(found);
+    } else {
+        CHECK(e->type == KVC_PREFIX_EVENT_CLEARED && e->tokens == NULL && e->n_tokens == 0);
+        m->n = 0;
+        ++m->cleared;
+    }
+}
+
+/* Pins hold a prefix through churn, priorities order eviction, events mirror the index. */
+static void test_pins_priorities_events(void) {
+    mirror m;
+    memset(&m, 0, sizeof m);
+    kvc_kv_cache_params p = small_params(32, 2);
+    p.prefix.enabled = true;
+    p.prefix.block_size = 4;
+    p.prefix.policy = KVC_EVICT_SLRU;
+    p.prefix.n_vocab = 1000;
+    p.prefix.on_event = on_event;
+    p.prefix.on_event_user_data = &m;
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_kv_cache_create(&p, &mem));
+    int32_t prompt[9];
+    for (int i = 0; i < 9; ++i) prompt[i] = 100 + i;
+    uint32_t n = 0;
+    CHECK_OK(kvc_memory_prefix_attach(mem, 0, prompt, 9, 7, 80, &n));
+    CHECK(n == 0);
+    kvc_batch* b = seq_batch(0, 0, 9); /* tokens 100..108 */
+    decode(mem, b, 16);
+    kvc_batch_free(b);
+    CHECK_OK(kvc_memory_prefix_publish(mem));
+    CHECK(m.n == 2 && m.parents[0] == 7 && m.parents[1] == m.hashes[0]); /* a root's parent is its key */
+
+    CHECK_ERR(kvc_memory_prefix_pin(mem, prompt, 9, 7, NULL), KVC_ERR_INVALID_ARGUMENT, "out");
+    CHECK_OK(kvc_memory_prefix_pin(mem, prompt, 9, 7, &n));
+    CHECK(n == 8);
+    CHECK_OK(kvc_memory_seq_rm(mem, 0, -1, -1, NULL));
+    kvc_prefix_stats st;
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.pinned_cells == 8 && st.cached_cells == 8 && st.free_cells == 24);
+    /* 24 new cells fit only around the pinned blocks; 25 do not, and nothing changes */
+    b = seq_batch(1, 0, 25);
+    kvc_memory_context* ctx = NULL;
+    CHECK_OK(kvc_memory_init_batch(mem, b, 32, false, &ctx));
+    CHECK(status_of(ctx) == KVC_MEMORY_STATUS_FAILED_PREPARE);
+    kvc_memory_context_free(ctx);
+    kvc_batch_free(b);
+    b = seq_batch(1, 0, 24);
+    decode(mem, b, 32);
+    kvc_batch_free(b);
+    CHECK_OK(kvc_memory_seq_rm(mem, 1, -1, -1, NULL));
+    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 9, 7, &n));
+    CHECK(n == 8);
+
+    /* the limit: max_pinned_fraction 0.5 of 32 cells */
+    CHECK_OK(kvc_memory_prefix_pin(mem, prompt, 9, 7, &n)); /* the same blocks again: no new cells */
+    CHECK_OK(kvc_memory_prefix_unpin(mem, prompt, 9, 7, &n));
+    CHECK_OK(kvc_memory_prefix_unpin(mem, prompt, 9, 7, &n));
+    CHECK(n == 8);
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.pinned_cells == 0);
+
+    CHECK_ERR(kvc_memory_prefix_set_priority(mem, prompt, 9, 7, 101, &n), KVC_ERR_INVALID_ARGUMENT, "101");
+    CHECK_OK(kvc_memory_prefix_set_priority(mem, prompt, 9, 7, 0, &n));
+    CHECK(n == 8);
+    CHECK_ERR(kvc_memory_prefix_attach(mem, 1, prompt, 9, 7, 200, &n), KVC_ERR_INVALID_ARGUMENT, "200");
+    prompt[3] = 1000;
+    CHECK_ERR(kvc_memory_prefix_lookup(mem, prompt, 9, 7, &n), KVC_ERR_INVALID_ARGUMENT, "not in [0, 1000)");
+    prompt[3] = 103;
+
+    CHECK_OK(kvc_memory_clear(mem, false));
+    CHECK(m.n == 0 && m.cleared == 1);
+    kvc_memory_free(mem);
+
+    p.prefix.policy = (kvc_evict_policy)9;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "kvc_evict_policy");
+    p.prefix.policy = KVC_EVICT_LRU;
+    p.prefix.block_size = 5;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "must divide kv_size 32");
+}
+
+int main(void) {
+    test_prefix_cache();
+    test_pins_priorities_events();
+    return capi_report("capi_prefix");
+}
