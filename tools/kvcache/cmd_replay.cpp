@@ -287,6 +287,12 @@ const op ops[] = {
     {"save", "save SEQ FILE [format=buffer|session|zstd|ggsq] [partial=0|1]", 3, 5, op_save},
     {"load", "load SEQ FILE [partial=0|1]", 3, 4, op_load},
     {"digest", "digest SEQ", 2, 2, op_digest},
+    {"lookup", "lookup TOKENS [key=K]", 2, 3, op_lookup},
+    {"attach", "attach SEQ TOKENS [key=K] [priority=P]", 3, 5, op_attach},
+    {"pin", "pin TOKENS [key=K]", 2, 3, op_pin},
+    {"unpin", "unpin TOKENS [key=K]", 2, 3, op_pin},
+    {"publish", "publish", 1, 1, op_publish},
+    {"pstats", "pstats", 1, 1, op_pstats},
 };
 
 // Runs one line of the script; a script error throws script_error.

@@ -37,15 +37,26 @@ uint32_t pattern(const keys& k, const char* name, int64_t def) {
     return static_cast<uint32_t>(v);
 }
 
-// memory type=kv: one KV cache; with model=, the model's layers, and a runtime that decodes through it.
+// memory type=kv: one KV cache; with model=, the model's layers, and a runtime that decodes through it;
+// with prefix=BLOCK, a prefix cache of BLOCK-token blocks (evict=lru|slru).
 void make_kv(replay_memory& r, const keys& k, kv_cache_params p) {
+    const int64_t block = k.get_int("prefix", 0);
+    if (block < 0 || block > (int64_t{1} << 24)) fail(fmt::format("memory: prefix={} out of range", block));
+    p.prefix.enabled = block > 0;
+    p.prefix.block_size = static_cast<uint32_t>(block);
+    if (const auto evict = k.get("evict")) {
+        if (*evict != "lru" && *evict != "slru") fail(fmt::format("memory: evict={} is not lru or slru", *evict));
+        p.prefix.policy = *evict == "slru" ? evict_policy::slru : evict_policy::lru;
+    }
     try {
         if (const auto path = k.get("model")) {
             r.mdl = std::make_unique<model>(model::load(*path));
             p.layers = r.mdl->layers();
             r.n_layer = static_cast<uint32_t>(p.layers.size());
+            p.prefix.n_vocab = static_cast<int32_t>(r.mdl->hparams().n_vocab);
         }
         auto cache = std::make_unique<kv_cache>(p);
+        if (p.prefix.enabled) r.prefix = cache.get();
         if (r.mdl) r.rt = std::make_unique<runtime>(*r.mdl, *cache, runtime_params{.n_ubatch = r.n_ubatch});
         r.parts = {{.name = "kv", .used_label = "used", .kv = cache.get()}};
         r.mem = std::move(cache);
@@ -152,7 +163,7 @@ replay_memory make_replay_memory(const words& w) {
     std::vector<const char*> allowed = {"type",    "n_ctx",    "n_seq_max", "unified",  "n_ubatch",
                                         "type_k",  "type_v",   "v_trans",   "swa_type", "n_swa",
                                         "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv"};
-    if (type == "kv") allowed.push_back("model");
+    if (type == "kv") allowed.insert(allowed.end(), {"model", "prefix", "evict"});
     if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
     if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
     const keys k(w, 1, allowed, "memory");

@@ -32,4 +32,17 @@ void op_load(replay_memory& m, const words& w);
 /// digest SEQ: a fingerprint of the state.
 void op_digest(replay_memory& m, const words& w);
 
+// -- prefix cache (replay_prefix_ops.cpp) --
+
+/// lookup TOKENS [key=K]: the tokens an attach would reuse now.
+void op_lookup(replay_memory& m, const words& w);
+/// attach SEQ TOKENS [key=K] [priority=P]: the sequence holds the longest cached prefix.
+void op_attach(replay_memory& m, const words& w);
+/// pin TOKENS [key=K] and unpin TOKENS [key=K]
+void op_pin(replay_memory& m, const words& w);
+/// publish: the blocks the last decode completed.
+void op_publish(replay_memory& m, const words& w);
+/// pstats: the prefix cache's counters.
+void op_pstats(replay_memory& m, const words& w);
+
 }  // namespace kvc::cli
