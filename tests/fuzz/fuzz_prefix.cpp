@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include <kvcache/kvcache.h>
@@ -48,11 +47,16 @@ struct snapshot {
             s.pos.push_back(hi);
         }
         check(kvc_memory_get_prefix_stats(mem, &s.stats) == KVC_OK);
-        s.stats.index_bytes = 0;  // capacity, not content
         return s;
     }
     bool operator==(const snapshot& o) const {
-        return state == o.state && pos == o.pos && std::memcmp(&stats, &o.stats, sizeof stats) == 0;
+        const kvc_prefix_stats &a = stats, &b = o.stats;  // index_bytes is capacity, not content
+        return state == o.state && pos == o.pos && a.lookups == b.lookups &&
+               a.tokens_looked_up == b.tokens_looked_up && a.hit_tokens == b.hit_tokens &&
+               a.published_blocks == b.published_blocks && a.evicted_blocks == b.evicted_blocks &&
+               a.unpublished_blocks == b.unpublished_blocks && a.bytes_copied == b.bytes_copied &&
+               a.blocks == b.blocks && a.cached_cells == b.cached_cells && a.shared_cells == b.shared_cells &&
+               a.pinned_cells == b.pinned_cells && a.free_cells == b.free_cells;
     }
 };
 
