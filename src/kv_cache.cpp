@@ -372,12 +372,7 @@ std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
         heads_ = saved_heads;  // every stream's own head (design D3)
     };
     for (const ubatch& ub : ubatches) check_ubatch(ub);  // the only validation: placement relies on it
-    if (prefix_) {  // one stream: room for every token, evicting cached blocks only if that gives it
-        prefix_publish();
-        uint64_t need = 0;
-        for (const ubatch& ub : ubatches) need += ub.n_tokens;
-        if (need > params_.kv_size || !prefix_make_room(0, static_cast<uint32_t>(need))) return res;
-    }
+    if (prefix_ && !prefix_make_room_for(ubatches)) return res;  // evicts cached blocks only if that fits
     try {  // an allocation failing mid-way must not leave the trial placement behind
         for (const ubatch& ub : ubatches) {
             slot_info sinfo = find_slot(ub);
@@ -539,7 +534,7 @@ bool kv_cache::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
         const uint32_t s = seq_to_stream(seq_id);
         lower_head(s, streams_[s].seq_rm_range(seq_id, p0, p1));
     }
-    prefix_sync();
+    prefix_sync(seq_id);
     return true;
 }
 
@@ -548,8 +543,8 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     check_seq(dst, "seq_cp");
     if (src == dst) return;
     const uint32_t ss = seq_to_stream(src), sd = seq_to_stream(dst);
+    prefix_before_cp(src, dst, p0, p1);
     if (ss == sd) {
-        prefix_before_cp(src, dst, p0, p1);
         streams_[ss].seq_cp_range(src, dst, p0, p1);
         return;
     }
@@ -559,7 +554,8 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     kv_cells& to = streams_[sd];
     const auto entries = from.seq_entries(src, p0, p1);
     std::vector<uint32_t> free;
-    if (!to.find_free(static_cast<uint32_t>(entries.size()), heads_[sd], free))
+    if (!prefix_make_room(sd, static_cast<uint32_t>(entries.size())) ||
+        !to.find_free(static_cast<uint32_t>(entries.size()), heads_[sd], free))
         throw error(errc::invalid_state,
                     fmt::format("seq_cp: stream {} of seq {} has {} free cells, {} needed", sd, dst,
                                 to.size() - to.get_used(), entries.size()));
@@ -574,6 +570,7 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         copies[k] = {row(ss, c_src), row(sd, c_dst)};
     }
     storage_->copy_rows(copies);
+    prefix_copied(src, dst, entries, free);
 }
 
 void kv_cache::seq_keep(seq_id_t seq_id) {
@@ -582,12 +579,14 @@ void kv_cache::seq_keep(seq_id_t seq_id) {
     for (uint32_t s = 0; s < streams_.size(); ++s) {
         if (s == keep) {
             lower_head(s, streams_[s].seq_keep_all(seq_id));
+        } else if (prefix_) {  // other sequences leave; the prefix cache's cells stay cached
+            lower_head(s, streams_[s].seq_keep_all(seq_id));
         } else if (streams_[s].get_used() > 0) {  // design D9: other streams hold only other sequences
             streams_[s].reset();
             heads_[s] = 0;
         }
     }
-    prefix_sync();
+    prefix_sync(seq_all);
 }
 
 void kv_cache::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {

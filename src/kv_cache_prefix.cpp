@@ -20,7 +20,7 @@ constexpr uint32_t none = detail::prefix_index::none;
 void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) {
     const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache: " + msg); };
     const prefix_cache_params& q = p.prefix;
-    if (n_stream != 1) bad("the prefix cache needs one unified stream (unified = true)");
+    if (n_stream > 65536) bad(fmt::format("the prefix cache allows at most 65536 streams, not {}", n_stream));
     if (p.swa != swa_type::none)
         bad(fmt::format("the prefix cache needs no sliding window, not {}", to_string(p.swa)));
     if (p.n_pos != 1) bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
@@ -36,7 +36,8 @@ void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) 
 }
 
 void kv_cache::prefix_init() {
-    prefix_ = std::make_unique<prefix_state>(params_.prefix, params_.kv_size, params_.n_seq_max);
+    prefix_ = std::make_unique<prefix_state>(params_.prefix, params_.kv_size,
+                                             static_cast<uint32_t>(streams_.size()), params_.n_seq_max);
 }
 
 void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
@@ -73,7 +74,8 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     if (priority > prefix_max_priority)
         throw error(errc::invalid_argument,
                     fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
-    kv_cells& cells = streams_[seq_to_stream(seq_id)];
+    const uint32_t st = seq_to_stream(seq_id);
+    kv_cells& cells = streams_[st];
     if (cells.seq_pos_min(seq_id) >= 0)
         throw error(errc::invalid_argument,
                     fmt::format("prefix_attach: seq {} is not empty (it holds positions {} to {})", seq_id,
@@ -85,21 +87,67 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     const uint32_t bs = ps.bs();
     std::vector<uint32_t> chain;
     ps.index.match(key, tokens, chain);
-    const uint32_t n = tokens.empty() ? 0
-                                      : std::min<uint32_t>(static_cast<uint32_t>(chain.size()) * bs,
-                                                           static_cast<uint32_t>(tokens.size() - 1));
+    uint32_t n = tokens.empty() ? 0
+                                : std::min<uint32_t>(static_cast<uint32_t>(chain.size()) * bs,
+                                                     static_cast<uint32_t>(tokens.size() - 1));
+    // Blocks of other streams are copied into free cells of the sequence's stream (evicting cached blocks
+    // other than those it attaches): as much of the prefix as fits.
+    const auto copies_needed = [&](uint32_t m) {
+        uint32_t k = 0;
+        for (uint32_t d = 0; d * bs < m; ++d)
+            if (ps.index.at(chain[d]).stream != st) k += std::min(bs, m - d * bs);
+        return k;
+    };
+    while (n > 0) {
+        const uint32_t k = copies_needed(n);
+        if (k == 0) break;
+        std::vector<uint32_t> keep;  // the blocks it shares in its own stream
+        for (uint32_t d = 0; d * bs < n; ++d)
+            if (ps.index.at(chain[d]).stream == st) keep.push_back(chain[d]);
+        std::sort(keep.begin(), keep.end());
+        std::vector<uint32_t> plan;
+        const uint32_t free = cells.size() - cells.get_used();
+        if (k <= free || ps.index.plan_eviction(st, k - free, plan, keep)) break;
+        n = (n - 1) / bs * bs;  // one block less
+    }
+    const uint32_t n_blocks = (n + bs - 1) / bs;
     // the blocks it reuses count a hit and are worth at least its priority
-    for (uint32_t d = 0; d < (n + bs - 1) / bs; ++d) {
+    for (uint32_t d = 0; d < n_blocks; ++d) {
         ps.index.hit(chain[d]);
         if (ps.index.at(chain[d]).priority < priority) ps.index.set_priority(chain[d], priority);
     }
-    // the sequence joins the cells of positions [0, n): block p / bs, its cell p % bs
+    // the sequence joins the cells of its own stream's blocks at positions [0, n): block p / bs, cell p % bs
+    std::vector<uint32_t> at(n);  // its cell of each position
     for (uint32_t p = 0; p < n; ++p) {
         const uint32_t id = chain[p / bs];
+        if (ps.index.at(id).stream != st) continue;
         const uint32_t c = ps.index.cells(id)[p % bs];
-        assert(cells.pos_get(c) == static_cast<pos_t>(p) && ps.owner[c] == id);
+        assert(cells.pos_get(c) == static_cast<pos_t>(p) && ps.owner[row(st, c)] == id);
         if (cells.seq_count(c) == 0) ps.index.acquire(id);
         cells.seq_add(c, seq_id);
+        at[p] = c;
+    }
+    // and copies of the others' rows
+    if (const uint32_t k = copies_needed(n); k > 0) {
+        [[maybe_unused]] const bool room = prefix_make_room(st, k);
+        assert(room);
+        std::vector<uint32_t> fresh;
+        cells.find_free(k, heads_[st], fresh);
+        std::vector<row_copy> copies;
+        copies.reserve(k);
+        for (uint32_t p = 0, j = 0; p < n; ++p) {
+            const uint32_t id = chain[p / bs];
+            const uint32_t from = ps.index.at(id).stream;
+            if (from == st) continue;
+            const uint32_t c = fresh[j++];
+            cells.pos_set(c, static_cast<pos_t>(p));
+            cells.seq_add(c, seq_id);
+            copies.push_back({row(from, ps.index.cells(id)[p % bs]), row(st, c)});
+            at[p] = c;
+        }
+        storage_->copy_rows(copies);
+        heads_[st] = fresh.back() + 1;
+        ps.stats.bytes_copied += k * cell_bytes();
     }
     prefix_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
     t = prefix_tracker{};
@@ -109,10 +157,16 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     ps.set_tail(t, t.n_full == 0 ? none : chain[t.n_full - 1]);
     for (uint32_t p = t.n_full * bs; p < n; ++p) {
         t.toks.push_back(tokens[p]);
-        t.cells.push_back(ps.index.cells(chain[p / bs])[p % bs]);
+        t.cells.push_back(at[p]);
     }
     ps.stats.hit_tokens += n;
     return n;
+}
+
+size_t kv_cache::cell_bytes() const {
+    size_t b = 0;
+    for (uint32_t li = 0; li < layer_ids_.size(); ++li) b += storage_->k_row_bytes(li) + storage_->v_row_bytes(li);
+    return b;
 }
 
 // The blocks of the longest cached prefix of tokens in whole blocks (the last token included).
@@ -172,10 +226,11 @@ void kv_cache::prefix_publish() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
     const uint32_t bs = ps.bs();
-    kv_cells& cells = streams_[0];
     for (seq_id_t s : ps.pending) {
         prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
         if (!t.active) continue;
+        const uint32_t st = seq_to_stream(s);
+        kv_cells& cells = streams_[st];
         size_t done = 0;
         while (t.toks.size() - done >= bs) {
             if (!ps.tail_alive(t)) {  // its chain was evicted or edited away
@@ -196,13 +251,13 @@ void kv_cache::prefix_publish() {
             }
             uint32_t id = ps.index.find(t.tail, t.key, toks);
             if (id == none) {
-                if (std::any_of(cs.begin(), cs.end(), [&](uint32_t c) { return ps.owner[c] != none; })) {
+                if (std::any_of(cs.begin(), cs.end(), [&](uint32_t c) { return ps.owner[row(st, c)] != none; })) {
                     ps.stop(t);  // its cells belong to another block (a partial attach that diverged)
                     break;
                 }
-                id = ps.index.add(t.tail, t.key, toks, cs, 0, t.priority);
+                id = ps.index.add(t.tail, t.key, toks, cs, st, t.priority);
                 for (uint32_t c : cs) {
-                    ps.owner[c] = id;
+                    ps.owner[row(st, c)] = id;
                     cells.hold(c);
                 }
                 ++ps.stats.published_blocks;
@@ -223,16 +278,18 @@ void kv_cache::prefix_publish() {
 prefix_stats kv_cache::get_prefix_stats() const {
     if (!prefix_) return {};
     prefix_stats st = prefix_->stats;
-    const kv_cells& cells = streams_[0];
     st.blocks = prefix_->index.size();
-    st.cached_cells = st.shared_cells = 0;
-    for (uint32_t c = 0; c < cells.size(); ++c) {
-        if (prefix_->owner[c] == none) continue;
-        (cells.seq_count(c) == 0 ? st.cached_cells : st.shared_cells) += 1;
+    st.cached_cells = st.shared_cells = st.free_cells = st.pinned_cells = 0;
+    for (uint32_t s = 0; s < streams_.size(); ++s) {
+        const kv_cells& cells = streams_[s];
+        for (uint32_t c = 0; c < cells.size(); ++c) {
+            if (prefix_->owner[row(s, c)] == none) continue;
+            (cells.seq_count(c) == 0 ? st.cached_cells : st.shared_cells) += 1;
+        }
+        st.free_cells += cells.size() - cells.get_used();
+        st.pinned_cells += prefix_->index.pinned_blocks(s) * prefix_->bs();
     }
-    st.free_cells = cells.size() - cells.get_used();
     const prefix_state& ps = *prefix_;
-    st.pinned_cells = ps.index.pinned_blocks(0) * ps.bs();
     st.index_bytes = ps.index.bytes() + ps.owner.capacity() * sizeof(uint32_t) +
                      ps.gen.capacity() * sizeof(uint32_t) + ps.pending.capacity() * sizeof(seq_id_t);
     for (const prefix_tracker& t : ps.seqs)
@@ -285,7 +342,7 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
     for (uint32_t id : plan) {
         ps.emit(prefix_event::kind::removed, id);
         for (uint32_t c : ps.index.cells(id)) {
-            ps.owner[c] = none;
+            ps.owner[row(stream, c)] = none;
             cells.unhold(c);  // no sequence holds it: empty now
             lower_head(stream, c);
         }
@@ -296,29 +353,60 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
     return true;
 }
 
-void kv_cache::prefix_sync() {
+bool kv_cache::prefix_make_room_for(std::span<const ubatch> ubatches) {
+    prefix_publish();
+    if (streams_.size() == 1) {
+        uint64_t need = 0;
+        for (const ubatch& ub : ubatches) need += ub.n_tokens;
+        return need <= params_.kv_size && prefix_make_room(0, static_cast<uint32_t>(need));
+    }
+    // one stream per sequence: a token goes to the stream of each of its sequences
+    std::vector<std::pair<uint32_t, uint64_t>> need;  // (stream, cells), few streams per batch
+    for (const ubatch& ub : ubatches)
+        for (uint32_t i = 0; i < ub.n_tokens; ++i)
+            for (seq_id_t s : ub.seq_ids(i)) {
+                const uint32_t st = seq_to_stream(s);
+                auto it = std::find_if(need.begin(), need.end(), [st](const auto& e) { return e.first == st; });
+                if (it == need.end()) it = need.insert(need.end(), {st, 0});
+                ++it->second;
+            }
+    for (const auto& [st, n] : need)  // check every stream before evicting in any
+        if (n > params_.kv_size || !prefix_room_possible(st, static_cast<uint32_t>(n))) return false;
+    for (const auto& [st, n] : need) prefix_make_room(st, static_cast<uint32_t>(n));
+    return true;
+}
+
+void kv_cache::prefix_sync(seq_id_t seq_id) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    kv_cells& cells = streams_[0];
     // Blocks whose last cell with a sequence was let go: evictable now, the deepest of a chain first
     // (a chain is let go from its end when a sequence leaves it).
     std::vector<uint32_t> let_go;
-    for (uint32_t c : cells.released()) {
-        const uint32_t id = ps.owner[c];
-        if (id == none || !cells.is_held(c) || cells.seq_count(c) != 0) continue;  // gone, or attached again
-        ps.index.release(id);
-        if (ps.index.at(id).held == 0) let_go.push_back(id);
+    const auto sync_stream = [&](uint32_t s) {
+        kv_cells& cells = streams_[s];
+        for (uint32_t c : cells.released()) {
+            const uint32_t id = ps.owner[row(s, c)];
+            if (id == none || !cells.is_held(c) || cells.seq_count(c) != 0) continue;  // gone, or attached again
+            ps.index.release(id);
+            if (ps.index.at(id).held == 0) let_go.push_back(id);
+        }
+        cells.clear_released();
+    };
+    // A sequence that holds no cell starts over: what it decodes from position 0 is published again.
+    const auto restart = [&](seq_id_t s) {
+        prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        if (seq_pos_min(s) < 0 && (!t.active || t.n_full > 0 || !t.toks.empty())) t = prefix_tracker{};
+    };
+    if (seq_id == seq_all) {
+        for (uint32_t s = 0; s < streams_.size(); ++s) sync_stream(s);
+        for (size_t s = 0; s < ps.seqs.size(); ++s) restart(static_cast<seq_id_t>(s));
+    } else {
+        sync_stream(seq_to_stream(seq_id));
+        restart(seq_id);
     }
-    cells.clear_released();
     std::sort(let_go.begin(), let_go.end(),
               [&](uint32_t a, uint32_t b) { return ps.index.at(a).depth > ps.index.at(b).depth; });
     ps.index.requeue(let_go);
-    // A sequence that holds no cell starts over: what it decodes from position 0 is published again.
-    for (size_t s = 0; s < ps.seqs.size(); ++s) {
-        prefix_tracker& t = ps.seqs[s];
-        if (cells.seq_pos_min(static_cast<seq_id_t>(s)) < 0 && (!t.active || t.n_full > 0 || !t.toks.empty()))
-            t = prefix_tracker{};
-    }
 }
 
 void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
@@ -358,8 +446,8 @@ void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
         const auto toks = ps.index.tokens(cut_block);
         t.toks.assign(toks.begin(), toks.begin() + rem);
         t.cells.clear();
-        for (const auto& e :
-             streams_[0].seq_entries(s, static_cast<pos_t>(t.n_full * bs), static_cast<pos_t>(keep)))
+        for (const auto& e : streams_[seq_to_stream(s)].seq_entries(s, static_cast<pos_t>(t.n_full * bs),
+                                                                   static_cast<pos_t>(keep)))
             t.cells.push_back(e.second);
         if (t.cells.size() != t.toks.size()) ps.stop(t);  // a position held twice: not a plain prefix
     };
@@ -373,68 +461,90 @@ void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
 void kv_cache::prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    const kv_cells& cells = streams_[0];
-    if (cells.seq_pos_min(src) < 0) return;  // nothing is copied
+    if (seq_pos_min(src) < 0) return;  // nothing is copied
     prefix_tracker& d = ps.seqs[static_cast<size_t>(dst)];
     const prefix_tracker& s = ps.seqs[static_cast<size_t>(src)];
     // dst continues src's tokens only if it was empty and gets all of them
-    const bool whole = p0 <= 0 && (p1 < 0 || p1 > cells.seq_pos_max(src));
-    if (cells.seq_pos_min(dst) < 0 && whole && s.active) {
-        d = s;
+    const bool whole = p0 <= 0 && (p1 < 0 || p1 > seq_pos_max(src));
+    if (seq_pos_min(dst) < 0 && whole && s.active) {
+        d = s;  // across streams, prefix_copied points its cells at the copies
         if (d.toks.size() >= ps.bs()) ps.pending.push_back(dst);
     } else {
         ps.stop(d);
     }
 }
 
+void kv_cache::prefix_copied(seq_id_t src, seq_id_t dst, std::span<const std::pair<pos_t, uint32_t>> entries,
+                             std::span<const uint32_t> cells) {
+    if (!prefix_) return;
+    prefix_tracker& d = prefix_->seqs[static_cast<size_t>(dst)];
+    if (!d.active || d.cells.empty()) return;
+    // the tracker's cells are src's at positions next() - size() ..; entries are sorted by position
+    const pos_t p0 = prefix_->next(d) - static_cast<pos_t>(d.cells.size());
+    const auto it = std::lower_bound(entries.begin(), entries.end(), std::pair<pos_t, uint32_t>{p0, 0});
+    if (static_cast<size_t>(entries.end() - it) < d.cells.size()) {
+        prefix_->stop(d);
+        return;
+    }
+    for (size_t j = 0; j < d.cells.size(); ++j) {
+        const auto k = static_cast<size_t>(it - entries.begin()) + j;
+        if (entries[k].first != p0 + static_cast<pos_t>(j) || entries[k].second != d.cells[j]) {
+            prefix_->stop(d);  // not the plain prefix the tracker saw in src
+            return;
+        }
+        d.cells[j] = cells[k];
+    }
+    (void)src;
+}
+
 void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    kv_cells& cells = streams_[0];
+    const uint32_t st = seq_to_stream(seq_id);
+    kv_cells& cells = streams_[st];
     ps.stop(ps.seqs[static_cast<size_t>(seq_id)]);  // its positions no longer count its tokens
     std::vector<uint32_t> shared, alone;
     for (const auto& e : cells.seq_entries(seq_id, p0, p1)) {
         if (!cells.is_held(e.second)) continue;
         // a pinned block keeps its cells too
-        const bool keep = cells.seq_count(e.second) > 1 || ps.index.at(ps.owner[e.second]).pins > 0;
+        const bool keep = cells.seq_count(e.second) > 1 || ps.index.at(ps.owner[row(st, e.second)]).pins > 0;
         (keep ? shared : alone).push_back(e.second);
     }
     if (shared.empty() && alone.empty()) return;
     // Cells other sequences hold too keep their positions for them: the moving sequence gets copies.
     if (!shared.empty()) {
-        if (!prefix_make_room(0, static_cast<uint32_t>(shared.size())))
+        if (!prefix_make_room(st, static_cast<uint32_t>(shared.size())))
             throw error(errc::invalid_state,
                         fmt::format("seq {} shares {} cells of cached prefixes with other sequences; moving "
                                     "them needs as many free cells, and only {} are free or evictable",
                                     seq_id, shared.size(), cells.size() - cells.get_used()));
         std::vector<uint32_t> fresh;
-        cells.find_free(static_cast<uint32_t>(shared.size()), heads_[0], fresh);
+        cells.find_free(static_cast<uint32_t>(shared.size()), heads_[st], fresh);
         std::vector<row_copy> copies(shared.size());
         for (size_t k = 0; k < shared.size(); ++k) {
             const uint32_t from = shared[k], to = fresh[k];
             cells.pos_set(to, cells.pos_get(from));  // held cells have no pending shift
             cells.seq_add(to, seq_id);
             cells.seq_rm(from, seq_id);
-            copies[k] = {row(0, from), row(0, to)};
+            copies[k] = {row(st, from), row(st, to)};
         }
         storage_->copy_rows(copies);
-        for (uint32_t li = 0; li < layer_ids_.size(); ++li)
-            ps.stats.bytes_copied += shared.size() * (storage_->k_row_bytes(li) + storage_->v_row_bytes(li));
+        ps.stats.bytes_copied += shared.size() * cell_bytes();
     }
     // Cells only this sequence holds: their blocks leave the index (a block's meaning is its positions).
     for (uint32_t c : alone) {
-        const uint32_t id = ps.owner[c];
+        const uint32_t id = ps.owner[row(st, c)];
         if (id == none) continue;  // taken out with an earlier cell of the same block
         ps.emit(prefix_event::kind::removed, id);
         for (uint32_t bc : ps.index.cells(id)) {
-            ps.owner[bc] = none;
-            if (cells.unhold(bc)) lower_head(0, bc);
+            ps.owner[row(st, bc)] = none;
+            if (cells.unhold(bc)) lower_head(st, bc);
         }
         ps.forget_record(id);
         ps.index.remove(id);
         ++ps.stats.unpublished_blocks;
     }
-    prefix_sync();
+    prefix_sync(seq_id);
 }
 
 void kv_cache::prefix_forget(seq_id_t seq_id) {
@@ -458,17 +568,22 @@ void kv_cache::prefix_reset() {
 }
 
 void kv_cache::prefix_moved(uint32_t stream, uint32_t from, uint32_t to) {
-    if (!prefix_ || stream != 0) return;
+    if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    const uint32_t id = ps.owner[from];
+    const uint32_t id = ps.owner[row(stream, from)];
     if (id != none) {
-        ps.owner[to] = id;
-        ps.owner[from] = none;
+        ps.owner[row(stream, to)] = id;
+        ps.owner[row(stream, from)] = none;
         const auto cs = ps.index.cells(id);
         for (uint32_t j = 0; j < cs.size(); ++j)
             if (cs[j] == from) ps.index.set_cell(id, j, to);
     }
-    for (prefix_tracker& t : ps.seqs) std::replace(t.cells.begin(), t.cells.end(), from, to);
+    // the trackers of the stream's sequences (every sequence in a unified cache)
+    const auto fix = [&](prefix_tracker& t) { std::replace(t.cells.begin(), t.cells.end(), from, to); };
+    if (streams_.size() == 1)
+        for (prefix_tracker& t : ps.seqs) fix(t);
+    else
+        fix(ps.seqs[stream]);
 }
 
 }  // namespace kvc

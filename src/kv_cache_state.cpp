@@ -363,7 +363,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
             copy_rows(part, part.stream, cells);
         }
         prefix_forget(seq_all);  // the restored sequences' tokens are unknown: none publishes
-        prefix_sync();
+        prefix_sync(seq_all);
         return;
     }
 
@@ -438,7 +438,7 @@ bool kv_cache::state_fits(const state_stage_i& stage) {
         uint32_t freed = 0;
         for (const auto& e : c.seq_entries(seq_id, -1, -1))
             freed += c.seqs(e.second).is_only(seq_id) && !c.is_held(e.second) ? 1 : 0;
-        return n <= freed || prefix_room_possible(0, n - freed);
+        return n <= freed || prefix_room_possible(seq_to_stream(seq_id), n - freed);
     }
     std::vector<uint32_t> old;
     c.seq_cells(seq_id, -1, -1, old);

@@ -54,9 +54,9 @@ static void test_prefix_cache(void) {
     CHECK_ERR(kvc_memory_prefix_publish(mem), KVC_ERR_UNSUPPORTED, "no prefix cache");
     CHECK_ERR(kvc_memory_get_prefix_stats(mem, &st), KVC_ERR_UNSUPPORTED, "no prefix cache");
     kvc_memory_free(mem);
-    p.unified = false;
+    p.n_pos = 4;
     mem = NULL;
-    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "unified");
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "one position per token");
     CHECK(mem == NULL);
 }
 

@@ -94,14 +94,15 @@ struct engine {
         seqs[static_cast<size_t>(s)].assign(prompt.begin(), prompt.begin() + n);
         return n;
     }
+    uint32_t stream(seq_id_t s) const { return c.params().unified ? 0 : static_cast<uint32_t>(s); }
     // Every cell of s holds the fingerprint of s's tokens up to its position.
     void check(seq_id_t s) const {
         const auto& h = seqs[static_cast<size_t>(s)];
-        const kv_cells& cells = c.cells(0);
+        const kv_cells& cells = c.cells(stream(s));
         ASSERT_EQ(cells.seq_pos_max(s), static_cast<pos_t>(h.size()) - 1) << "seq " << s;
         std::vector<float> k(4);
         for (const auto& [pos, cell] : cells.seq_entries(s, -1, -1)) {
-            c.read_k_row(0, 0, cell, k);
+            c.read_k_row(0, stream(s), cell, k);
             const auto f = fingerprint(h, static_cast<size_t>(pos) + 1);
             ASSERT_TRUE(std::equal(k.begin(), k.end(), f.begin()))
                 << "seq " << s << " position " << pos << " cell " << cell << " holds position " << k[0];
@@ -109,20 +110,24 @@ struct engine {
     }
     // Cells are free, held by sequences, or cached; a cell no sequence holds is cached or empty.
     void check_cells() const {
-        const kv_cells& cells = c.cells(0);
-        cells.validate();
-        uint32_t with_seqs = 0, cached = 0;
-        for (uint32_t i = 0; i < cells.size(); ++i) {
-            if (cells.is_empty(i)) continue;
-            if (cells.seq_count(i) > 0)
-                ++with_seqs;
-            else
-                ASSERT_TRUE(cells.is_held(i)) << "cell " << i << " leaked: used, no sequence, not cached";
-            cached += cells.seq_count(i) == 0;
+        uint32_t with_seqs = 0, cached = 0, total = 0;
+        for (uint32_t s = 0; s < c.get_n_stream(); ++s) {
+            const kv_cells& cells = c.cells(s);
+            cells.validate();
+            total += cells.size();
+            for (uint32_t i = 0; i < cells.size(); ++i) {
+                if (cells.is_empty(i)) continue;
+                if (cells.seq_count(i) > 0)
+                    ++with_seqs;
+                else
+                    ASSERT_TRUE(cells.is_held(i))
+                        << "stream " << s << " cell " << i << " leaked: used, no sequence, not cached";
+                cached += cells.seq_count(i) == 0;
+            }
         }
         const prefix_stats st = c.get_prefix_stats();
         ASSERT_EQ(st.cached_cells, cached);
-        ASSERT_EQ(st.free_cells + with_seqs + cached, cells.size());
+        ASSERT_EQ(st.free_cells + with_seqs + cached, total);
     }
 };
 
@@ -132,7 +137,7 @@ std::vector<token_t> seq_of(std::initializer_list<token_t> t) {
 
 TEST(prefix_cache, bad_configurations_and_calls_are_errors_that_change_nothing) {
     auto p = prefix_params(64, 2);
-    p.unified = false;
+    p.n_pos = 4;
     EXPECT_THROW(kv_cache{p}, error);
     p = prefix_params(64, 2);
     p.prefix.block_size = 0;
@@ -445,7 +450,7 @@ TEST(prefix_cache, events_let_a_router_mirror_the_index) {
 }
 
 bool shares_plain_cells(const kv_cache& c, seq_id_t s) {
-    const kv_cells& cells = c.cells(0);
+    const kv_cells& cells = c.cells(c.params().unified ? 0 : static_cast<uint32_t>(s));
     for (const auto& [pos, cell] : cells.seq_entries(s, -1, -1))
         if (cells.seq_count(cell) > 1 && !cells.is_held(cell)) return true;
     return false;
@@ -454,12 +459,13 @@ bool shares_plain_cells(const kv_cache& c, seq_id_t s) {
 // Random attaches (at random priorities), decodes, removals, rollbacks, shifts, copies, pins and clears
 // against the fingerprints: never a wrong hit, never a leaked cell, every hit a prefix some sequence
 // decoded (the "may hit" oracle), every pinned prefix still whole.
-void random_ops(evict_policy policy, uint32_t seed) {
+void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
     const char* env = std::getenv("KVC_LONG_TESTS");
     const int n_ops = env && *env ? 1000000 : 30000;
     std::mt19937 rng(seed);
-    auto params = prefix_params(96, 4);
+    auto params = prefix_params(unified ? 96 : 48, 4);  // 4 streams of 48 cells, or one of 96
     params.prefix.policy = policy;
+    params.unified = unified;
     engine e(params);
     std::set<std::vector<token_t>> may_hit;  // block-aligned prefixes decoded since the index last emptied
     const auto decoded = [&](seq_id_t s) {
@@ -564,7 +570,7 @@ void random_ops(evict_policy policy, uint32_t seed) {
         }
         for (seq_id_t q = 0; q < 4; ++q)
             ASSERT_NO_FATAL_FAILURE(e.check(q))
-                << "op " << op << " kind " << what << " seq " << s << " cells " << e.c.cells(0).picture();
+                << "op " << op << " kind " << what << " seq " << s << " cells " << e.c.cells(e.stream(q)).picture();
         ASSERT_NO_FATAL_FAILURE(e.check_cells()) << "op " << op;
         for (size_t k = 0; k < systems.size(); ++k) {
             if (pins[k].empty()) continue;
@@ -586,6 +592,10 @@ TEST(prefix_cache_property, lru_hits_always_hold_the_tokens_they_claim) {
 
 TEST(prefix_cache_property, slru_hits_always_hold_the_tokens_they_claim) {
     random_ops(evict_policy::slru, 2025);
+}
+
+TEST(prefix_cache_property, streams_per_sequence_hits_always_hold_the_tokens_they_claim) {
+    random_ops(evict_policy::lru, 2026, /*unified=*/false);
 }
 
 }  // namespace

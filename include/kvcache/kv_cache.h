@@ -81,7 +81,7 @@ struct kv_cache_params {
     /// Runs the K-shift's pieces in parallel (e.g. a thread_pool's parallel_for); empty: one thread.
     executor exec;
     /// Keep computed prompt prefixes for other sequences (kvcache/prefix_cache.h, docs/prefix-cache.md).
-    /// Needs one unified stream, no sliding window and one position per token.
+    /// Needs no sliding window and one position per token.
     prefix_cache_params prefix;
 };
 
@@ -244,12 +244,18 @@ private:
     static void check_prefix_params(const kv_cache_params& p, uint32_t n_stream);
     void prefix_init();                                            // params_.prefix checked
     void check_prefix_tokens(std::span<const token_t> tokens, const char* what) const;
+    size_t cell_bytes() const;  // K and V bytes of one cell over every layer
     void prefix_record(const slot_info& sinfo, const ubatch& ub);  // tokens a real apply placed
     bool prefix_make_room(uint32_t stream, uint32_t n);            // >= n empty cells, evicting
     bool prefix_room_possible(uint32_t stream, uint32_t n) const;  // make_room would succeed
-    void prefix_sync();  // after cells lost sequences: released blocks, emptied sequences
+    bool prefix_make_room_for(std::span<const ubatch> ubatches);   // room for every token, per stream
+    // after cells lost sequences: released blocks; seq_id (seq_all: any sequence) may have emptied
+    void prefix_sync(seq_id_t seq_id);
     void prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1);
     void prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);
+    // a copy across streams placed src's cells `entries` (pos, cell) at `cells` of dst's stream
+    void prefix_copied(seq_id_t src, seq_id_t dst, std::span<const std::pair<pos_t, uint32_t>> entries,
+                       std::span<const uint32_t> cells);
     void prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1);  // copies or unpublishes held cells
     void prefix_forget(seq_id_t seq_id);  // its tracker stops publishing (seq_all: every tracker)
     void prefix_reset();                  // everything the memory held is gone

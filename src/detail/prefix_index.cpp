@@ -287,7 +287,8 @@ void prefix_index::requeue(std::span<const uint32_t> ids) {
         }
 }
 
-bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out) const {
+bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out,
+                                  std::span<const uint32_t> keep) const {
     // Walk the levels lowest first, each queue oldest first. A waiting parent whose children all go in
     // the plan joins the head of its level's queue then (as child_gone does), so it goes next unless a
     // lower level still has blocks.
@@ -318,10 +319,12 @@ bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32
             out.resize(start);
             return false;
         }
+        if (!keep.empty() && std::binary_search(keep.begin(), keep.end(), id)) continue;  // nor its parent
         out.push_back(id);
         got += bs_;
         const uint32_t p = blocks_[id].parent;
-        if (p == none || blocks_[p].st != state::waiting) continue;
+        // a parent in another stream (chains cross streams) joins its own queue once the child is gone
+        if (p == none || blocks_[p].st != state::waiting || blocks_[p].stream != stream) continue;
         auto it = std::find_if(left.begin(), left.end(), [p](const auto& e) { return e.first == p; });
         if (it == left.end()) it = left.insert(left.end(), {p, blocks_[p].n_children});
         if (--it->second == 0) ready.push_back(p);

@@ -85,8 +85,10 @@ public:
     void requeue(std::span<const uint32_t> ids);
 
     // The blocks whose eviction frees at least `n` cells of `stream`, in eviction order (children before
-    // their parents). False, out unchanged, if every evictable block together frees fewer.
-    bool plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out) const;
+    // their parents), none of `keep` (sorted ids). False, out unchanged, if every evictable block together
+    // frees fewer.
+    bool plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out,
+                       std::span<const uint32_t> keep = {}) const;
     // Takes a block out of the table (and queue). Its record is reused at once, or, while children depend
     // on it, once they are gone (dead). The caller has let go of its cells.
     void remove(uint32_t id);
