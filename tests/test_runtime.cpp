@@ -149,10 +149,8 @@ std::vector<setup> every_setup() {
                 s.v_trans = v_trans;
                 s.unified = unified;
                 out.push_back(s);
-                if (unified) {  // every test again with a prefix cache, which must change nothing seen
-                    s.prefix = true;
-                    out.push_back(s);
-                }
+                s.prefix = true;  // every test again with a prefix cache, which must change nothing seen
+                out.push_back(s);
             }
     return out;
 }
@@ -329,7 +327,7 @@ TEST_P(prefix_equals_recompute, evictions_under_a_small_cache) {
     for (int k = 0; k < 6; ++k) {  // six conversations of 20 tokens, one after another: later ones evict
         prompts.push_back(r.tokens(20));
         const auto& p = prompts.back();
-        const seq_id_t s = k % 4;
+        const seq_id_t s = GetParam().unified ? k % 4 : 0;  // with a stream each: all in one stream
         const uint32_t n = r.attach(s, p);
         r.decode({{{s}, static_cast<pos_t>(n), {p.begin() + n, p.end()}}});
         r.decode({{{s}, -1, r.tokens(3)}});
@@ -362,9 +360,11 @@ TEST_P(prefix_equals_recompute, holder_context_shift_leaves_the_others_alone) {
     });
     r.decode({{{0}, -1, r.tokens(3)}, {{1}, -1, r.tokens(2)}});
     r.decode({{{0}, -1, r.tokens(1)}, {{1}, -1, r.tokens(1)}});
-    // a new sequence still hits what seq 1 holds
-    EXPECT_EQ(r.attach(2, sys), 16u);
-    r.decode({{{2}, 16, {sys.back()}}});
+    // a new sequence still hits what seq 1 holds; with a stream per sequence seq 1 holds copies, and
+    // the blocks seq 0 alone held from position 4 on left the index when it moved them
+    const uint32_t n = r.attach(2, sys);
+    EXPECT_EQ(n, GetParam().unified ? 16u : 4u);
+    r.decode({{{2}, static_cast<pos_t>(n), {sys.begin() + n, sys.end()}}});
     EXPECT_CLOSE(r);
 }
 
@@ -384,6 +384,37 @@ TEST_P(prefix_equals_recompute, survives_suffix_removal_and_state_restores) {
     state_seq_set_data(r.cache(), saved, 3);
     r.ref().seq_cp(1, 3, -1, -1);
     r.decode({{{3}, -1, r.tokens(2)}, {{1}, -1, r.tokens(1)}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(prefix_equals_recompute, a_pinned_prefix_survives_churn) {
+    pair_run r(GetParam(), 4, 64);
+    const auto sys = r.tokens(17);
+    r.decode({{{0}, 0, sys}});
+    r.cache().prefix_publish();
+    ASSERT_EQ(r.cache().prefix_pin(sys), 16u);
+    r.both([](auto& c, auto& f) {
+        c.seq_rm(0, -1, -1);
+        f.seq_rm(0, -1, -1);
+    });
+    // conversations of 24 tokens at a high priority fill the (same) stream again and again; the pinned
+    // prompt stays
+    for (int k = 0; k < 5; ++k) {
+        const seq_id_t s = 0;
+        const auto p = r.tokens(24);
+        ASSERT_EQ(r.cache().prefix_attach(s, p, 0, 90), 0u);
+        r.decode({{{s}, 0, p}});
+        r.cache().prefix_publish();
+        r.both([s](auto& c, auto& f) {
+            c.seq_rm(s, -1, -1);
+            f.seq_rm(s, -1, -1);
+        });
+    }
+    EXPECT_GT(r.cache().get_prefix_stats().evicted_blocks, 0u);
+    EXPECT_EQ(r.attach(1, sys), 16u);  // shared, or copied from seq 0's stream
+    r.decode({{{1}, 16, {sys.back()}}});
+    r.decode({{{1}, -1, r.tokens(2)}});
+    EXPECT_EQ(r.cache().prefix_unpin(sys), 16u);
     EXPECT_CLOSE(r);
 }
 

@@ -1,5 +1,6 @@
-// libFuzzer target: arbitrary bytes as a program of C API calls on a KV cache with a prefix cache
-// (attach, lookup, pin, unpin, priorities, decodes, sequence edits, state round trips, clears), valid and
+// libFuzzer target: arbitrary bytes as a program of C API calls on a KV cache with a prefix cache (one
+// unified stream or one per sequence, LRU or SLRU):
+// attach, lookup, pin, unpin, priorities, decodes, sequence edits, state round trips, valid and
 // invalid arguments mixed. No call may crash or trip a sanitizer; a call that fails must leave the memory
 // exactly as it was (its state bytes, positions and prefix counters); at the end, with every sequence
 // removed, every used cell must belong to a cached block (no cell leaked).
@@ -110,7 +111,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     p.prefix.enabled = true;
     p.prefix.block_size = block;
     p.prefix.n_vocab = n_vocab;
-    p.prefix.policy = r.u8() % 2 ? KVC_EVICT_SLRU : KVC_EVICT_LRU;
+    const uint8_t shape = r.u8();
+    p.prefix.policy = shape & 1 ? KVC_EVICT_SLRU : KVC_EVICT_LRU;
+    p.unified = (shape & 2) == 0;  // else one stream per sequence: attaches copy rows across streams
     kvc_memory* mem = nullptr;
     check(kvc_kv_cache_create(&p, &mem) == KVC_OK);
 
@@ -162,7 +165,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check(kvc_memory_seq_rm(mem, -1, -1, -1, nullptr) == KVC_OK);
     kvc_prefix_stats s{};
     check(kvc_memory_get_prefix_stats(mem, &s) == KVC_OK);
-    check(s.shared_cells == 0 && s.free_cells + s.cached_cells == kv_size && s.cached_cells == s.blocks * block);
+    const uint32_t cells = p.unified ? kv_size : kv_size * n_seq;
+    check(s.shared_cells == 0 && s.free_cells + s.cached_cells == cells && s.cached_cells == s.blocks * block);
     kvc_memory_free(mem);
     return 0;
 }
