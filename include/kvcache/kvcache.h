@@ -238,7 +238,7 @@ typedef void (*kvc_prefix_event_fn)(const kvc_prefix_event* event, void* user_da
 
 /// @brief A KV cache's prefix cache (kvcache_prefix.h, docs/prefix-cache.md).
 typedef struct kvc_prefix_cache_params {
-    bool enabled;                  ///< keep computed prompt prefixes (needs unified, no window, n_pos 1)
+    bool enabled;                  ///< keep computed prompt prefixes (needs no window and n_pos 1)
     uint32_t block_size;           ///< tokens per block: reuse comes in whole blocks (divides kv_size)
     kvc_evict_policy policy;       ///< the eviction order of blocks of one priority
     float protected_fraction;      ///< SLRU: the protected segment holds at most this fraction of blocks

@@ -73,7 +73,7 @@ public:
             ref_.set_swa(o.swa, swa_type::standard, windowed);
             mem_ = iswa_.get();
         } else {
-            p.prefix.enabled = o.unified;  // the chat phases reuse prompt prefixes (one stream only)
+            p.prefix.enabled = true;  // the chat phases reuse prompt prefixes
             cache_ = std::make_unique<kv_cache>(p);
             rt_ = std::make_unique<runtime>(m, *cache_, rp);
             mem_ = cache_.get();
