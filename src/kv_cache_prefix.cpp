@@ -1,7 +1,7 @@
 // kv_cache: the prefix cache (docs/prefix-cache.md). The index (detail/prefix_index) knows blocks and
 // their cells; this file keeps it true to the cells: what each sequence has decoded in order (its
-// tracker), which cells the index holds (owner), and what happens to held cells when sequences leave
-// them, edit them or restore a state.
+// tracker), which cells the index holds (kv_cells records each held cell's block), and what happens to
+// held cells when sequences leave them, edit them or restore a state.
 #include <algorithm>
 #include <cassert>
 #include <limits>
@@ -122,7 +122,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
         const uint32_t id = chain[p / bs];
         if (ps.index.at(id).stream != st) continue;
         const uint32_t c = ps.index.cells(id)[p % bs];
-        assert(cells.pos_get(c) == static_cast<pos_t>(p) && ps.owner[row(st, c)] == id);
+        assert(cells.pos_get(c) == static_cast<pos_t>(p) && cells.holder(c) == id);
         if (cells.seq_count(c) == 0) ps.index.acquire(id);
         cells.seq_add(c, seq_id);
         at[p] = c;
@@ -251,15 +251,12 @@ void kv_cache::prefix_publish() {
             }
             uint32_t id = ps.index.find(t.tail, t.key, toks);
             if (id == none) {
-                if (std::any_of(cs.begin(), cs.end(), [&](uint32_t c) { return ps.owner[row(st, c)] != none; })) {
+                if (std::any_of(cs.begin(), cs.end(), [&](uint32_t c) { return cells.is_held(c); })) {
                     ps.stop(t);  // its cells belong to another block (a partial attach that diverged)
                     break;
                 }
                 id = ps.index.add(t.tail, t.key, toks, cs, st, t.priority);
-                for (uint32_t c : cs) {
-                    ps.owner[row(st, c)] = id;
-                    cells.hold(c);
-                }
+                for (uint32_t c : cs) cells.hold(c, id);
                 ++ps.stats.published_blocks;
                 ps.emit(prefix_event::kind::stored, id);
             }
@@ -283,15 +280,15 @@ prefix_stats kv_cache::get_prefix_stats() const {
     for (uint32_t s = 0; s < streams_.size(); ++s) {
         const kv_cells& cells = streams_[s];
         for (uint32_t c = 0; c < cells.size(); ++c) {
-            if (prefix_->owner[row(s, c)] == none) continue;
+            if (!cells.is_held(c)) continue;
             (cells.seq_count(c) == 0 ? st.cached_cells : st.shared_cells) += 1;
         }
         st.free_cells += cells.size() - cells.get_used();
         st.pinned_cells += prefix_->index.pinned_blocks(s) * prefix_->bs();
     }
     const prefix_state& ps = *prefix_;
-    st.index_bytes = ps.index.bytes() + ps.owner.capacity() * sizeof(uint32_t) +
-                     ps.gen.capacity() * sizeof(uint32_t) + ps.pending.capacity() * sizeof(seq_id_t);
+    st.index_bytes = ps.index.bytes() + ps.gen.capacity() * sizeof(uint32_t) +
+                     ps.pending.capacity() * sizeof(seq_id_t);
     for (const prefix_tracker& t : ps.seqs)
         st.index_bytes +=
             sizeof(t) + t.toks.capacity() * sizeof(token_t) + t.cells.capacity() * sizeof(uint32_t);
@@ -342,7 +339,6 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
     for (uint32_t id : plan) {
         ps.emit(prefix_event::kind::removed, id);
         for (uint32_t c : ps.index.cells(id)) {
-            ps.owner[row(stream, c)] = none;
             cells.unhold(c);  // no sequence holds it: empty now
             lower_head(stream, c);
         }
@@ -385,8 +381,8 @@ void kv_cache::prefix_sync(seq_id_t seq_id) {
     const auto sync_stream = [&](uint32_t s) {
         kv_cells& cells = streams_[s];
         for (uint32_t c : cells.released()) {
-            const uint32_t id = ps.owner[row(s, c)];
-            if (id == none || !cells.is_held(c) || cells.seq_count(c) != 0) continue;  // gone, or attached again
+            if (!cells.is_held(c) || cells.seq_count(c) != 0) continue;  // gone, or attached again
+            const uint32_t id = cells.holder(c);
             ps.index.release(id);
             if (ps.index.at(id).held == 0) let_go.push_back(id);
         }
@@ -507,7 +503,7 @@ void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
     for (const auto& e : cells.seq_entries(seq_id, p0, p1)) {
         if (!cells.is_held(e.second)) continue;
         // a pinned block keeps its cells too
-        const bool keep = cells.seq_count(e.second) > 1 || ps.index.at(ps.owner[row(st, e.second)]).pins > 0;
+        const bool keep = cells.seq_count(e.second) > 1 || ps.index.at(cells.holder(e.second)).pins > 0;
         (keep ? shared : alone).push_back(e.second);
     }
     if (shared.empty() && alone.empty()) return;
@@ -533,11 +529,10 @@ void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
     }
     // Cells only this sequence holds: their blocks leave the index (a block's meaning is its positions).
     for (uint32_t c : alone) {
-        const uint32_t id = ps.owner[row(st, c)];
-        if (id == none) continue;  // taken out with an earlier cell of the same block
+        if (!cells.is_held(c)) continue;  // taken out with an earlier cell of the same block
+        const uint32_t id = cells.holder(c);
         ps.emit(prefix_event::kind::removed, id);
         for (uint32_t bc : ps.index.cells(id)) {
-            ps.owner[row(st, bc)] = none;
             if (cells.unhold(bc)) lower_head(st, bc);
         }
         ps.forget_record(id);
@@ -561,8 +556,7 @@ void kv_cache::prefix_reset() {
     prefix_state& ps = *prefix_;
     for (uint32_t id = 0; id < ps.gen.size(); ++id) ++ps.gen[id];
     if (ps.index.size() > 0) ps.call(prefix_event{.type = prefix_event::kind::cleared});
-    ps.index.clear();
-    std::fill(ps.owner.begin(), ps.owner.end(), none);
+    ps.index.clear();  // the caller empties the cells
     for (prefix_tracker& t : ps.seqs) t = prefix_tracker{};
     ps.pending.clear();
 }
@@ -570,10 +564,9 @@ void kv_cache::prefix_reset() {
 void kv_cache::prefix_moved(uint32_t stream, uint32_t from, uint32_t to) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    const uint32_t id = ps.owner[row(stream, from)];
-    if (id != none) {
-        ps.owner[row(stream, to)] = id;
-        ps.owner[row(stream, from)] = none;
+    const kv_cells& cells = streams_[stream];
+    if (cells.is_held(to)) {  // the cell took its holder along
+        const uint32_t id = cells.holder(to);
         const auto cs = ps.index.cells(id);
         for (uint32_t j = 0; j < cs.size(); ++j)
             if (cs[j] == from) ps.index.set_cell(id, j, to);

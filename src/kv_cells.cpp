@@ -304,16 +304,29 @@ bool kv_cells::is_held(uint32_t i) const {
     return held(check(i));
 }
 
-void kv_cells::hold(uint32_t i) {
+void kv_cells::hold(uint32_t i, uint32_t holder) {
     check_used(i, "hold");
     if (held(i)) throw error(errc::invalid_state, fmt::format("kv_cells::hold: cell {} is already held", i));
+    if (!(ext_[i] == cell_ext{}))
+        throw error(errc::invalid_state, fmt::format("kv_cells::hold: cell {} has an M-RoPE extension", i));
     t_->held[i / 64] |= bit(i);
+    ext_[i].x = static_cast<pos_t>(holder);  // the slot of the extension it does not have
+}
+
+uint32_t kv_cells::holder(uint32_t i) const {
+    if (!held(check(i))) throw error(errc::invalid_state, fmt::format("kv_cells::holder: cell {} is not held", i));
+    return static_cast<uint32_t>(ext_[i].x);
+}
+
+cell_ext kv_cells::ext_get(uint32_t i) const {
+    return held(check(i)) ? cell_ext{} : ext_[i];
 }
 
 bool kv_cells::unhold(uint32_t i) {
     if (!held(check(i)))
         throw error(errc::invalid_state, fmt::format("kv_cells::unhold: cell {} is not held", i));
     t_->held[i / 64] &= ~bit(i);
+    ext_[i] = cell_ext{};
     if (!seq_[i].empty()) return false;
     make_empty(i);
     return true;
@@ -338,7 +351,8 @@ void kv_cells::pos_set(uint32_t i, pos_t p) {
 }
 
 void kv_cells::ext_set(uint32_t i, cell_ext e) {
-    ext_[check(i)] = e;
+    check_not_held(check(i), "ext_set");  // its slot holds the holder
+    ext_[i] = e;
 }
 
 void kv_cells::seq_add(uint32_t i, seq_id_t s) {

@@ -229,6 +229,43 @@ TEST(kv_cells, broken_preconditions_throw_and_change_nothing) {
     }
 }
 
+TEST(kv_cells, held_cells_outlive_their_sequences_and_record_their_holder) {
+    kv_cells c(8, 2);
+    place(c, 0, 5, {0});
+    place(c, 1, 6, {0, 1});
+    c.hold(0, 7);
+    c.hold(1, 0xfffffffeu);
+    EXPECT_EQ(c.holder(0), 7u);
+    EXPECT_EQ(c.holder(1), 0xfffffffeu);
+    EXPECT_EQ(c.ext_get(0), cell_ext{});  // the holder is not an M-RoPE extension
+    EXPECT_THROW(c.hold(0, 3), error);    // already held
+    EXPECT_THROW(c.ext_set(0, {1, 1}), error);
+    EXPECT_THROW((void)c.pos_add(0, 1), error);  // a held cell does not move
+    EXPECT_THROW((void)c.holder(2), error);
+    place(c, 2, 7, {1});
+    c.ext_set(2, {1, 2});
+    EXPECT_THROW(c.hold(2, 1), error);  // an M-RoPE cell cannot be held
+    // its last sequence leaves: still used, listed as released
+    c.seq_rm_range(0, -1, -1);
+    EXPECT_FALSE(c.is_empty(0));
+    EXPECT_EQ(c.seq_count(0), 0u);
+    ASSERT_EQ(c.released().size(), 1u);
+    EXPECT_EQ(c.released()[0], 0u);
+    // compaction moves the holder with the cell
+    c.mv(0, 3);
+    EXPECT_TRUE(c.is_held(3));
+    EXPECT_EQ(c.holder(3), 7u);
+    EXPECT_FALSE(c.is_held(0));
+    c.validate();
+    // unhold: a cell without sequences empties, one with sequences stays, both without a holder
+    EXPECT_TRUE(c.unhold(3));
+    EXPECT_TRUE(c.is_empty(3));
+    EXPECT_FALSE(c.unhold(1));
+    EXPECT_EQ(c.ext_get(1), cell_ext{});
+    EXPECT_EQ(c.seq_count(1), 1u);
+    c.validate();
+}
+
 TEST(kv_cells, find_free_goes_ring_wise_from_the_hint) {
     kv_cells c(8, 1);
     for (uint32_t i : {1u, 2u, 5u}) place(c, i, static_cast<pos_t>(i), {0});

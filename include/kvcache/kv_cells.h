@@ -11,7 +11,9 @@
 ///  - A used cell may be "held" (by the prefix cache): when its last sequence leaves, it stays used, with
 ///    its position and rows, and is listed in released() instead of becoming empty. Only unhold() (or
 ///    rm, reset) frees it. A held cell cannot be moved by seq_add / seq_div (the cache copies or lets go
-///    of it first).
+///    of it first). It records a 32-bit holder (the prefix cache's block) in the place of its M-RoPE
+///    extension: a held cell has none (a prefix cache needs one position per token), so the prefix cache
+///    costs no memory per cell.
 ///  - Every precondition is checked: a call that breaks one throws kvc::error and changes nothing.
 ///  - Costs: seq_pos_min/max O(1); a sequence's cells in a position range O(log + cells returned) via the
 ///    per-sequence index; range operations on one sequence O(cells touched) plus a memmove of its index;
@@ -85,7 +87,7 @@ public:
     bool get_has_shift() const { return has_shift_; }  ///< some cell has a pending shift
 
     pos_t pos_get(uint32_t i) const { return pos_[check(i)]; }        ///< position of cell i (-1: empty)
-    cell_ext ext_get(uint32_t i) const { return ext_[check(i)]; }     ///< M-RoPE (x, y) of cell i
+    cell_ext ext_get(uint32_t i) const;                               ///< M-RoPE (x, y) of cell i
     pos_t get_shift(uint32_t i) const { return shift_[check(i)]; }    ///< pending shift of cell i
     const seq_set& seqs(uint32_t i) const { return seq_[check(i)]; }  ///< sequences of cell i
     /// Number of sequences of cell i.
@@ -123,7 +125,9 @@ public:
 
     // -- cells held by the prefix cache --
     bool is_held(uint32_t i) const;  ///< cell i is held
-    void hold(uint32_t i);           ///< used cell, not yet held -> held
+    /// Used cell, not yet held, without an M-RoPE extension -> held by `holder`.
+    void hold(uint32_t i, uint32_t holder);
+    uint32_t holder(uint32_t i) const;  ///< the holder of held cell i
     /// held cell -> not held; a cell without sequences becomes empty then (returns true).
     bool unhold(uint32_t i);
     /// Held cells whose last sequence left since clear_released(), in the order they did (a cell may

@@ -28,7 +28,6 @@ struct prefix_tracker {
 struct kv_cache::prefix_state {
     detail::prefix_index index;
     std::vector<prefix_tracker> seqs;  // [n_seq_max]
-    std::vector<uint32_t> owner;       // [n_stream * kv_size] block holding the cell (by row), or none
     std::vector<uint32_t> gen;         // [block ids] generation of each record
     std::vector<seq_id_t> pending;     // sequences that may have full blocks to publish
     prefix_stats stats;
@@ -53,7 +52,6 @@ struct kv_cache::prefix_state {
         : index(p.block_size, n_stream, p.policy,
                 static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * (kv_size / p.block_size))),
           seqs(n_seq_max),
-          owner(size_t{kv_size} * n_stream, detail::prefix_index::none),
           on_event(p.on_event) {}
 
     uint32_t bs() const { return index.block_size(); }
