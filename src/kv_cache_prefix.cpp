@@ -183,7 +183,11 @@ uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
     prefix_state& ps = *prefix_;
     const std::vector<uint32_t> chain = whole_blocks(ps.index, tokens, key);
     uint64_t more = 0;
-    for (uint32_t id : chain) more += ps.index.at(id).pins == 0;
+    for (uint32_t id : chain) {
+        more += ps.index.at(id).pins == 0;
+        if (ps.index.at(id).pins == UINT16_MAX)
+            throw error(errc::invalid_argument, fmt::format("prefix_pin: the prefix is pinned {} times already", UINT16_MAX));
+    }
     const uint64_t bs = ps.bs(), pinned = ps.index.pinned_blocks(0) * bs;
     const auto limit = static_cast<uint64_t>(static_cast<double>(params_.prefix.max_pinned_fraction) *
                                              static_cast<double>(params_.kv_size));
@@ -287,8 +291,7 @@ prefix_stats kv_cache::get_prefix_stats() const {
         st.pinned_cells += prefix_->index.pinned_blocks(s) * prefix_->bs();
     }
     const prefix_state& ps = *prefix_;
-    st.index_bytes = ps.index.bytes() + ps.gen.capacity() * sizeof(uint32_t) +
-                     ps.pending.capacity() * sizeof(seq_id_t);
+    st.index_bytes = ps.index.bytes() + ps.pending.capacity() * sizeof(seq_id_t);
     for (const prefix_tracker& t : ps.seqs)
         st.index_bytes +=
             sizeof(t) + t.toks.capacity() * sizeof(token_t) + t.cells.capacity() * sizeof(uint32_t);
@@ -342,7 +345,6 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
             cells.unhold(c);  // no sequence holds it: empty now
             lower_head(stream, c);
         }
-        ps.forget_record(id);
         ps.index.remove(id);
         ++ps.stats.evicted_blocks;
     }
@@ -535,7 +537,6 @@ void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
         for (uint32_t bc : ps.index.cells(id)) {
             if (cells.unhold(bc)) lower_head(st, bc);
         }
-        ps.forget_record(id);
         ps.index.remove(id);
         ++ps.stats.unpublished_blocks;
     }
@@ -554,7 +555,6 @@ void kv_cache::prefix_forget(seq_id_t seq_id) {
 void kv_cache::prefix_reset() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    for (uint32_t id = 0; id < ps.gen.size(); ++id) ++ps.gen[id];
     if (ps.index.size() > 0) ps.call(prefix_event{.type = prefix_event::kind::cleared});
     ps.index.clear();  // the caller empties the cells
     for (prefix_tracker& t : ps.seqs) t = prefix_tracker{};

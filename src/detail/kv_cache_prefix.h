@@ -28,7 +28,6 @@ struct prefix_tracker {
 struct kv_cache::prefix_state {
     detail::prefix_index index;
     std::vector<prefix_tracker> seqs;  // [n_seq_max]
-    std::vector<uint32_t> gen;         // [block ids] generation of each record
     std::vector<seq_id_t> pending;     // sequences that may have full blocks to publish
     prefix_stats stats;
     std::function<void(const prefix_event&)> on_event;
@@ -37,7 +36,7 @@ struct kv_cache::prefix_state {
     void emit(prefix_event::kind type, uint32_t id) {
         if (!on_event) return;
         const detail::prefix_index::block& b = index.at(id);
-        call({.type = type, .hash = b.hash, .parent_hash = b.seed, .depth = b.depth, .tokens = index.tokens(id)});
+        call({.type = type, .hash = b.hash, .parent_hash = index.seed(id), .depth = b.depth, .tokens = index.tokens(id)});
     }
     void call(const prefix_event& e) {
         if (!on_event) return;
@@ -62,20 +61,11 @@ struct kv_cache::prefix_state {
         t.cells.clear();
     }
     bool tail_alive(const prefix_tracker& t) const {
-        return t.tail == detail::prefix_index::none ||
-               (t.tail < gen.size() && gen[t.tail] == t.tail_gen &&
-                index.at(t.tail).st != detail::prefix_index::state::unused &&
-                index.at(t.tail).st != detail::prefix_index::state::dead);
+        return t.tail == detail::prefix_index::none || index.alive(t.tail, t.tail_gen);
     }
     void set_tail(prefix_tracker& t, uint32_t id) {
         t.tail = id;
-        if (id == detail::prefix_index::none) return;
-        if (gen.size() <= id) gen.resize(id + 1, 0);
-        t.tail_gen = gen[id];
-    }
-    void forget_record(uint32_t id) {  // a record about to be reused: trackers pointing at it are stale
-        if (gen.size() <= id) gen.resize(id + 1, 0);
-        ++gen[id];
+        if (id != detail::prefix_index::none) t.tail_gen = index.at(id).gen;
     }
 };
 

@@ -22,7 +22,7 @@ uint64_t prefix_index::hash_of(uint64_t seed, std::span<const token_t> toks) con
 void prefix_index::table_insert(uint32_t id) {
     if (2 * (uint64_t{n_live_} + 1) > slots_.size()) grow();
     const size_t mask = slots_.size() - 1;
-    size_t i = blocks_[id].hash & mask;
+    size_t i = at(id).hash & mask;
     while (slots_[i] != none) i = (i + 1) & mask;
     slots_[i] = id;
     ++n_live_;
@@ -32,14 +32,14 @@ void prefix_index::table_insert(uint32_t id) {
 // would no longer be reachable from its home slot.
 void prefix_index::table_erase(uint32_t id) {
     const size_t mask = slots_.size() - 1;
-    size_t i = blocks_[id].hash & mask;
+    size_t i = at(id).hash & mask;
     while (slots_[i] != id) {
         assert(slots_[i] != none);
         i = (i + 1) & mask;
     }
     slots_[i] = none;
     for (size_t j = (i + 1) & mask; slots_[j] != none; j = (j + 1) & mask) {
-        const size_t home = blocks_[slots_[j]].hash & mask;
+        const size_t home = at(slots_[j]).hash & mask;
         // slot j's entry may move to the hole at i unless its home lies cyclically in (i, j]
         const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
         if (stays) continue;
@@ -56,25 +56,25 @@ void prefix_index::grow() {
     const size_t mask = slots_.size() - 1;
     for (uint32_t id : old) {
         if (id == none) continue;
-        size_t i = blocks_[id].hash & mask;
+        size_t i = at(id).hash & mask;
         while (slots_[i] != none) i = (i + 1) & mask;
         slots_[i] = id;
     }
 }
 
+// The hash only finds candidates: the parent (a root's key) and the tokens prove the match.
+bool prefix_index::is(uint32_t id, uint64_t h, uint32_t parent, uint64_t key, std::span<const token_t> toks) const {
+    const block& b = at(id);
+    return b.hash == h && b.parent == parent && (parent != none || root_key(id) == key) &&
+           std::memcmp(tokens(id).data(), toks.data(), toks.size_bytes()) == 0;
+}
+
 uint32_t prefix_index::find(uint32_t parent, uint64_t key, std::span<const token_t> toks) const {
     assert(toks.size() == bs_);
-    const uint64_t seed = seed_of(parent, key);
-    const uint64_t h = hash_of(seed, toks);
+    const uint64_t h = hash_of(seed_of(parent, key), toks);
     const size_t mask = slots_.size() - 1;
-    for (size_t i = h & mask; slots_[i] != none; i = (i + 1) & mask) {
-        const uint32_t id = slots_[i];
-        const block& b = blocks_[id];
-        // the hash only finds candidates: the parent (a root's key) and the tokens prove the match
-        if (b.hash == h && b.parent == parent && b.seed == seed &&
-            std::memcmp(tokens(id).data(), toks.data(), toks.size_bytes()) == 0)
-            return id;
-    }
+    for (size_t i = h & mask; slots_[i] != none; i = (i + 1) & mask)
+        if (is(slots_[i], h, parent, key, toks)) return slots_[i];
     return none;
 }
 
@@ -88,31 +88,22 @@ void prefix_index::match(uint64_t key, std::span<const token_t> toks, std::vecto
     constexpr size_t ahead = 4;
     for (size_t j = 0; j < std::min(n, ahead); ++j) __builtin_prefetch(&slots_[h[j] & mask]);
     uint32_t parent = none;
-    seed = key;
     for (size_t j = 0; j < n; ++j) {
         if (j + ahead < n) __builtin_prefetch(&slots_[h[j + ahead] & mask]);
         if (j + 1 < n) {  // the next block's candidates: their records and tokens
             const uint32_t c = slots_[h[j + 1] & mask];
             if (c != none) {
-                __builtin_prefetch(&blocks_[c]);
-                __builtin_prefetch(tokens_.data() + size_t{c} * bs_);
+                __builtin_prefetch(&at(c));
+                __builtin_prefetch(tokens(c).data());
             }
         }
         const std::span<const token_t> t = toks.subspan(j * bs_, bs_);
         uint32_t found = none;
-        for (size_t i = h[j] & mask; slots_[i] != none; i = (i + 1) & mask) {
-            const uint32_t id = slots_[i];
-            const block& b = blocks_[id];
-            if (b.hash == h[j] && b.parent == parent && b.seed == seed &&
-                std::memcmp(tokens(id).data(), t.data(), t.size_bytes()) == 0) {
-                found = id;
-                break;
-            }
-        }
+        for (size_t i = h[j] & mask; slots_[i] != none && found == none; i = (i + 1) & mask)
+            if (is(slots_[i], h[j], parent, key, t)) found = slots_[i];
         if (found == none) return;
         out.push_back(found);
         parent = found;
-        seed = h[j];
     }
 }
 
@@ -124,25 +115,27 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
         id = free_ids_.back();
         free_ids_.pop_back();
     } else {
-        id = static_cast<uint32_t>(blocks_.size());
-        blocks_.emplace_back();
-        tokens_.resize(tokens_.size() + bs_);
-        cells_.resize(cells_.size() + bs_);
+        id = n_records_++;
+        if (id / chunk == chunks_.size())
+            chunks_.push_back({std::make_unique<block[]>(chunk), std::make_unique<token_t[]>(size_t{chunk} * bs_),
+                               std::make_unique<uint32_t[]>(size_t{chunk} * bs_)});
     }
-    block& b = blocks_[id];
+    block& b = rec(id);
+    const uint32_t gen = b.gen;
     b = block{};
-    b.seed = seed_of(parent, key);
-    b.hash = hash_of(b.seed, toks);
+    b.gen = gen;
+    b.hash = hash_of(seed_of(parent, key), toks);
     b.parent = parent;
-    b.held = bs_;
-    b.depth = parent == none ? 0 : blocks_[parent].depth + 1;
+    b.held = static_cast<uint16_t>(bs_);
+    b.depth = parent == none ? 0 : at(parent).depth + 1;
     b.stream = static_cast<uint16_t>(stream);
     b.priority = std::min(priority, prefix_max_priority);
     b.st = state::held;
-    std::copy(toks.begin(), toks.end(), tokens_.begin() + static_cast<ptrdiff_t>(size_t{id} * bs_));
-    std::copy(cells.begin(), cells.end(), cells_.begin() + static_cast<ptrdiff_t>(size_t{id} * bs_));
+    if (parent == none && key != 0) root_keys_[id] = key;
+    std::copy(toks.begin(), toks.end(), chunks_[id / chunk].tokens.get() + size_t{id % chunk} * bs_);
+    std::copy(cells.begin(), cells.end(), chunks_[id / chunk].cells.get() + size_t{id % chunk} * bs_);
     if (parent != none) {
-        block& p = blocks_[parent];
+        block& p = rec(parent);
         ++p.n_children;
         // an evictable parent now waits for its child (a chain is never cut from its root)
         if (p.st == state::queued) {
@@ -167,13 +160,13 @@ uint32_t prefix_index::next_level(const stream_queues& q, uint32_t from, bool pr
 }
 
 void prefix_index::push_back(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     stream_queues& sq = streams_[b.stream];
     const uint32_t l = level_of(b);
     queue& q = sq.levels[l];
     b.prev = q.tail;
     b.next = none;
-    (q.tail == none ? q.head : blocks_[q.tail].next) = id;
+    (q.tail == none ? q.head : rec(q.tail).next) = id;
     q.tail = id;
     sq.nonempty[l / 64] |= uint64_t{1} << (l % 64);
     sq.n_protected += b.segment;
@@ -181,13 +174,13 @@ void prefix_index::push_back(uint32_t id) {
 }
 
 void prefix_index::push_front(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     stream_queues& sq = streams_[b.stream];
     const uint32_t l = level_of(b);
     queue& q = sq.levels[l];
     b.next = q.head;
     b.prev = none;
-    (q.head == none ? q.tail : blocks_[q.head].prev) = id;
+    (q.head == none ? q.tail : rec(q.head).prev) = id;
     q.head = id;
     sq.nonempty[l / 64] |= uint64_t{1} << (l % 64);
     sq.n_protected += b.segment;
@@ -195,12 +188,12 @@ void prefix_index::push_front(uint32_t id) {
 }
 
 void prefix_index::unlink(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     stream_queues& sq = streams_[b.stream];
     const uint32_t l = level_of(b);
     queue& q = sq.levels[l];
-    (b.prev == none ? q.head : blocks_[b.prev].next) = b.next;
-    (b.next == none ? q.tail : blocks_[b.next].prev) = b.prev;
+    (b.prev == none ? q.head : rec(b.prev).next) = b.next;
+    (b.next == none ? q.tail : rec(b.next).prev) = b.prev;
     b.prev = b.next = none;
     if (q.head == none) sq.nonempty[l / 64] &= ~(uint64_t{1} << (l % 64));
     sq.n_protected -= b.segment;
@@ -214,15 +207,15 @@ void prefix_index::demote_protected(uint32_t stream) {
         assert(l < n_levels);
         const uint32_t id = sq.levels[l].head;
         unlink(id);
-        blocks_[id].segment = 0;
-        blocks_[id].hits = 0;  // back in protection only after another hit
+        rec(id).segment = 0;
+        rec(id).hit = 0;  // back in protection only after another hit
         push_back(id);
     }
 }
 
 void prefix_index::make_evictable(uint32_t id) {
-    block& b = blocks_[id];
-    if (policy_ == evict_policy::slru && b.hits > 0) b.segment = 1;  // stays until demoted
+    block& b = rec(id);
+    if (policy_ == evict_policy::slru && b.hit) b.segment = 1;  // stays until demoted
     if (b.n_children > 0) {
         b.st = state::waiting;
         return;
@@ -232,32 +225,32 @@ void prefix_index::make_evictable(uint32_t id) {
 }
 
 void prefix_index::make_held(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     if (b.st == state::queued) unlink(id);
     b.st = state::held;
 }
 
 void prefix_index::acquire(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     assert(b.held < bs_);
     if (b.held++ == 0 && b.pins == 0) make_held(id);
 }
 
 void prefix_index::release(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     assert(b.held > 0 && b.st == state::held);
     if (--b.held == 0 && b.pins == 0) make_evictable(id);
 }
 
 void prefix_index::pin(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     if (b.pins++ > 0) return;
     ++streams_[b.stream].n_pinned;
     if (b.held == 0) make_held(id);
 }
 
 void prefix_index::unpin(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     assert(b.pins > 0);
     if (--b.pins > 0) return;
     --streams_[b.stream].n_pinned;
@@ -265,12 +258,11 @@ void prefix_index::unpin(uint32_t id) {
 }
 
 void prefix_index::hit(uint32_t id) {
-    block& b = blocks_[id];
-    if (b.hits < UINT16_MAX) ++b.hits;
+    rec(id).hit = 1;
 }
 
 void prefix_index::set_priority(uint32_t id, uint8_t priority) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     priority = std::min(priority, prefix_max_priority);
     if (b.priority == priority) return;
     const bool queued = b.st == state::queued;
@@ -281,7 +273,7 @@ void prefix_index::set_priority(uint32_t id, uint8_t priority) {
 
 void prefix_index::requeue(std::span<const uint32_t> ids) {
     for (uint32_t id : ids)
-        if (blocks_[id].st == state::queued) {
+        if (rec(id).st == state::queued) {
             unlink(id);
             push_back(id);
         }
@@ -303,14 +295,14 @@ bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32
         // the ready parent of the lowest level (the last readied among equals), if not above the walk's
         auto best = ready.end();
         for (auto it = ready.begin(); it != ready.end(); ++it)
-            if (best == ready.end() || level_of(blocks_[*it]) <= level_of(blocks_[*best])) best = it;
+            if (best == ready.end() || level_of(at(*it)) <= level_of(at(*best))) best = it;
         uint32_t id;
-        if (best != ready.end() && level_of(blocks_[*best]) <= level) {
+        if (best != ready.end() && level_of(at(*best)) <= level) {
             id = *best;
             ready.erase(best);
         } else if (cur != none) {
             id = cur;
-            cur = blocks_[cur].next;
+            cur = at(cur).next;
             if (cur == none) {
                 level = next_level(sq, level + 1);
                 cur = level < n_levels ? sq.levels[level].head : none;
@@ -322,11 +314,11 @@ bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32
         if (!keep.empty() && std::binary_search(keep.begin(), keep.end(), id)) continue;  // nor its parent
         out.push_back(id);
         got += bs_;
-        const uint32_t p = blocks_[id].parent;
+        const uint32_t p = at(id).parent;
         // a parent in another stream (chains cross streams) joins its own queue once the child is gone
-        if (p == none || blocks_[p].st != state::waiting || blocks_[p].stream != stream) continue;
+        if (p == none || at(p).st != state::waiting || at(p).stream != stream) continue;
         auto it = std::find_if(left.begin(), left.end(), [p](const auto& e) { return e.first == p; });
-        if (it == left.end()) it = left.insert(left.end(), {p, blocks_[p].n_children});
+        if (it == left.end()) it = left.insert(left.end(), {p, at(p).n_children});
         if (--it->second == 0) ready.push_back(p);
     }
     return true;
@@ -335,13 +327,16 @@ bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32
 // -- removal --
 
 void prefix_index::free_record(uint32_t id) {
-    blocks_[id] = block{};
+    const uint32_t gen = rec(id).gen;
+    rec(id) = block{};
+    rec(id).gen = gen;
+    root_keys_.erase(id);
     free_ids_.push_back(id);
 }
 
 void prefix_index::child_gone(uint32_t parent) {
     while (parent != none) {
-        block& p = blocks_[parent];
+        block& p = rec(parent);
         assert(p.n_children > 0);
         if (--p.n_children > 0) return;
         if (p.st == state::waiting) {
@@ -356,8 +351,9 @@ void prefix_index::child_gone(uint32_t parent) {
 }
 
 void prefix_index::remove(uint32_t id) {
-    block& b = blocks_[id];
+    block& b = rec(id);
     assert(b.st != state::unused && b.st != state::dead);
+    ++b.gen;  // references to it are stale from now on
     if (b.st == state::queued) unlink(id);
     if (b.pins > 0) --streams_[b.stream].n_pinned;
     table_erase(id);
@@ -372,9 +368,9 @@ void prefix_index::remove(uint32_t id) {
 }
 
 void prefix_index::clear() {
-    blocks_.clear();
-    tokens_.clear();
-    cells_.clear();
+    chunks_.clear();
+    n_records_ = 0;
+    root_keys_.clear();
     free_ids_.clear();
     slots_.assign(64, none);
     n_live_ = 0;
@@ -382,8 +378,10 @@ void prefix_index::clear() {
 }
 
 size_t prefix_index::bytes() const {
-    return blocks_.capacity() * sizeof(block) + tokens_.capacity() * sizeof(token_t) +
-           cells_.capacity() * sizeof(uint32_t) + free_ids_.capacity() * sizeof(uint32_t) +
+    constexpr size_t node = sizeof(std::pair<const uint32_t, uint64_t>) + 2 * sizeof(void*);  // a map entry
+    return chunks_.size() * (chunk * (sizeof(block) + bs_ * (sizeof(token_t) + sizeof(uint32_t)))) +
+           chunks_.capacity() * sizeof(chunk_data) + root_keys_.size() * node +
+           root_keys_.bucket_count() * sizeof(void*) + free_ids_.capacity() * sizeof(uint32_t) +
            slots_.capacity() * sizeof(uint32_t);
 }
 

@@ -17,7 +17,9 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include <kvcache/prefix_cache.h>
@@ -31,32 +33,46 @@ public:
     static constexpr uint32_t n_levels = 2 * (prefix_max_priority + 1);
     enum class state : uint8_t { unused, held, queued, waiting, dead };
 
+    // 40 bytes: the index costs ~2.5 bytes per token of 16-token blocks for its records.
     struct block {
-        uint64_t hash = 0;
-        uint64_t seed = 0;  // the parent's hash; a root's key
+        uint64_t hash = 0;      // chained: XXH3 of the tokens seeded with the parent's hash (a root's key)
         uint32_t parent = none;
-        uint32_t prev = none;  // eviction queue links
+        uint32_t depth = 0;     // its tokens are at positions [depth * block_size, + block_size)
+        uint32_t prev = none;   // eviction queue links
         uint32_t next = none;
         uint32_t n_children = 0;
-        uint32_t held = 0;  // cells with at least one sequence
-        uint32_t pins = 0;
-        uint32_t depth = 0;  // its tokens are at positions [depth * block_size, + block_size)
+        uint32_t gen = 0;       // bumped when it leaves the table: a reference (id, gen) is then stale
+        uint16_t held = 0;      // cells with at least one sequence
+        uint16_t pins = 0;
         uint16_t stream = 0;
-        uint16_t hits = 0;  // attaches that reused it since it last left protection (saturating)
         uint8_t priority = prefix_default_priority;
-        uint8_t segment = 0;  // 1: protected (SLRU)
-        state st = state::unused;
+        uint8_t segment : 1 = 0;  // 1: protected (SLRU)
+        uint8_t hit : 1 = 0;      // attached since it last left protection
+        state st : 3 = state::unused;
     };
 
     // max_protected: queued protected blocks per stream (SLRU); ignored by LRU.
     prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected);
 
     uint32_t block_size() const { return bs_; }
-    uint32_t size() const { return n_live_; }  // blocks in the table
-    const block& at(uint32_t id) const { return blocks_[id]; }
-    std::span<const token_t> tokens(uint32_t id) const { return {tokens_.data() + size_t{id} * bs_, bs_}; }
-    std::span<const uint32_t> cells(uint32_t id) const { return {cells_.data() + size_t{id} * bs_, bs_}; }
-    void set_cell(uint32_t id, uint32_t j, uint32_t cell) { cells_[size_t{id} * bs_ + j] = cell; }
+    uint32_t size() const { return n_live_; }          // blocks in the table
+    uint32_t records() const { return n_records_; }    // ids in use or free: [0, records())
+    const block& at(uint32_t id) const { return chunks_[id / chunk].blocks[id % chunk]; }
+    std::span<const token_t> tokens(uint32_t id) const {
+        return {chunks_[id / chunk].tokens.get() + size_t{id % chunk} * bs_, bs_};
+    }
+    std::span<const uint32_t> cells(uint32_t id) const {
+        return {chunks_[id / chunk].cells.get() + size_t{id % chunk} * bs_, bs_};
+    }
+    void set_cell(uint32_t id, uint32_t j, uint32_t cell) {
+        chunks_[id / chunk].cells[size_t{id % chunk} * bs_ + j] = cell;
+    }
+    // The seed of its hash: the parent's hash, or a root's key.
+    uint64_t seed(uint32_t id) const { return seed_of(at(id).parent, root_key(id)); }
+    // A block is alive while it is in the table; (id, gen) names one life of a record.
+    bool alive(uint32_t id, uint32_t gen) const {
+        return id < n_records_ && at(id).gen == gen && at(id).st != state::unused && at(id).st != state::dead;
+    }
     uint32_t pinned_blocks(uint32_t stream) const { return streams_[stream].n_pinned; }
 
     // The block after `parent` (none: a root of `key`) holding exactly `toks` (block_size tokens).
@@ -108,10 +124,22 @@ private:
         uint32_t n_pinned = 0;
     };
 
+    // Records, tokens and cells in chunks: growth copies nothing and wastes at most one chunk.
+    static constexpr uint32_t chunk = 1024;
+    struct chunk_data {
+        std::unique_ptr<block[]> blocks;
+        std::unique_ptr<token_t[]> tokens;  // [chunk * bs]
+        std::unique_ptr<uint32_t[]> cells;  // [chunk * bs]
+    };
+    block& rec(uint32_t id) { return chunks_[id / chunk].blocks[id % chunk]; }
     uint64_t hash_of(uint64_t seed, std::span<const token_t> toks) const;
-    uint64_t seed_of(uint32_t parent, uint64_t key) const {
-        return parent == none ? key : blocks_[parent].hash;
+    uint64_t seed_of(uint32_t parent, uint64_t key) const { return parent == none ? key : at(parent).hash; }
+    uint64_t root_key(uint32_t id) const {
+        const auto it = root_keys_.find(id);
+        return it == root_keys_.end() ? 0 : it->second;
     }
+    // The block is the one after `parent` (a root of `key`) holding `toks`, whose hash is h.
+    bool is(uint32_t id, uint64_t h, uint32_t parent, uint64_t key, std::span<const token_t> toks) const;
     static uint32_t level_of(const block& b) { return 2u * b.priority + b.segment; }
     // The lowest non-empty level >= from (of protected levels only: odd), or n_levels.
     static uint32_t next_level(const stream_queues& q, uint32_t from, bool protected_only = false);
@@ -130,9 +158,9 @@ private:
     uint32_t bs_;
     evict_policy policy_;
     uint32_t max_protected_;
-    std::vector<block> blocks_;
-    std::vector<token_t> tokens_;  // [blocks * bs]
-    std::vector<uint32_t> cells_;  // [blocks * bs]
+    std::vector<chunk_data> chunks_;
+    uint32_t n_records_ = 0;
+    std::unordered_map<uint32_t, uint64_t> root_keys_;  // key of each root with a non-zero key
     std::vector<uint32_t> free_ids_;
     std::vector<uint32_t> slots_;  // open addressing by hash, linear probing; none = empty
     uint32_t n_live_ = 0;
