@@ -543,8 +543,8 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     check_seq(dst, "seq_cp");
     if (src == dst) return;
     const uint32_t ss = seq_to_stream(src), sd = seq_to_stream(dst);
-    prefix_before_cp(src, dst, p0, p1);
     if (ss == sd) {
+        prefix_before_cp(src, dst, p0, p1);
         streams_[ss].seq_cp_range(src, dst, p0, p1);
         return;
     }
@@ -559,6 +559,7 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         throw error(errc::invalid_state,
                     fmt::format("seq_cp: stream {} of seq {} has {} free cells, {} needed", sd, dst,
                                 to.size() - to.get_used(), entries.size()));
+    prefix_before_cp(src, dst, p0, p1);  // after the only check that can fail
     std::vector<row_copy> copies(entries.size());
     for (size_t k = 0; k < entries.size(); ++k) {
         const uint32_t c_src = entries[k].second, c_dst = free[k];

@@ -153,6 +153,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     t = prefix_tracker{};
     t.key = key;
     t.priority = priority;
+    if (key != 0) t.prompt.assign(tokens.begin(), tokens.end());  // what embeddings at [n, size) stand for
     t.n_full = n / bs;
     ps.set_tail(t, t.n_full == 0 ? none : chain[t.n_full - 1]);
     for (uint32_t p = t.n_full * bs; p < n; ++p) {
@@ -293,8 +294,8 @@ prefix_stats kv_cache::get_prefix_stats() const {
     const prefix_state& ps = *prefix_;
     st.index_bytes = ps.index.bytes() + ps.pending.capacity() * sizeof(seq_id_t);
     for (const prefix_tracker& t : ps.seqs)
-        st.index_bytes +=
-            sizeof(t) + t.toks.capacity() * sizeof(token_t) + t.cells.capacity() * sizeof(uint32_t);
+        st.index_bytes += sizeof(t) + (t.toks.capacity() + t.prompt.capacity()) * sizeof(token_t) +
+                          t.cells.capacity() * sizeof(uint32_t);
     return st;
 }
 
@@ -303,18 +304,22 @@ prefix_stats kv_cache::get_prefix_stats() const {
 void kv_cache::prefix_record(const slot_info& sinfo, const ubatch& ub) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    const bool tokens = !ub.token.empty() && ub.n_pos == 1;
+    const bool tokens = !ub.token.empty();
     uint32_t i = 0;
     for (size_t k = 0; k < sinfo.n_stream(); ++k)
         for (uint32_t c : sinfo.idxs[k]) {
             for (seq_id_t s : ub.seq_ids(i)) {
                 prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
                 if (!t.active) continue;
-                if (!tokens || ub.pos[i] != ps.next(t)) {  // embeddings, or not in order from 0
+                const pos_t p = ub.pos[i];
+                // embeddings count as the attached prompt's tokens at their positions when the engine
+                // named their content with a key (e.g. an image's hash); else they end publishing
+                const bool known = tokens || (t.key != 0 && static_cast<size_t>(p) < t.prompt.size());
+                if (!known || p != ps.next(t)) {  // unknown content, or not in order from 0
                     ps.stop(t);
                     continue;
                 }
-                t.toks.push_back(ub.token[i]);
+                t.toks.push_back(tokens ? ub.token[i] : t.prompt[static_cast<size_t>(p)]);
                 t.cells.push_back(c);
                 if (t.toks.size() == ps.bs()) ps.pending.push_back(s);  // at most once per block run
             }

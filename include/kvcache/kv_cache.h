@@ -169,7 +169,8 @@ public:
 
     // -- prefix cache (params().prefix.enabled; docs/prefix-cache.md) --
     /// Tokens of `tokens` that prefix_attach would give a sequence now: the longest cached prefix in
-    /// whole blocks, at most tokens.size() - 1 (the engine still computes the last token's logits).
+    /// whole blocks, at most tokens.size() - 1 (the engine still computes the last token's logits). With
+    /// one stream per sequence, an attach gets less when its stream has no room for the copies.
     /// Changes no sequence and no cell (it counts a lookup, and publishes the blocks the previous step
     /// computed). `key` separates namespaces (model revision, adapter, tenant): only blocks published
     /// under the same key match. Throws kvc::error(unsupported) without a prefix cache.

@@ -23,6 +23,7 @@ struct prefix_tracker {
     uint32_t n_full = 0;          // chain blocks: positions [0, n_full * block_size)
     std::vector<token_t> toks;    // positions [n_full * block_size, next())
     std::vector<uint32_t> cells;  // their cells
+    std::vector<token_t> prompt;  // with a key: the attached prompt, which embeddings fed later stand for
 };
 
 struct kv_cache::prefix_state {
@@ -59,6 +60,7 @@ struct kv_cache::prefix_state {
         t.active = false;
         t.toks.clear();
         t.cells.clear();
+        t.prompt = {};
     }
     bool tail_alive(const prefix_tracker& t) const {
         return t.tail == detail::prefix_index::none || index.alive(t.tail, t.tail_gen);
