@@ -578,9 +578,7 @@ void kv_cache::seq_keep(seq_id_t seq_id) {
     check_seq(seq_id, "seq_keep");
     const uint32_t keep = seq_to_stream(seq_id);
     for (uint32_t s = 0; s < streams_.size(); ++s) {
-        if (s == keep) {
-            lower_head(s, streams_[s].seq_keep_all(seq_id));
-        } else if (prefix_) {  // other sequences leave; the prefix cache's cells stay cached
+        if (s == keep || prefix_) {  // with a prefix cache, other streams keep their cached cells
             lower_head(s, streams_[s].seq_keep_all(seq_id));
         } else if (streams_[s].get_used() > 0) {  // design D9: other streams hold only other sequences
             streams_[s].reset();

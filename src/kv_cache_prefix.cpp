@@ -23,7 +23,8 @@ void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) 
     if (n_stream > 65536) bad(fmt::format("the prefix cache allows at most 65536 streams, not {}", n_stream));
     if (p.swa != swa_type::none)
         bad(fmt::format("the prefix cache needs no sliding window, not {}", to_string(p.swa)));
-    if (p.n_pos != 1) bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
+    if (p.n_pos != 1)
+        bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
     if (q.block_size == 0 || q.block_size > p.kv_size || p.kv_size % q.block_size != 0)
         bad(fmt::format("prefix block_size {} must divide kv_size {}", q.block_size, p.kv_size));
     if (q.policy != evict_policy::lru && q.policy != evict_policy::slru)
@@ -166,7 +167,8 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
 
 size_t kv_cache::cell_bytes() const {
     size_t b = 0;
-    for (uint32_t li = 0; li < layer_ids_.size(); ++li) b += storage_->k_row_bytes(li) + storage_->v_row_bytes(li);
+    for (uint32_t li = 0; li < layer_ids_.size(); ++li)
+        b += storage_->k_row_bytes(li) + storage_->v_row_bytes(li);
     return b;
 }
 
@@ -187,7 +189,8 @@ uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
     for (uint32_t id : chain) {
         more += ps.index.at(id).pins == 0;
         if (ps.index.at(id).pins == UINT16_MAX)
-            throw error(errc::invalid_argument, fmt::format("prefix_pin: the prefix is pinned {} times already", UINT16_MAX));
+            throw error(errc::invalid_argument,
+                        fmt::format("prefix_pin: the prefix is pinned {} times already", UINT16_MAX));
     }
     const uint64_t bs = ps.bs(), pinned = ps.index.pinned_blocks(0) * bs;
     const auto limit = static_cast<uint64_t>(static_cast<double>(params_.prefix.max_pinned_fraction) *
@@ -369,7 +372,8 @@ bool kv_cache::prefix_make_room_for(std::span<const ubatch> ubatches) {
         for (uint32_t i = 0; i < ub.n_tokens; ++i)
             for (seq_id_t s : ub.seq_ids(i)) {
                 const uint32_t st = seq_to_stream(s);
-                auto it = std::find_if(need.begin(), need.end(), [st](const auto& e) { return e.first == st; });
+                auto it =
+                    std::find_if(need.begin(), need.end(), [st](const auto& e) { return e.first == st; });
                 if (it == need.end()) it = need.insert(need.end(), {st, 0});
                 ++it->second;
             }
@@ -450,7 +454,7 @@ void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
         t.toks.assign(toks.begin(), toks.begin() + rem);
         t.cells.clear();
         for (const auto& e : streams_[seq_to_stream(s)].seq_entries(s, static_cast<pos_t>(t.n_full * bs),
-                                                                   static_cast<pos_t>(keep)))
+                                                                    static_cast<pos_t>(keep)))
             t.cells.push_back(e.second);
         if (t.cells.size() != t.toks.size()) ps.stop(t);  // a position held twice: not a plain prefix
     };

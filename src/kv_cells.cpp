@@ -314,7 +314,8 @@ void kv_cells::hold(uint32_t i, uint32_t holder) {
 }
 
 uint32_t kv_cells::holder(uint32_t i) const {
-    if (!held(check(i))) throw error(errc::invalid_state, fmt::format("kv_cells::holder: cell {} is not held", i));
+    if (!held(check(i)))
+        throw error(errc::invalid_state, fmt::format("kv_cells::holder: cell {} is not held", i));
     return static_cast<uint32_t>(ext_[i].x);
 }
 

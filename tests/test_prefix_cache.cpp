@@ -273,7 +273,8 @@ TEST(prefix_cache, tokens_outside_the_vocabulary_and_bad_sizes_are_errors) {
         kv_cache c{p};
         FAIL() << "block_size 5 accepted";
     } catch (const error& x) {
-        EXPECT_NE(std::string(x.what()).find("block_size 5 must divide kv_size 64"), std::string::npos) << x.what();
+        EXPECT_NE(std::string(x.what()).find("block_size 5 must divide kv_size 64"), std::string::npos)
+            << x.what();
     }
     p = prefix_params(64, 2);
     p.prefix.max_pinned_fraction = 1.5f;
@@ -439,7 +440,10 @@ TEST(prefix_cache, events_let_a_router_mirror_the_index) {
     p.prefix.on_event = [&](const prefix_event& ev) {
         switch (ev.type) {
             case prefix_event::kind::stored:
-                ASSERT_TRUE(mirror.emplace(ev.hash, std::pair(ev.parent_hash, std::vector(ev.tokens.begin(), ev.tokens.end()))).second);
+                ASSERT_TRUE(mirror
+                                .emplace(ev.hash, std::pair(ev.parent_hash,
+                                                            std::vector(ev.tokens.begin(), ev.tokens.end())))
+                                .second);
                 break;
             case prefix_event::kind::removed:
                 ASSERT_EQ(mirror.erase(ev.hash), 1u);
@@ -504,7 +508,8 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
     std::set<std::vector<token_t>> may_hit;  // block-aligned prefixes decoded since the index last emptied
     const auto decoded = [&](seq_id_t s) {
         const auto& h = e.seqs[static_cast<size_t>(s)];
-        for (size_t n = bs; n <= h.size(); n += bs) may_hit.emplace(h.begin(), h.begin() + static_cast<ptrdiff_t>(n));
+        for (size_t n = bs; n <= h.size(); n += bs)
+            may_hit.emplace(h.begin(), h.begin() + static_cast<ptrdiff_t>(n));
     };
     std::vector<std::vector<uint32_t>> pins(4);  // per system prompt: the tokens each of its pins covered
     uint64_t n_pinned = 0;
@@ -525,7 +530,8 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
             const uint32_t n = e.c.prefix_attach(s, prompt, 0, static_cast<uint8_t>(rng() % 101));
             h.assign(prompt.begin(), prompt.begin() + n);
             const size_t covered = (n + bs - 1) / bs * bs;  // the whole blocks the hit came from
-            ASSERT_TRUE(n == 0 || may_hit.count({prompt.begin(), prompt.begin() + static_cast<ptrdiff_t>(covered)}))
+            ASSERT_TRUE(n == 0 ||
+                        may_hit.count({prompt.begin(), prompt.begin() + static_cast<ptrdiff_t>(covered)}))
                 << "a hit of " << n << " tokens no sequence decoded";
             hits += n;
             ASSERT_NO_FATAL_FAILURE(e.check(s));
@@ -614,14 +620,15 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
                 }
         }
         for (seq_id_t q = 0; q < 4; ++q)
-            ASSERT_NO_FATAL_FAILURE(e.check(q))
-                << "op " << op << " kind " << what << " seq " << s << " cells " << e.c.cells(e.stream(q)).picture();
+            ASSERT_NO_FATAL_FAILURE(e.check(q)) << "op " << op << " kind " << what << " seq " << s
+                                                << " cells " << e.c.cells(e.stream(q)).picture();
         ASSERT_NO_FATAL_FAILURE(e.check_cells()) << "op " << op;
         for (size_t k = 0; k < systems.size(); ++k) {
             if (pins[k].empty()) continue;
             const uint32_t want = std::min<uint32_t>(*std::max_element(pins[k].begin(), pins[k].end()),
                                                      static_cast<uint32_t>(systems[k].size() - 1));
-            ASSERT_GE(e.c.prefix_lookup(systems[k]), want) << "op " << op << ": pinned prefix " << k << " lost";
+            ASSERT_GE(e.c.prefix_lookup(systems[k]), want)
+                << "op " << op << ": pinned prefix " << k << " lost";
         }
     }
     EXPECT_GT(hits, uint64_t(n_ops) / 10) << "the test must exercise hits";

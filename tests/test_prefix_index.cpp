@@ -71,7 +71,8 @@ struct oracle {
     uint32_t next_victim(uint32_t stream) const {
         uint32_t best = none;
         for (const auto& [id, x] : b)
-            if (x.queued && x.stream == stream && (best == none || std::pair(level(x), x.t) < std::pair(level(b.at(best)), b.at(best).t)))
+            if (x.queued && x.stream == stream &&
+                (best == none || std::pair(level(x), x.t) < std::pair(level(b.at(best)), b.at(best).t)))
                 best = id;
         return best;
     }
@@ -112,10 +113,10 @@ std::string dump(const oracle& o) {
 void check_states(const prefix_index& ix, const oracle& o) {
     for (const auto& [id, x] : o.b) {
         const auto& blk = ix.at(id);
-        const state want = !x.alive                ? state::dead
-                           : x.held > 0 || x.pins  ? state::held
-                           : x.queued              ? state::queued
-                                                   : state::waiting;
+        const state want = !x.alive               ? state::dead
+                           : x.held > 0 || x.pins ? state::held
+                           : x.queued             ? state::queued
+                                                  : state::waiting;
         ASSERT_EQ(static_cast<int>(blk.st), static_cast<int>(want)) << "block " << id;
         ASSERT_EQ(blk.priority, x.priority) << "block " << id;
         if (x.alive && (x.queued || want == state::waiting)) {
@@ -202,7 +203,8 @@ void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
             ix.requeue(ids);
             for (uint32_t id : ids) o.b[id].t = ++o.clock;
         } else if (what < 75) {  // a sequence edit unpublishes a block only it holds
-            const uint32_t id = pick([](const oracle::blk& x) { return x.alive && x.held > 0 && x.pins == 0; });
+            const uint32_t id =
+                pick([](const oracle::blk& x) { return x.alive && x.held > 0 && x.pins == 0; });
             if (id == none) continue;
             ix.remove(id);
             o.remove(id);
@@ -283,7 +285,8 @@ TEST(prefix_index, slru_keeps_blocks_that_were_hit_through_a_scan) {
         ix.hit(hot);
         for (uint32_t j = 0; j < bs; ++j) ix.release(hot);
         for (token_t t = 2; t < 6; ++t) {
-            const uint32_t id = ix.add(none, 0, std::vector<token_t>{t, t}, cells, 0, prefix_default_priority);
+            const uint32_t id =
+                ix.add(none, 0, std::vector<token_t>{t, t}, cells, 0, prefix_default_priority);
             for (uint32_t j = 0; j < bs; ++j) ix.release(id);
         }
         std::vector<uint32_t> plan;

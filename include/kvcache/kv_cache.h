@@ -243,7 +243,7 @@ private:
 
     // -- prefix cache hooks (no-ops without one) --
     static void check_prefix_params(const kv_cache_params& p, uint32_t n_stream);
-    void prefix_init();                                            // params_.prefix checked
+    void prefix_init();  // params_.prefix checked
     void check_prefix_tokens(std::span<const token_t> tokens, const char* what) const;
     size_t cell_bytes() const;  // K and V bytes of one cell over every layer
     void prefix_record(const slot_info& sinfo, const ubatch& ub);  // tokens a real apply placed

@@ -68,8 +68,8 @@ KVC_API kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, con
 /// @param out Receives the tokens pinned.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or when the pinned cells would exceed
 /// prefix.max_pinned_fraction of the cache (nothing changes); #KVC_ERR_UNSUPPORTED without a prefix cache.
-KVC_API kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
-                                         uint32_t* out) KVC_NOEXCEPT;
+KVC_API kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
+                                         uint64_t key, uint32_t* out) KVC_NOEXCEPT;
 
 /// @brief Undoes one kvc_memory_prefix_pin() of the same prefix.
 /// @param mem A KV cache with a prefix cache.
@@ -91,7 +91,8 @@ KVC_API kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* token
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a priority above 100;
 /// #KVC_ERR_UNSUPPORTED without a prefix cache.
 KVC_API kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
-                                                  uint64_t key, uint32_t priority, uint32_t* out) KVC_NOEXCEPT;
+                                                  uint64_t key, uint32_t priority,
+                                                  uint32_t* out) KVC_NOEXCEPT;
 
 /// @brief Publishes now the blocks completed by the ubatches applied so far (the next batch, lookup or
 /// attach does it anyway); call it after computing them, e.g. before ending a request.

@@ -73,10 +73,10 @@ struct prefix_stats {
     uint64_t bytes_copied = 0;        ///< K/V bytes attaches and edits of shared cells copied
     uint64_t event_errors = 0;        ///< exceptions thrown by on_event (caught)
     uint32_t blocks = 0;              ///< blocks in the index now
-    uint32_t cached_cells = 0;        ///< cells held by the index and by no sequence (evictable unless pinned)
-    uint32_t shared_cells = 0;        ///< cells held by the index and by sequences
-    uint32_t pinned_cells = 0;        ///< cells of pinned blocks
-    uint32_t free_cells = 0;          ///< empty cells
+    uint32_t cached_cells = 0;  ///< cells held by the index and by no sequence (evictable unless pinned)
+    uint32_t shared_cells = 0;  ///< cells held by the index and by sequences
+    uint32_t pinned_cells = 0;  ///< cells of pinned blocks
+    uint32_t free_cells = 0;    ///< empty cells
     /// Memory of the index: block records, their tokens and cells, the hash table, the per-cell owner
     /// map and the sequences' trackers.
     size_t index_bytes = 0;

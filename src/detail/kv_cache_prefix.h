@@ -37,7 +37,11 @@ struct kv_cache::prefix_state {
     void emit(prefix_event::kind type, uint32_t id) {
         if (!on_event) return;
         const detail::prefix_index::block& b = index.at(id);
-        call({.type = type, .hash = b.hash, .parent_hash = index.seed(id), .depth = b.depth, .tokens = index.tokens(id)});
+        call({.type = type,
+              .hash = b.hash,
+              .parent_hash = index.seed(id),
+              .depth = b.depth,
+              .tokens = index.tokens(id)});
     }
     void call(const prefix_event& e) {
         if (!on_event) return;
@@ -50,7 +54,8 @@ struct kv_cache::prefix_state {
 
     prefix_state(const prefix_cache_params& p, uint32_t kv_size, uint32_t n_stream, uint32_t n_seq_max)
         : index(p.block_size, n_stream, p.policy,
-                static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * (kv_size / p.block_size))),
+                static_cast<uint32_t>(static_cast<double>(p.protected_fraction) *
+                                      static_cast<double>(kv_size / p.block_size))),
           seqs(n_seq_max),
           on_event(p.on_event) {}
 

@@ -8,7 +8,8 @@
 
 namespace kvc::detail {
 
-prefix_index::prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected)
+prefix_index::prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy,
+                           uint32_t max_protected)
     : bs_(block_size), policy_(policy), max_protected_(max_protected), streams_(n_stream) {
     slots_.assign(64, none);
 }
@@ -63,7 +64,8 @@ void prefix_index::grow() {
 }
 
 // The hash only finds candidates: the parent (a root's key) and the tokens prove the match.
-bool prefix_index::is(uint32_t id, uint64_t h, uint32_t parent, uint64_t key, std::span<const token_t> toks) const {
+bool prefix_index::is(uint32_t id, uint64_t h, uint32_t parent, uint64_t key,
+                      std::span<const token_t> toks) const {
     const block& b = at(id);
     return b.hash == h && b.parent == parent && (parent != none || root_key(id) == key) &&
            std::memcmp(tokens(id).data(), toks.data(), toks.size_bytes()) == 0;
@@ -117,7 +119,8 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
     } else {
         id = n_records_++;
         if (id / chunk == chunks_.size())
-            chunks_.push_back({std::make_unique<block[]>(chunk), std::make_unique<token_t[]>(size_t{chunk} * bs_),
+            chunks_.push_back({std::make_unique<block[]>(chunk),
+                               std::make_unique<token_t[]>(size_t{chunk} * bs_),
                                std::make_unique<uint32_t[]>(size_t{chunk} * bs_)});
     }
     block& b = rec(id);
@@ -280,7 +283,7 @@ void prefix_index::requeue(std::span<const uint32_t> ids) {
 }
 
 bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out,
-                                  std::span<const uint32_t> keep) const {
+                                 std::span<const uint32_t> keep) const {
     // Walk the levels lowest first, each queue oldest first. A waiting parent whose children all go in
     // the plan joins the head of its level's queue then (as child_gone does), so it goes next unless a
     // lower level still has blocks.

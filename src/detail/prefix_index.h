@@ -35,14 +35,14 @@ public:
 
     // 40 bytes: the index costs ~2.5 bytes per token of 16-token blocks for its records.
     struct block {
-        uint64_t hash = 0;      // chained: XXH3 of the tokens seeded with the parent's hash (a root's key)
+        uint64_t hash = 0;  // chained: XXH3 of the tokens seeded with the parent's hash (a root's key)
         uint32_t parent = none;
-        uint32_t depth = 0;     // its tokens are at positions [depth * block_size, + block_size)
-        uint32_t prev = none;   // eviction queue links
+        uint32_t depth = 0;    // its tokens are at positions [depth * block_size, + block_size)
+        uint32_t prev = none;  // eviction queue links
         uint32_t next = none;
         uint32_t n_children = 0;
-        uint32_t gen = 0;       // bumped when it leaves the table: a reference (id, gen) is then stale
-        uint16_t held = 0;      // cells with at least one sequence
+        uint32_t gen = 0;   // bumped when it leaves the table: a reference (id, gen) is then stale
+        uint16_t held = 0;  // cells with at least one sequence
         uint16_t pins = 0;
         uint16_t stream = 0;
         uint8_t priority = prefix_default_priority;
@@ -55,8 +55,8 @@ public:
     prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected);
 
     uint32_t block_size() const { return bs_; }
-    uint32_t size() const { return n_live_; }          // blocks in the table
-    uint32_t records() const { return n_records_; }    // ids in use or free: [0, records())
+    uint32_t size() const { return n_live_; }        // blocks in the table
+    uint32_t records() const { return n_records_; }  // ids in use or free: [0, records())
     const block& at(uint32_t id) const { return chunks_[id / chunk].blocks[id % chunk]; }
     std::span<const token_t> tokens(uint32_t id) const {
         return {chunks_[id / chunk].tokens.get() + size_t{id % chunk} * bs_, bs_};
@@ -83,8 +83,8 @@ public:
     void match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const;
     // A new held block (held = block_size) after `parent` (none: a root of `key`). The caller checked
     // that find() has none.
-    uint32_t add(uint32_t parent, uint64_t key, std::span<const token_t> toks, std::span<const uint32_t> cells,
-                 uint32_t stream, uint8_t priority);
+    uint32_t add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
+                 std::span<const uint32_t> cells, uint32_t stream, uint8_t priority);
 
     // held 0 -> 1 (a sequence joined a cell of a block without any): out of the queue
     void acquire(uint32_t id);
@@ -120,7 +120,7 @@ private:
     struct stream_queues {
         std::array<queue, n_levels> levels;
         std::array<uint64_t, (n_levels + 63) / 64> nonempty{};  // bit l: levels[l] has blocks
-        uint32_t n_protected = 0;                              // queued blocks of protected levels
+        uint32_t n_protected = 0;                               // queued blocks of protected levels
         uint32_t n_pinned = 0;
     };
 

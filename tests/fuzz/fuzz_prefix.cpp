@@ -43,7 +43,8 @@ struct snapshot {
         check(kvc_state_seq_get_data(mem, KVC_SEQ_ALL, s.state.data(), n, nullptr, 0) == KVC_OK);
         for (int32_t q = 0; q < static_cast<int32_t>(n_seq); ++q) {
             int32_t lo = 0, hi = 0;
-            check(kvc_memory_seq_pos_min(mem, q, &lo) == KVC_OK && kvc_memory_seq_pos_max(mem, q, &hi) == KVC_OK);
+            check(kvc_memory_seq_pos_min(mem, q, &lo) == KVC_OK &&
+                  kvc_memory_seq_pos_max(mem, q, &hi) == KVC_OK);
             s.pos.push_back(lo);
             s.pos.push_back(hi);
         }
@@ -82,7 +83,8 @@ kvc_status decode(kvc_memory* mem, int32_t seq, const std::vector<int32_t>& toks
             check(kvc_memory_context_get_ubatch(ctx, &ub) == KVC_OK);
             std::vector<float> rows(size_t{n_embd} * ub.n_tokens);
             for (uint32_t t = 0; t < ub.n_tokens; ++t)
-                for (uint32_t e = 0; e < n_embd; ++e) rows[t * n_embd + e] = static_cast<float>(ub.token[t] + e);
+                for (uint32_t e = 0; e < n_embd; ++e)
+                    rows[t * n_embd + e] = static_cast<float>(ub.token[t] + e);
             check(kvc_memory_cpy_k(ctx, 0, rows.data(), ub.n_tokens) == KVC_OK);
             check(kvc_memory_cpy_v(ctx, 0, rows.data(), ub.n_tokens) == KVC_OK);
             check(kvc_memory_context_next(ctx, &more) == KVC_OK);
@@ -118,7 +120,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check(kvc_kv_cache_create(&p, &mem) == KVC_OK);
 
     // prompts come from a few stems, so that attaches hit
-    const int32_t stems[3][8] = {{1, 2, 3, 4, 5, 1, 2, 3}, {1, 2, 3, 4, 0, 0, 0, 0}, {5, 4, 3, 2, 1, 0, 1, 2}};
+    const int32_t stems[3][8] = {
+        {1, 2, 3, 4, 5, 1, 2, 3}, {1, 2, 3, 4, 0, 0, 0, 0}, {5, 4, 3, 2, 1, 0, 1, 2}};
     while (!r.done()) {
         check(kvc_memory_prefix_publish(mem) == KVC_OK);  // what the next call may publish anyway
         const snapshot before = snapshot::of(mem);
@@ -133,11 +136,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         uint32_t n = 0;
         kvc_status st = KVC_OK;
         switch (op) {
-            case 0: st = kvc_memory_prefix_attach(mem, seq, toks.data(), toks.size(), key, prio, &n); break;
-            case 1: st = kvc_memory_prefix_lookup(mem, toks.data(), toks.size(), key, &n); break;
-            case 2: st = kvc_memory_prefix_pin(mem, toks.data(), toks.size(), key, &n); break;
-            case 3: st = kvc_memory_prefix_unpin(mem, toks.data(), toks.size(), key, &n); break;
-            case 4: st = kvc_memory_prefix_set_priority(mem, toks.data(), toks.size(), key, prio, &n); break;
+            case 0:
+                st = kvc_memory_prefix_attach(mem, seq, toks.data(), toks.size(), key, prio, &n);
+                break;
+            case 1:
+                st = kvc_memory_prefix_lookup(mem, toks.data(), toks.size(), key, &n);
+                break;
+            case 2:
+                st = kvc_memory_prefix_pin(mem, toks.data(), toks.size(), key, &n);
+                break;
+            case 3:
+                st = kvc_memory_prefix_unpin(mem, toks.data(), toks.size(), key, &n);
+                break;
+            case 4:
+                st = kvc_memory_prefix_set_priority(mem, toks.data(), toks.size(), key, prio, &n);
+                break;
             case 5:
             case 6: {
                 int32_t pmax = -1;
@@ -146,9 +159,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 if (!toks.empty()) st = decode(mem, seq, toks, p0);
                 break;
             }
-            case 7: st = kvc_memory_seq_rm(mem, seq, r.small(), r.small(), nullptr); break;
-            case 8: st = kvc_memory_seq_cp(mem, seq, r.small() % 4, r.small(), r.small()); break;
-            case 9: st = kvc_memory_seq_add(mem, seq, r.small(), r.small(), r.small()); break;
+            case 7:
+                st = kvc_memory_seq_rm(mem, seq, r.small(), r.small(), nullptr);
+                break;
+            case 8:
+                st = kvc_memory_seq_cp(mem, seq, r.small() % 4, r.small(), r.small());
+                break;
+            case 9:
+                st = kvc_memory_seq_add(mem, seq, r.small(), r.small(), r.small());
+                break;
             default: {  // one sequence through a state buffer into another
                 size_t bytes = 0;
                 if (kvc_state_seq_get_size(mem, seq, 0, &bytes) != KVC_OK) break;
@@ -166,7 +185,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     kvc_prefix_stats s{};
     check(kvc_memory_get_prefix_stats(mem, &s) == KVC_OK);
     const uint32_t cells = p.unified ? kv_size : kv_size * n_seq;
-    check(s.shared_cells == 0 && s.free_cells + s.cached_cells == cells && s.cached_cells == s.blocks * block);
+    check(s.shared_cells == 0 && s.free_cells + s.cached_cells == cells &&
+          s.cached_cells == s.blocks * block);
     kvc_memory_free(mem);
     return 0;
 }

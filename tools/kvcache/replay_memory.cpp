@@ -45,7 +45,8 @@ void make_kv(replay_memory& r, const keys& k, kv_cache_params p) {
     p.prefix.enabled = block > 0;
     p.prefix.block_size = static_cast<uint32_t>(block);
     if (const auto evict = k.get("evict")) {
-        if (*evict != "lru" && *evict != "slru") fail(fmt::format("memory: evict={} is not lru or slru", *evict));
+        if (*evict != "lru" && *evict != "slru")
+            fail(fmt::format("memory: evict={} is not lru or slru", *evict));
         p.prefix.policy = *evict == "slru" ? evict_policy::slru : evict_policy::lru;
     }
     try {

@@ -9,7 +9,8 @@ namespace kvc::cli {
 namespace {
 
 kv_cache& prefix_cache(replay_memory& m, std::string_view op) {
-    if (m.prefix == nullptr) fail(fmt::format("{}: the memory has no prefix cache (memory ... prefix=BLOCK)", op));
+    if (m.prefix == nullptr)
+        fail(fmt::format("{}: the memory has no prefix cache (memory ... prefix=BLOCK)", op));
     return *m.prefix;
 }
 
