@@ -53,11 +53,15 @@ struct kv_cache::prefix_state {
     }
 
     prefix_state(const prefix_cache_params& p, uint32_t kv_size, uint32_t n_stream, uint32_t n_seq_max)
-        : index(p.block_size, n_stream, p.policy,
-                static_cast<uint32_t>(static_cast<double>(p.protected_fraction) *
-                                      static_cast<double>(kv_size / p.block_size))),
+        : index(p.block_size, n_stream, p.policy, max_protected(p, kv_size)),
           seqs(n_seq_max),
           on_event(p.on_event) {}
+
+    // SLRU: the protected blocks of a stream (kv_size / block_size blocks at most)
+    static uint32_t max_protected(const prefix_cache_params& p, uint32_t kv_size) {
+        const uint32_t blocks = kv_size / p.block_size;
+        return static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * blocks);
+    }
 
     uint32_t bs() const { return index.block_size(); }
     pos_t next(const prefix_tracker& t) const { return static_cast<pos_t>(t.n_full * bs() + t.toks.size()); }
