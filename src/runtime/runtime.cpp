@@ -248,7 +248,7 @@ decode_result runtime::decode(const batch& b) {
     const uint32_t n_seq_max = base_ ? base_->params().n_seq_max : recr_->params().n_seq_max;
     balloc.init(b, positions_of(mem_), {.n_seq_max = n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
     decode_result res;
-    auto ctx = mem_->init_batch(balloc, params_.n_ubatch, /*embd_all=*/false);
+    auto ctx = mem_->init_batch(balloc, params_.n_ubatch, params_.embd_all);
     if (is_fail(ctx->get_status())) {
         res.status = ctx->get_status();
         return res;

@@ -129,6 +129,9 @@ struct decode_result {
 struct runtime_params {
     uint32_t n_threads = 0;   ///< 0: the hardware's
     uint32_t n_ubatch = 512;  ///< tokens per ubatch
+    /// init_batch's embd_all: a recurrent or hybrid memory then splits by sequence (split_seq) instead of
+    /// in equal blocks (split_equal), as llama.cpp does when every token is an output
+    bool embd_all = false;
 };
 
 /// Decodes batches through a kv_cache or a kv_cache_iswa, as an engine's llama_decode does: applies the
