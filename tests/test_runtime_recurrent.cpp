@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
+#include <variant>
 #include <memory>
 #include <random>
 #include <vector>
@@ -14,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
+#include <kvcache/runtime/gguf.h>
 #include <kvcache/runtime/reference_recurrent.h>
 #include <kvcache/runtime/runtime.h>
 #include <kvcache/runtime/tiny_model.h>
@@ -323,6 +326,88 @@ TEST(runtime_recurrent, refuses_memories_of_another_shape) {
     h.attn.layers[1].has_kv = false;
     memory_hybrid no_kv(h);
     EXPECT_THROW(runtime(jamba, no_kv), error);
+}
+
+// The tiny jamba rewritten: metadata `edit` may change or drop (false) an entry, tensors pass `keep` or not,
+// and `extra` adds metadata; loading it must fail with a message naming `what`.
+void expect_refused(const std::function<bool(std::string_view key, gguf_writer&)>& edit,
+                    const std::function<bool(const gguf_tensor_info&, gguf_writer&)>& keep, const std::string& what) {
+    const auto f = gguf_file::parse(tiny_model_bytes(tiny_model_options::jamba()));
+    gguf_writer w;
+    for (const gguf_kv& kv : f.metadata()) {
+        if (!edit(kv.key, w)) continue;
+        const gguf_value& v = kv.value;
+        if (const auto* u = std::get_if<uint64_t>(&v.value)) w.set_u32(kv.key, static_cast<uint32_t>(*u));
+        else if (const auto* d = std::get_if<double>(&v.value)) w.set_f32(kv.key, static_cast<float>(*d));
+        else if (const auto* b = std::get_if<bool>(&v.value)) w.set_bool(kv.key, *b);
+        else if (const auto* t = std::get_if<std::string>(&v.value)) w.set_string(kv.key, *t);
+        else if (const auto* ss = std::get_if<std::vector<std::string>>(&v.value)) w.set_string_array(kv.key, *ss);
+        else if (const auto* fs_ = std::get_if<std::vector<double>>(&v.value))
+            w.set_f32_array(kv.key, std::vector<float>(fs_->begin(), fs_->end()));
+        else if (const auto* is = std::get_if<std::vector<int64_t>>(&v.value))
+            w.set_i32_array(kv.key, std::vector<int32_t>(is->begin(), is->end()));
+        else if (const auto* us = std::get_if<std::vector<uint64_t>>(&v.value))
+            w.set_u32_array(kv.key, std::vector<uint32_t>(us->begin(), us->end()));
+    }
+    for (const gguf_tensor_info& t : f.tensors()) {
+        if (!keep(t, w)) continue;
+        const auto* p = reinterpret_cast<const uint8_t*>(t.data);
+        w.add_tensor(t.name, t.ne, t.ggml_type, std::vector<uint8_t>(p, p + t.n_bytes));
+    }
+    const auto path = (fs::temp_directory_path() / fmt::format("kvc-rt-bad-{}.gguf", ::getpid())).string();
+    w.write(path);
+    try {
+        model::load(path);
+        ADD_FAILURE() << "loaded; expected an error naming " << what;
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    fs::remove(path);
+}
+
+TEST(runtime_recurrent, bad_models_are_refused_naming_what_is_wrong) {
+    const auto all_keys = [](std::string_view, gguf_writer&) { return true; };
+    const auto all_tensors = [](const gguf_tensor_info&, gguf_writer&) { return true; };
+    // a missing tensor, a tensor of the wrong shape
+    expect_refused(all_keys, [](const gguf_tensor_info& t, gguf_writer&) { return t.name != "blk.2.ssm_a"; },
+                   "tensor 'blk.2.ssm_a' is missing");
+    expect_refused(all_keys,
+                   [](const gguf_tensor_info& t, gguf_writer& w) {
+                       if (t.name != "blk.0.ssm_dt_norm.weight") return true;
+                       w.add_tensor(t.name, {5}, 0, std::vector<uint8_t>(20));
+                       return false;
+                   },
+                   "tensor 'blk.0.ssm_dt_norm.weight' is [5], expected [4]");
+    // a missing key, mixture-of-experts, Mamba-2 groups
+    expect_refused([](std::string_view k, gguf_writer&) { return k != "jamba.ssm.state_size"; }, all_tensors,
+                   "key 'jamba.ssm.state_size' is missing");
+    expect_refused(
+        [](std::string_view k, gguf_writer& w) {
+            if (k == "jamba.ssm.time_step_rank") w.set_u32("jamba.expert_count", 16);
+            return true;
+        },
+        all_tensors, "mixture-of-experts");
+    expect_refused(
+        [](std::string_view k, gguf_writer& w) {
+            if (k == "jamba.ssm.time_step_rank") w.set_u32("jamba.ssm.group_count", 1);
+            return true;
+        },
+        all_tensors, "Mamba-2");
+    expect_refused(all_keys,
+                   [](const gguf_tensor_info& t, gguf_writer& w) {
+                       if (t.name == "blk.1.ffn_norm.weight")
+                           w.add_tensor("blk.1.ffn_gate_inp.weight", {32, 4}, 0, std::vector<uint8_t>(512));
+                       return true;
+                   },
+                   "mixture-of-experts");
+    // head_count_kv with a value per layer for another layer count
+    expect_refused(
+        [](std::string_view k, gguf_writer& w) {
+            if (k != "jamba.attention.head_count_kv") return true;
+            w.set_u32_array(k, {0, 2, 0});
+            return false;
+        },
+        all_tensors, "key 'jamba.attention.head_count_kv' has 3 values for 4 layers");
 }
 
 }  // namespace
