@@ -7,9 +7,9 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
-#include <variant>
 #include <memory>
 #include <random>
+#include <variant>
 #include <vector>
 
 #include <fmt/format.h>
@@ -33,10 +33,10 @@ const model& tiny(tiny_arch arch) {
     static std::unique_ptr<model> m[3];
     auto& slot = m[static_cast<int>(arch)];
     if (!slot) {
-        const fs::path path =
-            fs::temp_directory_path() / fmt::format("kvc-rt-recr-{}-{}.gguf", ::getpid(), static_cast<int>(arch));
-        write_tiny_model(path.string(),
-                         arch == tiny_arch::mamba ? tiny_model_options::mamba() : tiny_model_options::jamba());
+        const fs::path path = fs::temp_directory_path() /
+                              fmt::format("kvc-rt-recr-{}-{}.gguf", ::getpid(), static_cast<int>(arch));
+        write_tiny_model(path.string(), arch == tiny_arch::mamba ? tiny_model_options::mamba()
+                                                                 : tiny_model_options::jamba());
         slot = std::make_unique<model>(model::load(path.string()));
         fs::remove(path);
     }
@@ -45,10 +45,10 @@ const model& tiny(tiny_arch arch) {
 
 struct setup {
     tiny_arch arch = tiny_arch::mamba;
-    uint32_t n_rs_seq = 0;     // rollback depth
-    uint32_t n_ubatch = 512;   // small: batches split into several ubatches
-    bool embd_all = false;     // split_seq instead of split_equal
-    bool unified = true;       // jamba's KV cache: one stream (split_equal not sequential) or one per seq
+    uint32_t n_rs_seq = 0;    // rollback depth
+    uint32_t n_ubatch = 512;  // small: batches split into several ubatches
+    bool embd_all = false;    // split_seq instead of split_equal
+    bool unified = true;      // jamba's KV cache: one stream (split_equal not sequential) or one per seq
     dtype type_rs = dtype::f32;
     dtype type_kv = dtype::f32;
     std::string name() const {
@@ -56,9 +56,7 @@ struct setup {
                            n_ubatch, embd_all ? "seq" : "equal", unified ? "unified" : "streams",
                            to_string(type_rs), to_string(type_kv));
     }
-    double limit() const {
-        return std::max({logits_tolerance(type_rs), logits_tolerance(type_kv)});
-    }
+    double limit() const { return std::max({logits_tolerance(type_rs), logits_tolerance(type_kv)}); }
 };
 
 void PrintTo(const setup& s, std::ostream* os) {
@@ -92,7 +90,11 @@ std::unique_ptr<runtime> make_runtime(const setup& s, memory_i& mem) {
 class pair_run {
 public:
     explicit pair_run(const setup& s, uint32_t n_seq_max = 4)
-        : s_(s), m_(&tiny(s.arch)), mem_(make_memory(s, n_seq_max)), rt_(make_runtime(s, *mem_)), ref_(*m_, n_seq_max) {}
+        : s_(s),
+          m_(&tiny(s.arch)),
+          mem_(make_memory(s, n_seq_max)),
+          rt_(make_runtime(s, *mem_)),
+          ref_(*m_, n_seq_max) {}
 
     struct group {
         std::vector<seq_id_t> seqs;
@@ -162,7 +164,8 @@ TEST_P(recurrent_equals_recompute, several_sequences_in_batches_split_into_ubatc
         EXPECT_GT(r.last_ubatches(), 1u);
     }
     for (int step = 0; step < 3; ++step)
-        r.decode({{{0}, -1, r.tokens(1)}, {{1}, -1, r.tokens(2)}, {{2}, -1, r.tokens(1)}, {{3}, -1, r.tokens(3)}});
+        r.decode(
+            {{{0}, -1, r.tokens(1)}, {{1}, -1, r.tokens(2)}, {{2}, -1, r.tokens(1)}, {{3}, -1, r.tokens(3)}});
     EXPECT_GT(r.ref().n_forwards(), 0u);
     EXPECT_CLOSE(r);
 }
@@ -331,17 +334,23 @@ TEST(runtime_recurrent, refuses_memories_of_another_shape) {
 // The tiny jamba rewritten: metadata `edit` may change or drop (false) an entry, tensors pass `keep` or not,
 // and `extra` adds metadata; loading it must fail with a message naming `what`.
 void expect_refused(const std::function<bool(std::string_view key, gguf_writer&)>& edit,
-                    const std::function<bool(const gguf_tensor_info&, gguf_writer&)>& keep, const std::string& what) {
+                    const std::function<bool(const gguf_tensor_info&, gguf_writer&)>& keep,
+                    const std::string& what) {
     const auto f = gguf_file::parse(tiny_model_bytes(tiny_model_options::jamba()));
     gguf_writer w;
     for (const gguf_kv& kv : f.metadata()) {
         if (!edit(kv.key, w)) continue;
         const gguf_value& v = kv.value;
-        if (const auto* u = std::get_if<uint64_t>(&v.value)) w.set_u32(kv.key, static_cast<uint32_t>(*u));
-        else if (const auto* d = std::get_if<double>(&v.value)) w.set_f32(kv.key, static_cast<float>(*d));
-        else if (const auto* b = std::get_if<bool>(&v.value)) w.set_bool(kv.key, *b);
-        else if (const auto* t = std::get_if<std::string>(&v.value)) w.set_string(kv.key, *t);
-        else if (const auto* ss = std::get_if<std::vector<std::string>>(&v.value)) w.set_string_array(kv.key, *ss);
+        if (const auto* u = std::get_if<uint64_t>(&v.value))
+            w.set_u32(kv.key, static_cast<uint32_t>(*u));
+        else if (const auto* d = std::get_if<double>(&v.value))
+            w.set_f32(kv.key, static_cast<float>(*d));
+        else if (const auto* b = std::get_if<bool>(&v.value))
+            w.set_bool(kv.key, *b);
+        else if (const auto* t = std::get_if<std::string>(&v.value))
+            w.set_string(kv.key, *t);
+        else if (const auto* ss = std::get_if<std::vector<std::string>>(&v.value))
+            w.set_string_array(kv.key, *ss);
         else if (const auto* fs_ = std::get_if<std::vector<double>>(&v.value))
             w.set_f32_array(kv.key, std::vector<float>(fs_->begin(), fs_->end()));
         else if (const auto* is = std::get_if<std::vector<int64_t>>(&v.value))
@@ -369,15 +378,17 @@ TEST(runtime_recurrent, bad_models_are_refused_naming_what_is_wrong) {
     const auto all_keys = [](std::string_view, gguf_writer&) { return true; };
     const auto all_tensors = [](const gguf_tensor_info&, gguf_writer&) { return true; };
     // a missing tensor, a tensor of the wrong shape
-    expect_refused(all_keys, [](const gguf_tensor_info& t, gguf_writer&) { return t.name != "blk.2.ssm_a"; },
-                   "tensor 'blk.2.ssm_a' is missing");
-    expect_refused(all_keys,
-                   [](const gguf_tensor_info& t, gguf_writer& w) {
-                       if (t.name != "blk.0.ssm_dt_norm.weight") return true;
-                       w.add_tensor(t.name, {5}, 0, std::vector<uint8_t>(20));
-                       return false;
-                   },
-                   "tensor 'blk.0.ssm_dt_norm.weight' is [5], expected [4]");
+    expect_refused(
+        all_keys, [](const gguf_tensor_info& t, gguf_writer&) { return t.name != "blk.2.ssm_a"; },
+        "tensor 'blk.2.ssm_a' is missing");
+    expect_refused(
+        all_keys,
+        [](const gguf_tensor_info& t, gguf_writer& w) {
+            if (t.name != "blk.0.ssm_dt_norm.weight") return true;
+            w.add_tensor(t.name, {5}, 0, std::vector<uint8_t>(20));
+            return false;
+        },
+        "tensor 'blk.0.ssm_dt_norm.weight' is [5], expected [4]");
     // a missing key, mixture-of-experts, Mamba-2 groups
     expect_refused([](std::string_view k, gguf_writer&) { return k != "jamba.ssm.state_size"; }, all_tensors,
                    "key 'jamba.ssm.state_size' is missing");
@@ -393,13 +404,14 @@ TEST(runtime_recurrent, bad_models_are_refused_naming_what_is_wrong) {
             return true;
         },
         all_tensors, "Mamba-2");
-    expect_refused(all_keys,
-                   [](const gguf_tensor_info& t, gguf_writer& w) {
-                       if (t.name == "blk.1.ffn_norm.weight")
-                           w.add_tensor("blk.1.ffn_gate_inp.weight", {32, 4}, 0, std::vector<uint8_t>(512));
-                       return true;
-                   },
-                   "mixture-of-experts");
+    expect_refused(
+        all_keys,
+        [](const gguf_tensor_info& t, gguf_writer& w) {
+            if (t.name == "blk.1.ffn_norm.weight")
+                w.add_tensor("blk.1.ffn_gate_inp.weight", {32, 4}, 0, std::vector<uint8_t>(512));
+            return true;
+        },
+        "mixture-of-experts");
     // head_count_kv with a value per layer for another layer count
     expect_refused(
         [](std::string_view k, gguf_writer& w) {

@@ -52,7 +52,8 @@ TEST(tiny_model, mamba_and_jamba_bytes_are_the_reference) {
 }
 
 TEST(tiny_model, mamba_and_jamba_bytes_equal_the_peer_files) {
-    for (const auto& [name, o] : {std::pair{"mamba", tiny_model_options::mamba()}, {"jamba", tiny_model_options::jamba()}}) {
+    for (const auto& [name, o] :
+         {std::pair{"mamba", tiny_model_options::mamba()}, {"jamba", tiny_model_options::jamba()}}) {
         const std::string path = fmt::format("/work/shared/tools/llama-peer/tiny_{}.gguf", name);
         if (!fs::exists(path)) continue;
         EXPECT_EQ(tiny_model_bytes(o), read_file_bytes(path)) << name;

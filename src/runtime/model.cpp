@@ -189,7 +189,8 @@ void model::impl::forward(thread_pool& pool, std::span<const token_t> tokens, st
         for (size_t t = 0; t < n; ++t)
             rms_norm(&x[t * n_embd], L.attn_norm, hp.rms_eps, n_embd, &h[t * n_embd]);
         if (hp.is_recurrent(il)) {
-            if (!ssm) throw error(errc::invalid_state, fmt::format("forward: Mamba layer {} has no states", il));
+            if (!ssm)
+                throw error(errc::invalid_state, fmt::format("forward: Mamba layer {} has no states", il));
             mamba_mix(pool, il, h.data(), n, *ssm, o.data());
         } else {
             matmul(pool, L.wq, h.data(), n, q.data());
@@ -288,8 +289,9 @@ void load_ssm_hparams(model::impl& m, const std::string& arch) {
     hp.ssm_d_state = need_u32(f, arch + ".ssm.state_size");
     hp.ssm_dt_rank = need_u32(f, arch + ".ssm.time_step_rank");
     if (f.get_uint(arch + ".ssm.group_count").value_or(0) != 0)
-        bad_model(errc::unsupported,
-                  fmt::format("key '{}.ssm.group_count' is set: Mamba-2 layers (the runtime runs Mamba-1)", arch));
+        bad_model(
+            errc::unsupported,
+            fmt::format("key '{}.ssm.group_count' is set: Mamba-2 layers (the runtime runs Mamba-1)", arch));
     if (f.get_bool(arch + ".ssm.dt_b_c_rms").value_or(false))
         bad_model(errc::unsupported,
                   fmt::format("key '{}.ssm.dt_b_c_rms' is set: weightless dt/B/C norms are not run", arch));
@@ -390,7 +392,7 @@ model model::load(const std::string& path) {
     const gguf_tensor_info* embd = f.find_tensor("token_embd.weight");
     if (!embd || embd->ne.size() < 2) bad_model(errc::corrupt_data, "tensor 'token_embd.weight' is missing");
     hp.n_vocab = f.find(*arch + ".vocab_size") ? need_u32(f, *arch + ".vocab_size")
-                                                : static_cast<uint32_t>(embd->ne[1]);
+                                               : static_cast<uint32_t>(embd->ne[1]);
 
     const int64_t E = hp.n_embd, Q = int64_t{hp.n_head} * hp.n_embd_head,
                   KV = int64_t{hp.n_head_kv} * hp.n_embd_head, F = hp.n_ff, V = hp.n_vocab;
@@ -411,10 +413,11 @@ model model::load(const std::string& path) {
         }
         if (hp.arch != model_arch::mamba) {
             if (f.find_tensor(b + "ffn_gate_inp.weight"))
-                bad_model(errc::unsupported,
-                          fmt::format("tensor '{}ffn_gate_inp.weight': layer {} is a mixture-of-experts layer "
-                                      "(not run)",
-                                      b, il));
+                bad_model(
+                    errc::unsupported,
+                    fmt::format("tensor '{}ffn_gate_inp.weight': layer {} is a mixture-of-experts layer "
+                                "(not run)",
+                                b, il));
             L.ffn_norm = vector_f32(f, b + "ffn_norm.weight", E);
             L.gate = matrix(f, b + "ffn_gate.weight", E, F);
             L.up = matrix(f, b + "ffn_up.weight", E, F);

@@ -65,8 +65,8 @@ public:
     virtual uint32_t n_blocks() const = 0;
     virtual uint32_t n_block_tokens() const = 0;
     virtual void begin(uint32_t il, rs_tensor which) = 0;
-    virtual std::span<float> state(uint32_t b) = 0;      // block b's working state
-    virtual void store(uint32_t b, uint32_t t) = 0;      // the state after token t of block b
+    virtual std::span<float> state(uint32_t b) = 0;  // block b's working state
+    virtual void store(uint32_t b, uint32_t t) = 0;  // the state after token t of block b
     virtual void finish() = 0;
 };
 

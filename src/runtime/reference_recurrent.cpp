@@ -27,7 +27,9 @@ public:
     explicit seq_states(seq_data& sd) : sd_(sd) {}
     uint32_t n_blocks() const override { return 1; }
     uint32_t n_block_tokens() const override { return 1; }
-    void begin(uint32_t il, rs_tensor which) override { cur_ = which == rs_tensor::r ? sd_.r[il] : sd_.s[il]; }
+    void begin(uint32_t il, rs_tensor which) override {
+        cur_ = which == rs_tensor::r ? sd_.r[il] : sd_.s[il];
+    }
     std::span<float> state(uint32_t) override { return cur_; }
     void store(uint32_t, uint32_t) override {}
     void finish() override {}
@@ -46,7 +48,8 @@ struct reference_recurrent::impl {
     std::vector<seq_data> seqs;
     uint64_t n_forwards = 0;
 
-    impl(const model& md, uint32_t n, uint32_t n_threads) : m(&md.get()), n_seq_max(n), pool(n_threads), seqs(n) {}
+    impl(const model& md, uint32_t n, uint32_t n_threads)
+        : m(&md.get()), n_seq_max(n), pool(n_threads), seqs(n) {}
 
     seq_data& seq(seq_id_t s, const char* what) {
         if (s < 0 || static_cast<uint32_t>(s) >= n_seq_max)

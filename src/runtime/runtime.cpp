@@ -198,21 +198,24 @@ void runtime::check_layers() {
     const model_hparams& hp = model_->hparams();
     const auto layer_count = [&](size_t n, const char* part) {
         if (n != hp.n_layer)
-            throw error(errc::invalid_argument,
-                        fmt::format("runtime: the memory's {} has {} layers, the model {}", part, n, hp.n_layer));
+            throw error(
+                errc::invalid_argument,
+                fmt::format("runtime: the memory's {} has {} layers, the model {}", part, n, hp.n_layer));
     };
     if (base_) layer_count(base_->params().layers.size(), "KV cache");
     if (recr_) layer_count(recr_->params().layers.size(), "recurrent state");
     for (uint32_t il = 0; il < hp.n_layer; ++il) {
         if (hp.is_recurrent(il)) {
             if (!recr_ || !recr_->has_r(il) || !recr_->has_s(il))
-                throw error(errc::invalid_argument,
-                            fmt::format("runtime: the memory keeps no recurrent state for Mamba layer {}", il));
+                throw error(
+                    errc::invalid_argument,
+                    fmt::format("runtime: the memory keeps no recurrent state for Mamba layer {}", il));
             const recurrent_layer_desc& d = recr_->params().layers[il];
             if (d.n_embd_r != hp.n_embd_r() || d.n_embd_s != hp.n_embd_s())
-                throw error(errc::invalid_argument,
-                            fmt::format("runtime: recurrent layer {} has rows of {}/{} values, the model's {}/{}",
-                                        il, d.n_embd_r, d.n_embd_s, hp.n_embd_r(), hp.n_embd_s()));
+                throw error(
+                    errc::invalid_argument,
+                    fmt::format("runtime: recurrent layer {} has rows of {}/{} values, the model's {}/{}", il,
+                                d.n_embd_r, d.n_embd_s, hp.n_embd_r(), hp.n_embd_s()));
             continue;
         }
         const kv_cache* c = layer_cache_[il];

@@ -153,7 +153,8 @@ struct tensor_maker {
         const std::vector<float> values = draw(size_t{ne0} * ne1, scale);
         const size_t row_bytes = row_size(type, ne0);
         std::vector<uint8_t> data(row_bytes * ne1);
-        for (size_t r = 0; r < ne1; ++r) from_f32(type, values.data() + r * ne0, data.data() + r * row_bytes, ne0);
+        for (size_t r = 0; r < ne1; ++r)
+            from_f32(type, values.data() + r * ne0, data.data() + r * row_bytes, ne0);
         w.add_tensor(std::move(name), {ne0, ne1}, static_cast<uint32_t>(type), std::move(data));
     }
 };
@@ -239,7 +240,6 @@ gguf_writer build(const tiny_model_options& o) {
     const uint32_t head_dim = o.n_embd / o.n_head;
     const uint32_t n_embd_kv = head_dim * o.n_head_kv;
     splitmix64 rng(o.seed);
-
 
     gguf_writer w;
     const std::string arch = "llama";

@@ -448,13 +448,15 @@ private:
     // through the runtime (its matmuls dominate).
     void recurrent_decode() {
         const uint32_t n_seq = 64;
-        section("recurrent decode step, 64 sequences x 1 token, Mamba-130m widths (d_inner 1,536, d_state 16)");
+        section(
+            "recurrent decode step, 64 sequences x 1 token, Mamba-130m widths (d_inner 1,536, d_state 16)");
         tiny_model_options t = tiny_model_options::mamba();
         t.n_embd = 768;
         t.n_layer = 2;
         t.d_state = 16;
         t.dt_rank = 48;
-        const fs::path path = fs::temp_directory_path() / fmt::format("kvcache-bench-mamba-{}.gguf", ::getpid());
+        const fs::path path =
+            fs::temp_directory_path() / fmt::format("kvcache-bench-mamba-{}.gguf", ::getpid());
         write_tiny_model(path.string(), t);
         const model m = model::load(path.string());
         fs::remove(path);

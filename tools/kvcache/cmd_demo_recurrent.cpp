@@ -64,9 +64,10 @@ public:
         fmt::print("model   {}: {} {} layers, {} dims, d_inner {}, d_state {}, d_conv {}, vocab {}\n",
                    hp.name.empty() ? "(unnamed)" : hp.name, hp.n_layer, hybrid ? "jamba" : "mamba", hp.n_embd,
                    hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_d_conv, hp.n_vocab);
-        fmt::print("memory  {}: {} sequences, one state cell each, {} rollback planes; {:.1f} KiB of state\n\n",
-                   hybrid ? "hybrid (recurrent + KV cache)" : "recurrent", o_.seqs, rollback_depth,
-                   static_cast<double>(states_->size_bytes()) / 1024);
+        fmt::print(
+            "memory  {}: {} sequences, one state cell each, {} rollback planes; {:.1f} KiB of state\n\n",
+            hybrid ? "hybrid (recurrent + KV cache)" : "recurrent", o_.seqs, rollback_depth,
+            static_cast<double>(states_->size_bytes()) / 1024);
         const uint32_t n = o_.seqs;
         phase("shared system prompt", [&] {
             step({{0, tokens(32)}});
@@ -78,7 +79,8 @@ public:
         });
         phase("parallel decoding", [&] {
             std::vector<std::pair<seq_id_t, std::vector<token_t>>> prompts;
-            for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s) prompts.emplace_back(s, tokens(3 + 2 * s));
+            for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s)
+                prompts.emplace_back(s, tokens(3 + 2 * s));
             step(prompts);
             generate(16);
             return fmt::format("{} prompts in one batch (copy-on-write), then 16 steps of {} tokens", n, n);
@@ -87,7 +89,8 @@ public:
             uint32_t rejected = 0;
             for (int round = 0; round < 6; ++round) {
                 std::vector<std::pair<seq_id_t, std::vector<token_t>>> drafts;
-                for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s) drafts.emplace_back(s, tokens(rollback_depth));
+                for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s)
+                    drafts.emplace_back(s, tokens(rollback_depth));
                 step(drafts);
                 for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s) {
                     const auto back = static_cast<pos_t>(next() % rollback_depth);  // 0..3 rejected
@@ -100,11 +103,12 @@ public:
                 }
             }
             generate(4);
-            return fmt::format("6 rounds of {} draft tokens per sequence, {} rejected and rolled back", rollback_depth,
-                               rejected);
+            return fmt::format("6 rounds of {} draft tokens per sequence, {} rejected and rolled back",
+                               rollback_depth, rejected);
         });
         phase("save and restore", [&] {
-            const fs::path file = fs::temp_directory_path() / fmt::format("kvcache-demo-rs-{}.kvc", ::getpid());
+            const fs::path file =
+                fs::temp_directory_path() / fmt::format("kvcache-demo-rs-{}.kvc", ::getpid());
             const uint64_t bytes = save_file(*mem_, file.string(), 1);
             const seq_id_t last = static_cast<seq_id_t>(n) - 1;
             load_file(*mem_, file.string(), last);
@@ -121,8 +125,10 @@ public:
             generate(8);
             return fmt::format("seq {} removed, a new prompt in it", done);
         });
-        fmt::print("\n{} tokens decoded through the memory in {:.2f} s; worst difference {:.2e} (limit {:.0e}): {}\n",
-                   n_decoded_, seconds_, worst_, limit_, worst_ <= limit_ ? "cache == recompute" : "MISMATCH");
+        fmt::print(
+            "\n{} tokens decoded through the memory in {:.2f} s; worst difference {:.2e} (limit {:.0e}): "
+            "{}\n",
+            n_decoded_, seconds_, worst_, limit_, worst_ <= limit_ ? "cache == recompute" : "MISMATCH");
         return worst_ <= limit_ ? 0 : 1;
     }
 
@@ -158,8 +164,8 @@ private:
         n_decoded_ += count;
         float scale = 0;
         for (float x : r.logits) scale = std::max(scale, std::fabs(x));
-        phase_worst_ = std::max(phase_worst_,
-                                static_cast<double>(max_abs_diff(a.logits, r.logits)) / std::max(scale, 1e-6f));
+        phase_worst_ = std::max(
+            phase_worst_, static_cast<double>(max_abs_diff(a.logits, r.logits)) / std::max(scale, 1e-6f));
     }
 
     // steps of one token for every live sequence

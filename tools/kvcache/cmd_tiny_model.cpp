@@ -17,8 +17,8 @@ void add_tiny_model_command(CLI::App& app) {
         tiny_model_options m;
     };
     auto opt = std::make_shared<options>();
-    CLI::App* cmd =
-        app.add_subcommand("tiny-model", "Write a tiny llama, mamba or jamba model with deterministic weights (GGUF)");
+    CLI::App* cmd = app.add_subcommand(
+        "tiny-model", "Write a tiny llama, mamba or jamba model with deterministic weights (GGUF)");
     cmd->add_option("FILE", opt->path, "output file")->required();
     cmd->add_option("--arch", opt->arch, "llama, mamba (Mamba-1) or jamba (Mamba + attention)")
         ->capture_default_str();
@@ -35,9 +35,11 @@ void add_tiny_model_command(CLI::App& app) {
     cmd->callback([opt, cmd] {
         if (opt->arch != "llama") {
             if (opt->arch != "mamba" && opt->arch != "jamba")
-                throw CLI::ValidationError("--arch", fmt::format("'{}' is not llama, mamba or jamba", opt->arch));
+                throw CLI::ValidationError("--arch",
+                                           fmt::format("'{}' is not llama, mamba or jamba", opt->arch));
             // the peer's shapes, then what the command line gave
-            tiny_model_options m = opt->arch == "mamba" ? tiny_model_options::mamba() : tiny_model_options::jamba();
+            tiny_model_options m =
+                opt->arch == "mamba" ? tiny_model_options::mamba() : tiny_model_options::jamba();
             const auto take = [&](const char* name, uint32_t tiny_model_options::*field) {
                 if (cmd->count(name) > 0) m.*field = opt->m.*field;
             };

@@ -76,15 +76,18 @@ void make_kv(replay_memory& r, const keys& k, kv_cache_params p, bool typed) {
             r.n_layer = static_cast<uint32_t>(p.layers.size());
             if (r.mdl->memory_kind() != model_memory::kv) {
                 if (typed)
-                    fail(fmt::format("memory: {} is a {} model: leave out type= (its memory is {})", *path,
-                                     r.mdl->memory_kind() == model_memory::recurrent ? "mamba" : "jamba",
-                                     r.mdl->memory_kind() == model_memory::recurrent ? "recurrent" : "hybrid"));
+                    fail(fmt::format(
+                        "memory: {} is a {} model: leave out type= (its memory is {})", *path,
+                        r.mdl->memory_kind() == model_memory::recurrent ? "mamba" : "jamba",
+                        r.mdl->memory_kind() == model_memory::recurrent ? "recurrent" : "hybrid"));
                 make_model_state(r, k, std::move(p));
                 return;
             }
         }
-        if (k.get("n_rs_seq")) fail("memory: n_rs_seq is for recurrent state (type=recurrent, hybrid, or a "
-                                    "mamba or jamba model)");
+        if (k.get("n_rs_seq"))
+            fail(
+                "memory: n_rs_seq is for recurrent state (type=recurrent, hybrid, or a "
+                "mamba or jamba model)");
         auto cache = std::make_unique<kv_cache>(p);
         if (r.mdl) r.rt = std::make_unique<runtime>(*r.mdl, *cache, runtime_params{.n_ubatch = r.n_ubatch});
         r.parts = {{.name = "kv", .used_label = "used", .kv = cache.get()}};

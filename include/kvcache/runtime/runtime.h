@@ -53,18 +53,18 @@ enum class model_memory : uint8_t { kv, recurrent, hybrid };
 /// The hyper-parameters of a model, as its GGUF file states them.
 struct model_hparams {
     model_arch arch = model_arch::llama;  ///< general.architecture
-    std::string name;                ///< general.name, if any
-    uint32_t n_vocab = 0;            ///< vocabulary size
-    uint32_t n_ctx_train = 0;        ///< training context
-    uint32_t n_embd = 0;             ///< embedding width
-    uint32_t n_layer = 0;            ///< layers
-    uint32_t n_ff = 0;               ///< feed-forward width
-    uint32_t n_head = 0;             ///< attention heads
-    uint32_t n_head_kv = 0;          ///< KV heads (of the attention layers)
-    uint32_t n_embd_head = 0;        ///< n_embd / n_head
-    float rms_eps = 1e-5f;           ///< RMSNorm epsilon
-    rope_params rope{};              ///< llama: normal rotation of n_rot dims
-    dtype weight_type = dtype::f32;  ///< of the attention projections (what the file mostly holds)
+    std::string name;                     ///< general.name, if any
+    uint32_t n_vocab = 0;                 ///< vocabulary size
+    uint32_t n_ctx_train = 0;             ///< training context
+    uint32_t n_embd = 0;                  ///< embedding width
+    uint32_t n_layer = 0;                 ///< layers
+    uint32_t n_ff = 0;                    ///< feed-forward width
+    uint32_t n_head = 0;                  ///< attention heads
+    uint32_t n_head_kv = 0;               ///< KV heads (of the attention layers)
+    uint32_t n_embd_head = 0;             ///< n_embd / n_head
+    float rms_eps = 1e-5f;                ///< RMSNorm epsilon
+    rope_params rope{};                   ///< llama: normal rotation of n_rot dims
+    dtype weight_type = dtype::f32;       ///< of the attention projections (what the file mostly holds)
     /// [n_layer] per layer: whether it is a Mamba layer (state rows, no K/V)
     std::vector<bool> recurrent;
     uint32_t ssm_d_conv = 0;   ///< Mamba: conv kernel width

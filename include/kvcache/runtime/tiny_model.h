@@ -30,16 +30,16 @@ enum class tiny_arch : uint8_t {
 /// The shape, weights seed and weight type of the tiny model.
 struct tiny_model_options {
     tiny_arch arch = tiny_arch::llama;  ///< what to write
-    uint32_t n_vocab = 256;           ///< vocabulary size
-    uint32_t n_embd = 64;             ///< embedding width
-    uint32_t n_head = 4;              ///< attention heads
-    uint32_t n_head_kv = 2;           ///< KV heads
-    uint32_t n_layer = 2;             ///< layers
-    uint32_t n_ff = 128;              ///< feed-forward width
-    uint32_t n_ctx_train = 512;       ///< training context
-    float rope_freq_base = 10000.0f;  ///< RoPE base
-    float rms_eps = 1e-5f;            ///< RMSNorm epsilon
-    uint64_t seed = 0x5EED1234u;      ///< splitmix64 seed of the weights
+    uint32_t n_vocab = 256;             ///< vocabulary size
+    uint32_t n_embd = 64;               ///< embedding width
+    uint32_t n_head = 4;                ///< attention heads
+    uint32_t n_head_kv = 2;             ///< KV heads
+    uint32_t n_layer = 2;               ///< layers
+    uint32_t n_ff = 128;                ///< feed-forward width
+    uint32_t n_ctx_train = 512;         ///< training context
+    float rope_freq_base = 10000.0f;    ///< RoPE base
+    float rms_eps = 1e-5f;              ///< RMSNorm epsilon
+    uint64_t seed = 0x5EED1234u;        ///< splitmix64 seed of the weights
     /// of the 2-D weight matrices (f32, f16, bf16, q8_0, q4_0); norms stay f32
     dtype weight_type = dtype::f32;
     uint32_t d_inner = 0;      ///< Mamba: inner width (0: 2 * n_embd, the only expansion llama.cpp runs)
