@@ -79,6 +79,7 @@ public:
         });
         phase("parallel decoding", [&] {
             std::vector<std::pair<seq_id_t, std::vector<token_t>>> prompts;
+            prompts.reserve(n);
             for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s)
                 prompts.emplace_back(s, tokens(3 + 2 * s));
             step(prompts);
@@ -89,6 +90,7 @@ public:
             uint32_t rejected = 0;
             for (int round = 0; round < 6; ++round) {
                 std::vector<std::pair<seq_id_t, std::vector<token_t>>> drafts;
+                drafts.reserve(n);
                 for (seq_id_t s = 0; s < static_cast<seq_id_t>(n); ++s)
                     drafts.emplace_back(s, tokens(rollback_depth));
                 step(drafts);
