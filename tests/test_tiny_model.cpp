@@ -36,6 +36,42 @@ TEST(tiny_model, default_bytes_equal_the_peer_file) {
     EXPECT_EQ(tiny_model_bytes(), read_file_bytes(reference_path));
 }
 
+// make_tiny_mamba.py's and make_tiny_jamba.py's outputs (sha256 5422f0ed...500693 and 2ef6cda0...bc8f72,
+// `cmp`-identical to the peer's files when measured), measured once with XXH3_64bits.
+TEST(tiny_model, mamba_and_jamba_bytes_are_the_reference) {
+    const auto mamba = tiny_model_bytes(tiny_model_options::mamba());
+    EXPECT_EQ(mamba.size(), 142944u);
+    EXPECT_EQ(XXH3_64bits(mamba.data(), mamba.size()), 0xa7fa182d8020f555ull);
+    const auto jamba = tiny_model_bytes(tiny_model_options::jamba());
+    EXPECT_EQ(jamba.size(), 268704u);
+    EXPECT_EQ(XXH3_64bits(jamba.data(), jamba.size()), 0x04b1429749425cbbull);
+    const auto f = gguf_file::parse(jamba);
+    EXPECT_EQ(f.get_string("general.architecture"), "jamba");
+    EXPECT_EQ(f.find("jamba.attention.head_count_kv")->value,
+              (gguf_value{gguf_type::array, gguf_type::u32, std::vector<uint64_t>{0, 2, 0, 2}}).value);
+}
+
+TEST(tiny_model, mamba_and_jamba_bytes_equal_the_peer_files) {
+    for (const auto& [name, o] :
+         {std::pair{"mamba", tiny_model_options::mamba()}, {"jamba", tiny_model_options::jamba()}}) {
+        const std::string path = fmt::format("/work/shared/tools/llama-peer/tiny_{}.gguf", name);
+        if (!fs::exists(path)) continue;
+        EXPECT_EQ(tiny_model_bytes(o), read_file_bytes(path)) << name;
+    }
+}
+
+TEST(tiny_model, mamba_options_are_checked) {
+    tiny_model_options o = tiny_model_options::mamba();
+    o.d_state = 0;
+    EXPECT_THROW(tiny_model_bytes(o), error);
+    o = tiny_model_options::mamba();
+    o.weight_type = dtype::q8_0;
+    EXPECT_THROW(tiny_model_bytes(o), error);
+    o = tiny_model_options::jamba();
+    o.n_head = 3;
+    EXPECT_THROW(tiny_model_bytes(o), error);
+}
+
 TEST(tiny_model, default_model_reads_back) {
     const auto f = gguf_file::parse(tiny_model_bytes());
     EXPECT_EQ(f.get_string("general.architecture"), "llama");

@@ -750,6 +750,13 @@ void gguf_writer::set_i32_array(std::string_view key, const std::vector<int32_t>
     for (const int32_t i : v) put<int32_t>(kv_, i);
 }
 
+void gguf_writer::set_u32_array(std::string_view key, const std::vector<uint32_t>& v) {
+    begin_kv(key, gguf_type::array);
+    put<uint32_t>(kv_, static_cast<uint32_t>(gguf_type::u32));
+    put<uint64_t>(kv_, v.size());
+    for (const uint32_t i : v) put<uint32_t>(kv_, i);
+}
+
 void gguf_writer::add_tensor(std::string name, std::vector<int64_t> ne, uint32_t ggml_type,
                              std::vector<uint8_t> data) {
     for (const auto& t : tensors_)

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <kvcache/recurrent_engine.h>
 #include <kvcache/runtime/gguf.h>
 #include <kvcache/runtime/runtime.h>
 
@@ -35,6 +36,9 @@ float dot_cloned(const float* a, const float* b, size_t n);
 // y[t * stride] = row . x[t] for n_tok tokens of n_in values.
 void row_times_tokens(const float* row, const float* x, size_t n_tok, size_t n_in, float* y, size_t stride);
 
+// out = x / rms(x) * w over n values (the sum of squares in double, as ggml).
+void rms_norm(const float* x, const std::vector<float>& w, float eps, size_t n, float* out);
+
 // A 2-D weight: n_out rows of n_in values of `type`, row-major in the mapped file.
 struct weight {
     dtype type = dtype::f32;
@@ -44,8 +48,26 @@ struct weight {
 };
 
 struct layer_weights {
-    std::vector<float> attn_norm, ffn_norm;
+    std::vector<float> attn_norm, ffn_norm;  // ffn_norm empty: no feed-forward (Mamba-1)
     weight wq, wk, wv, wo, gate, up, down;
+    // Mamba layers: projections, conv [d_inner][d_conv], A [d_inner][d_state], dt/B/C norms (Jamba)
+    weight ssm_in, ssm_x, ssm_dt, ssm_out;
+    std::vector<float> conv, conv_b, dt_b, a, d, dt_norm, b_norm, c_norm;
+};
+
+// Where a Mamba layer's states come from and go for the tokens of one forward: n_blocks() blocks of
+// n_block_tokens() consecutive tokens, each block one state. The cache path wraps recurrent_step (the
+// memory's rows), the oracle a sequence's own arrays. A layer runs its conv over every token (r), then
+// its scan (s): begin, state / store per block and token, finish, once per tensor.
+class ssm_states {
+public:
+    virtual ~ssm_states() = default;
+    virtual uint32_t n_blocks() const = 0;
+    virtual uint32_t n_block_tokens() const = 0;
+    virtual void begin(uint32_t il, rs_tensor which) = 0;
+    virtual std::span<float> state(uint32_t b) = 0;  // block b's working state
+    virtual void store(uint32_t b, uint32_t t) = 0;  // the state after token t of block b
+    virtual void finish() = 0;
 };
 
 // Attention of n query tokens of one layer: q [n][n_head * hd] and k [n][n_head_kv * hd] already rotated,
@@ -75,9 +97,15 @@ struct model::impl {
     explicit impl(gguf_file f) : file(std::move(f)) {}
 
     // Runs the layers over n tokens (embedding rows of their ids) at their positions; attend is called
-    // once per layer after Q/K/V; fills logits [rows][n_vocab] for the tokens with out[i] != 0.
+    // once per attention layer after Q/K/V, ssm gives the Mamba layers their states (null: a model
+    // without them); appends logits [rows][n_vocab] for the tokens with out[i] != 0.
     void forward(thread_pool& pool, std::span<const token_t> tokens, std::span<const pos_t> pos,
-                 std::span<const int8_t> out, const rt::attend_fn& attend, std::vector<float>& logits) const;
+                 std::span<const int8_t> out, const rt::attend_fn& attend, rt::ssm_states* ssm,
+                 std::vector<float>& logits) const;
+    // The mixer of Mamba layer il over n tokens of normed input h [n][n_embd]: writes out [n][n_embd]
+    // (mamba.cpp).
+    void mamba_mix(thread_pool& pool, uint32_t il, const float* h, size_t n, rt::ssm_states& st,
+                   float* out) const;
     // y[t][o] = dot(w row o, x[t]) for n_tok tokens.
     static void matmul(thread_pool& pool, const rt::weight& w, const float* x, size_t n_tok, float* y);
 };

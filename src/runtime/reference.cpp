@@ -108,7 +108,8 @@ decode_result reference_memory::decode(const batch& b) {
         const token_t tok = with_pos.token[i];
         const int8_t is_out = balloc.is_output(i) ? 1 : 0;
         const size_t before = res.logits.size();
-        m.forward(p_->pool, std::span(&tok, 1), std::span(&p, 1), std::span(&is_out, 1), attend, res.logits);
+        m.forward(p_->pool, std::span(&tok, 1), std::span(&p, 1), std::span(&is_out, 1), attend, nullptr,
+                  res.logits);
         if (res.logits.size() > before) res.output_ids.push_back(static_cast<int32_t>(i));
         for (seq_id_t s : balloc.seq_ids(i)) p_->seqs[static_cast<size_t>(s)].push_back(self);
     }

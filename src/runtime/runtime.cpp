@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -133,6 +134,26 @@ void attend_cache(thread_pool& pool, const model_hparams& hp, const tensor_view&
     }
 }
 
+// The cache path's Mamba states: the memory's rows for the applied ubatch, through the library's
+// reference of the recurrent engine contract (gather, planes for rollback, history copies).
+class cache_states final : public rt::ssm_states {
+public:
+    explicit cache_states(memory_recurrent_context& rc) : rc_(rc) {}
+    uint32_t n_blocks() const override { return rc_.get_ubatch().n_seqs; }
+    uint32_t n_block_tokens() const override { return rc_.get_ubatch().n_seq_tokens; }
+    void begin(uint32_t il, rs_tensor which) override {
+        step_.reset();
+        step_.emplace(rc_, il, which);
+    }
+    std::span<float> state(uint32_t b) override { return step_->state(b); }
+    void store(uint32_t b, uint32_t t) override { step_->store(b, t); }
+    void finish() override { step_->finish(); }
+
+private:
+    memory_recurrent_context& rc_;
+    std::optional<recurrent_step> step_;
+};
+
 }  // namespace
 
 runtime::runtime(const model& m, kv_cache& cache, runtime_params params)
@@ -152,17 +173,56 @@ runtime::runtime(const model& m, kv_cache_iswa& mem, runtime_params params)
     check_layers();
 }
 
+runtime::runtime(const model& m, memory_recurrent& mem, runtime_params params)
+    : model_(&m),
+      mem_(&mem),
+      recr_(&mem),
+      layer_cache_(m.hparams().n_layer, nullptr),
+      params_(params),
+      pool_(params.n_threads) {
+    check_layers();
+}
+
+runtime::runtime(const model& m, memory_hybrid& mem, runtime_params params)
+    : model_(&m), mem_(&mem), recr_(&mem.get_recr()), params_(params), pool_(params.n_threads) {
+    auto* iswa = dynamic_cast<kv_cache_iswa*>(&mem.get_attn());
+    base_ = iswa ? &iswa->get_base() : dynamic_cast<kv_cache*>(&mem.get_attn());
+    for (uint32_t il = 0; il < m.hparams().n_layer; ++il) {
+        kv_cache* c = iswa && iswa->get_swa().has_layer(il) ? &iswa->get_swa() : base_;
+        layer_cache_.push_back(m.hparams().is_recurrent(il) ? nullptr : c);
+    }
+    check_layers();
+}
+
 void runtime::check_layers() {
     const model_hparams& hp = model_->hparams();
-    if (base_->params().layers.size() != hp.n_layer)
-        throw error(errc::invalid_argument, fmt::format("runtime: the memory has {} layers, the model {}",
-                                                        base_->params().layers.size(), hp.n_layer));
+    const auto layer_count = [&](size_t n, const char* part) {
+        if (n != hp.n_layer)
+            throw error(
+                errc::invalid_argument,
+                fmt::format("runtime: the memory's {} has {} layers, the model {}", part, n, hp.n_layer));
+    };
+    if (base_) layer_count(base_->params().layers.size(), "KV cache");
+    if (recr_) layer_count(recr_->params().layers.size(), "recurrent state");
     for (uint32_t il = 0; il < hp.n_layer; ++il) {
-        const kv_cache& c = *layer_cache_[il];
-        if (!c.has_layer(il))
+        if (hp.is_recurrent(il)) {
+            if (!recr_ || !recr_->has_r(il) || !recr_->has_s(il))
+                throw error(
+                    errc::invalid_argument,
+                    fmt::format("runtime: the memory keeps no recurrent state for Mamba layer {}", il));
+            const recurrent_layer_desc& d = recr_->params().layers[il];
+            if (d.n_embd_r != hp.n_embd_r() || d.n_embd_s != hp.n_embd_s())
+                throw error(
+                    errc::invalid_argument,
+                    fmt::format("runtime: recurrent layer {} has rows of {}/{} values, the model's {}/{}", il,
+                                d.n_embd_r, d.n_embd_s, hp.n_embd_r(), hp.n_embd_s()));
+            continue;
+        }
+        const kv_cache* c = layer_cache_[il];
+        if (!c || !c->has_layer(il))
             throw error(errc::invalid_argument,
                         fmt::format("runtime: the memory keeps no K/V for layer {}", il));
-        const layer_desc& d = c.params().layers[il];
+        const layer_desc& d = c->params().layers[il];
         if (d.n_head_kv != hp.n_head_kv || d.n_embd_head_k != hp.n_embd_head ||
             d.n_embd_head_v != hp.n_embd_head)
             throw error(
@@ -175,33 +235,40 @@ void runtime::check_layers() {
 
 runtime::~runtime() = default;
 
+kv_cache& runtime::cache() {
+    if (!base_) throw error(errc::invalid_state, "runtime: a recurrent memory has no KV cache");
+    return *base_;
+}
+
 decode_result runtime::decode(const batch& b) {
     const model::impl& m = model_->get();
     const model_hparams& hp = m.hp;
-    const kv_cache& base = cache();
     // the memory's pending work first (K-shift, compaction), as llama_decode does
     if (auto up = mem_->init_update(/*optimize=*/false); up->get_status() == memory_status::success)
         up->apply();
 
     batch_allocr balloc;
-    balloc.init(b, positions_of(mem_),
-                {.n_seq_max = base.params().n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
+    const uint32_t n_seq_max = base_ ? base_->params().n_seq_max : recr_->params().n_seq_max;
+    balloc.init(b, positions_of(mem_), {.n_seq_max = n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
     decode_result res;
-    auto ctx = mem_->init_batch(balloc, params_.n_ubatch, /*embd_all=*/false);
+    auto ctx = mem_->init_batch(balloc, params_.n_ubatch, params_.embd_all);
     if (is_fail(ctx->get_status())) {
         res.status = ctx->get_status();
         return res;
     }
-    // the context of the cache holding each layer (iSWA: two caches), and one mask per cache
+    // the context of the cache holding each attention layer (iSWA: two caches), and one mask per cache
     std::vector<kv_cache_context*> layer_ctx(hp.n_layer);
     std::vector<kv_cache_context*> children;
     for (uint32_t il = 0; il < hp.n_layer; ++il) {
+        if (!layer_cache_[il]) continue;
         layer_ctx[il] = ctx->get_attn(il);
+        if (!layer_ctx[il])
+            throw error(errc::invalid_state, fmt::format("runtime: no attention context for layer {}", il));
         if (std::find(children.begin(), children.end(), layer_ctx[il]) == children.end())
             children.push_back(layer_ctx[il]);
     }
     const size_t e_kv = size_t{hp.n_head_kv} * hp.n_embd_head;
-    const bool v_trans = base.params().v_trans;
+    const bool v_trans = base_ && base_->params().v_trans;
 
     std::vector<std::pair<int32_t, size_t>> rows;  // (batch index, row in `logits`)
     std::vector<float> logits;
@@ -217,9 +284,11 @@ decode_result runtime::decode(const batch& b) {
                 dtype::f32, reinterpret_cast<std::byte*>(masks[c].data()), children[c]->get_n_kv(), n));
         }
         // index of each token's stream in the views (both caches map sequences to streams alike)
-        const slot_info& si = children[0]->get_sinfo();
         std::vector<uint32_t> stream_of(n);
-        for (uint32_t t = 0; t < n; ++t) stream_of[t] = base.seq_to_stream(ub.primary_seq(t)) - si.s0;
+        if (!children.empty()) {
+            const slot_info& si = children[0]->get_sinfo();
+            for (uint32_t t = 0; t < n; ++t) stream_of[t] = base_->seq_to_stream(ub.primary_seq(t)) - si.s0;
+        }
 
         const rt::attend_fn attend = [&](uint32_t il, const float* q, const float* k, const float*,
                                          const float* v, float* out) {
@@ -233,8 +302,15 @@ decode_result runtime::decode(const batch& b) {
             attend_cache(pool_, hp, kc.get_k(il), kc.get_v(il), v_trans, n, kc.get_n_kv(), stream_of,
                          masks[c].data(), q, out);
         };
+        std::optional<cache_states> states;
+        if (recr_) {
+            memory_recurrent_context* rc = ctx->get_recr();
+            if (!rc) throw error(errc::invalid_state, "runtime: the memory gave no recurrent context");
+            states.emplace(*rc);
+        }
         const size_t before = logits.size() / hp.n_vocab;
-        m.forward(pool_, ub.token, std::span(ub.pos).first(n), ub.output, attend, logits);
+        m.forward(pool_, ub.token, std::span(ub.pos).first(n), ub.output, attend, states ? &*states : nullptr,
+                  logits);
         for (uint32_t t = 0, r = 0; t < n; ++t)
             if (ub.output[t]) rows.emplace_back(ub.batch_idx[t], before + r++);
     } while (ctx->next());

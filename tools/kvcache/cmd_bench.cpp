@@ -17,6 +17,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <kvcache/kv_cache.h>
+#include <kvcache/memory_recurrent.h>
+#include <kvcache/recurrent_engine.h>
 #include <kvcache/runtime/runtime.h>
 #include <kvcache/runtime/tiny_model.h>
 #include <kvcache/state.h>
@@ -138,6 +140,7 @@ public:
         prefix();
         state();
         decode();
+        recurrent_decode();
         return std::move(out_);
     }
 
@@ -436,6 +439,92 @@ private:
         const double g = bytes / s / 1e9, mc = memcpy_gbs(static_cast<size_t>(bytes), reps_);
         add({section_, "tokens per second", 1.0 / s, "tok/s", 0, "", 0, 0});
         add({section_, "K/V read bandwidth", g, "GB/s", mc, "memcpy GB/s", g / mc, 0.5});
+    }
+
+    // One decode step of 64 sequences, one token each, through a memory_recurrent at Mamba-130m's widths
+    // (d_inner 1,536, d_state 16, d_conv 4; 2 layers of random weights): the state rows the step gathers
+    // and scatters (recurrent_step: every block's r and s rows in, the new ones out) timed on their own
+    // against memcpy of the same bytes, the host bookkeeping (init_batch, apply), and the whole step
+    // through the runtime (its matmuls dominate).
+    void recurrent_decode() {
+        const uint32_t n_seq = 64;
+        section(
+            "recurrent decode step, 64 sequences x 1 token, Mamba-130m widths (d_inner 1,536, d_state 16)");
+        tiny_model_options t = tiny_model_options::mamba();
+        t.n_embd = 768;
+        t.n_layer = 2;
+        t.d_state = 16;
+        t.dt_rank = 48;
+        const fs::path path =
+            fs::temp_directory_path() / fmt::format("kvcache-bench-mamba-{}.gguf", ::getpid());
+        write_tiny_model(path.string(), t);
+        const model m = model::load(path.string());
+        fs::remove(path);
+        const int steps = o_.quick ? 5 : 20;
+        for (const uint32_t k : {0u, 4u}) {
+            recurrent_params rp = m.recr_params(n_seq);
+            rp.n_rs_seq = k;
+            memory_recurrent mem(rp);
+            runtime rt(m, mem, runtime_params{.n_threads = o_.threads});
+            std::mt19937 rng(12);
+            // one token per sequence at its next position
+            const auto step_batch = [&] {
+                batch_storage b = batch::init(static_cast<int32_t>(n_seq), 0, 1);
+                for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s) {
+                    const seq_id_t ids[1] = {s};
+                    b.add(static_cast<token_t>(rng() % 256), mem.seq_pos_max(s) + 1, ids, true);
+                }
+                return b;
+            };
+            // every sequence starts with a prompt of 8 tokens, so that each step gathers real rows
+            batch_storage prompt = batch::init(static_cast<int32_t>(n_seq * 8), 0, 1);
+            for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s)
+                for (pos_t p = 0; p < 8; ++p) {
+                    const seq_id_t ids[1] = {s};
+                    prompt.add(static_cast<token_t>(rng() % 256), p, ids, false);
+                }
+            rt.decode(prompt.view());
+            // the engine's side of the state, alone: every tensor's recurrent_step, each block storing its
+            // one token; bytes: the rows gathered (sources, history sources) and written (plane 0, history)
+            double t_book = 1e300, t_rows = 1e300, bytes = 0;
+            for (int rep = 0; rep < reps_; ++rep) {
+                double book = 0, rows = 0;
+                for (int i = 0; i < steps; ++i) {
+                    batch_storage b = step_batch();
+                    const auto t0 = clock_type::now();
+                    batch_allocr balloc;
+                    balloc.init(b.view(), positions_of(mem), {.n_seq_max = n_seq, .n_vocab = 256});
+                    auto ctx = mem.init_batch(balloc, 512, false);
+                    ctx->apply();
+                    const auto t1 = clock_type::now();
+                    memory_recurrent_context& rc = *ctx->get_recr();
+                    bytes = 0;  // every step moves as many rows
+                    for (const uint32_t il : mem.layer_ids())
+                        for (const rs_tensor which : {rs_tensor::r, rs_tensor::s}) {
+                            recurrent_step st(rc, il, which);
+                            for (uint32_t blk = 0; blk < st.n_seqs(); ++blk) st.store(blk, 0);
+                            st.finish();
+                            bytes += 2.0 * static_cast<double>(rc.get_n_rs() + rc.hist_copies().size()) *
+                                     st.width() * sizeof(float);
+                        }
+                    const auto t2 = clock_type::now();
+                    book += std::chrono::duration<double>(t1 - t0).count();
+                    rows += std::chrono::duration<double>(t2 - t1).count();
+                }
+                t_book = std::min(t_book, book / steps);
+                t_rows = std::min(t_rows, rows / steps);
+            }
+            const double g = bytes / t_rows / 1e9, mc = memcpy_gbs(static_cast<size_t>(bytes), reps_);
+            add({section_, fmt::format("n_rs_seq {}: state rows in + out ({:.1f} MB)", k, bytes / 1e6), g,
+                 "GB/s", mc, "memcpy GB/s", g / mc, 0.5});
+            add({section_, fmt::format("n_rs_seq {}: host bookkeeping per step", k), t_book * 1e6, "us",
+                 t_rows * 1e6, "rows us", t_book / t_rows, 0, false});
+            if (k != 0) continue;
+            const double s = best_of(reps_, [&] {
+                for (int i = 0; i < steps; ++i) rt.decode(step_batch().view());
+            });
+            add({section_, "decode step through the runtime", s / steps * 1e3, "ms", 0, "", 0, 0, false});
+        }
     }
 
     bench_options o_;

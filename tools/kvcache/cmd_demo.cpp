@@ -4,7 +4,8 @@
 // then chat sessions through the prefix cache (turns that reuse what earlier turns and sessions
 // computed, sessions that end, evictions) — and after every phase the logits are compared with a
 // reference that recomputes attention from plain f32 keys and values without the cache. Exit status 1
-// if a difference exceeds the K/V types' tolerance.
+// if a difference exceeds the K/V types' tolerance. A mamba or jamba model runs the recurrent demo
+// instead (cmd_demo_recurrent.cpp).
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include <kvcache/version.h>
 
 #include "commands.h"
+#include "demo_recurrent.h"
 
 namespace kvc::cli {
 namespace {
@@ -476,6 +478,16 @@ int run_demo(const demo_options& o) {
         }
     } cleanup{tmp};
     const model m = model::load(path);
+    if (m.memory_kind() != model_memory::kv) {
+        if (o.swa > 0) throw error(errc::invalid_argument, "--swa is for llama models");
+        return run_recurrent_demo(m, {.seqs = o.seqs,
+                                      .ctx = o.ctx,
+                                      .threads = o.threads,
+                                      .type_k = parse_dtype(o.type_k),
+                                      .type_v = parse_dtype(o.type_v),
+                                      .v_trans = o.v_trans,
+                                      .unified = o.unified});
+    }
     demo d(o, m);
     return d.run();
 }
@@ -486,7 +498,8 @@ void add_demo_command(CLI::App& app, int& exit_code) {
     auto opt = std::make_shared<demo_options>();
     CLI::App* cmd = app.add_subcommand(
         "demo", "Serve several sequences through the cache and check every phase against a recomputation");
-    cmd->add_option("--model", opt->model, "a llama GGUF model (default: the built-in tiny model)");
+    cmd->add_option("--model", opt->model,
+                    "a llama, mamba or jamba GGUF model (default: the built-in tiny llama model)");
     cmd->add_option("--type-k", opt->type_k, "K element type: f32, f16, bf16, q8_0, q4_0")
         ->capture_default_str();
     cmd->add_option("--type-v", opt->type_v, "V element type")->capture_default_str();

@@ -206,7 +206,8 @@ void op_show(replay_memory& m, const words&) {
     std::string line = "pos";
     for (seq_id_t s = 0; s < static_cast<seq_id_t>(m.n_seq_max); ++s)
         line += fmt::format(" {}:[{},{}]", s, m.mem->seq_pos_min(s), m.mem->seq_pos_max(s));
-    for (const replay_part& p : m.parts) line += fmt::format(" {}={}", p.used_label, p.used());
+    for (const replay_part& p : m.parts)
+        if (!p.used_label.empty()) line += fmt::format(" {}={}", p.used_label, p.used());
     fmt::print("{}\n", line);
 }
 

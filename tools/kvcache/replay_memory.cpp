@@ -37,9 +37,39 @@ uint32_t pattern(const keys& k, const char* name, int64_t def) {
     return static_cast<uint32_t>(v);
 }
 
-// memory type=kv: one KV cache; with model=, the model's layers, and a runtime that decodes through it;
-// with prefix=BLOCK, a prefix cache of BLOCK-token blocks (evict=lru|slru).
-void make_kv(replay_memory& r, const keys& k, kv_cache_params p) {
+// model= of a mamba or jamba model: the memory it needs (recurrent, or hybrid with the KV cache p), n_rs_seq
+// rollback planes, and a runtime over it. `size` is the context's cells, as llama_n_ctx() reports them.
+void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
+    recurrent_params rp = r.mdl->recr_params(p.n_seq_max);
+    const int64_t rs = k.get_int("n_rs_seq", 0);
+    if (rs < 0 || rs > (1 << 24)) fail("memory: n_rs_seq out of range");
+    rp.n_rs_seq = static_cast<uint32_t>(rs);
+    const runtime_params rtp{.n_ubatch = r.n_ubatch};
+    if (r.mdl->memory_kind() == model_memory::recurrent) {
+        auto rec = std::make_unique<memory_recurrent>(std::move(rp));
+        r.rt = std::make_unique<runtime>(*r.mdl, *rec, rtp);
+        r.parts = {{.name = "rs", .used_label = "used", .recr = rec.get()}};
+        r.mem = std::move(rec);
+        fmt::print("memory ok size={} streams=1\n", p.kv_size);
+        return;
+    }
+    memory_hybrid_params h;
+    h.attn = std::move(p);
+    h.recr = std::move(rp);
+    auto hyb = std::make_unique<memory_hybrid>(std::move(h));
+    r.rt = std::make_unique<runtime>(*r.mdl, *hyb, rtp);
+    const auto& attn = dynamic_cast<const kv_cache&>(hyb->get_attn());
+    // `show` counts the attention cells, as llama.cpp; `cells part=rs` lists the states
+    r.parts = {{.name = "kv", .used_label = "used", .kv = &attn},
+               {.name = "rs", .used_label = "", .recr = &hyb->get_recr()}};
+    r.mem = std::move(hyb);
+    fmt::print("memory ok size={} streams={}\n", attn.get_size() * attn.get_n_stream(), attn.get_n_stream());
+}
+
+// memory type=kv: one KV cache; with model=, the model's layers, and a runtime that decodes through it
+// (a mamba or jamba model without type=: the memory it needs); with prefix=BLOCK, a prefix cache of
+// BLOCK-token blocks (evict=lru|slru).
+void make_kv(replay_memory& r, const keys& k, kv_cache_params p, bool typed) {
     const int64_t block = k.get_int("prefix", 0);
     if (block < 0 || block > (int64_t{1} << 24)) fail(fmt::format("memory: prefix={} out of range", block));
     p.prefix.enabled = block > 0;
@@ -55,7 +85,23 @@ void make_kv(replay_memory& r, const keys& k, kv_cache_params p) {
             p.layers = r.mdl->layers();
             r.n_layer = static_cast<uint32_t>(p.layers.size());
             p.prefix.n_vocab = static_cast<int32_t>(r.mdl->hparams().n_vocab);
+            if (r.mdl->memory_kind() != model_memory::kv) {
+                const bool mamba = r.mdl->memory_kind() == model_memory::recurrent;
+                if (typed)
+                    fail(fmt::format("memory: {} is a {} model: leave out type= (its memory is {})", *path,
+                                     mamba ? "mamba" : "jamba", mamba ? "recurrent" : "hybrid"));
+                if (p.prefix.enabled)
+                    fail(fmt::format(
+                        "memory: prefix= needs a model whose memory is a KV cache; {} is a {} model", *path,
+                        mamba ? "mamba" : "jamba"));
+                make_model_state(r, k, std::move(p));
+                return;
+            }
         }
+        if (k.get("n_rs_seq"))
+            fail(
+                "memory: n_rs_seq is for recurrent state (type=recurrent, hybrid, or a "
+                "mamba or jamba model)");
         auto cache = std::make_unique<kv_cache>(p);
         if (p.prefix.enabled) r.prefix = cache.get();
         if (r.mdl) r.rt = std::make_unique<runtime>(*r.mdl, *cache, runtime_params{.n_ubatch = r.n_ubatch});
@@ -157,14 +203,18 @@ replay_memory make_replay_memory(const words& w) {
         }
     // the attention memories share the KV cache keys
     std::string type = "kv";
+    bool typed = false;
     for (size_t i = 1; i < w.size(); ++i)
-        if (w[i].substr(0, 5) == "type=") type = std::string(w[i].substr(5));
+        if (w[i].substr(0, 5) == "type=") {
+            type = std::string(w[i].substr(5));
+            typed = true;
+        }
     if (type != "kv" && type != "iswa" && type != "hybrid")
         fail(fmt::format("memory: unknown type '{}'", type));
     std::vector<const char*> allowed = {"type",    "n_ctx",    "n_seq_max", "unified",  "n_ubatch",
                                         "type_k",  "type_v",   "v_trans",   "swa_type", "n_swa",
                                         "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv"};
-    if (type == "kv") allowed.insert(allowed.end(), {"model", "prefix", "evict"});
+    if (type == "kv") allowed.insert(allowed.end(), {"model", "n_rs_seq", "prefix", "evict"});
     if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
     if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
     const keys k(w, 1, allowed, "memory");
@@ -211,7 +261,7 @@ replay_memory make_replay_memory(const words& w) {
     else if (type == "hybrid")
         make_hybrid(r, k, std::move(p));
     else
-        make_kv(r, k, std::move(p));
+        make_kv(r, k, std::move(p), typed);
     return r;
 }
 

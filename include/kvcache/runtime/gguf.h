@@ -137,6 +137,7 @@ public:
     void set_string_array(std::string_view key, const std::vector<std::string>& v);  ///< adds a string array
     void set_f32_array(std::string_view key, const std::vector<float>& v);           ///< adds an f32 array
     void set_i32_array(std::string_view key, const std::vector<int32_t>& v);         ///< adds an i32 array
+    void set_u32_array(std::string_view key, const std::vector<uint32_t>& v);        ///< adds a u32 array
     /// data must be exactly the tensor's bytes for its type and dimensions (ne[0] first).
     void add_tensor(std::string name, std::vector<int64_t> ne, uint32_t ggml_type, std::vector<uint8_t> data);
 

@@ -8,6 +8,10 @@
 /// f16, bf16, q8_0 or q4_0: token embedding, per layer RMSNorm, Q/K/V projections, RoPE, grouped-query
 /// attention, output projection, RMSNorm, SwiGLU feed-forward; final RMSNorm and output head (or the
 /// tied embedding). Plain f32 arithmetic, multi-threaded with a thread_pool.
+///
+/// Recurrent models decode the same way through a memory_recurrent (`mamba`: Mamba-1 layers) or a
+/// memory_hybrid (`jamba`: Mamba layers with dt/B/C norms, attention layers without RoPE, dense SwiGLU
+/// feed-forward in every layer); their oracle is reference_recurrent (reference_recurrent.h).
 #pragma once
 
 // Layer guard: this header belongs to the runtime library (kvcache_runtime). The core library and the C
@@ -26,6 +30,8 @@
 #include <kvcache/dtype.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
+#include <kvcache/memory_hybrid.h>
+#include <kvcache/memory_recurrent.h>
 #include <kvcache/ops.h>
 #include <kvcache/runtime/thread_pool.h>
 #include <kvcache/types.h>
@@ -34,27 +40,52 @@ namespace kvc {
 
 class gguf_file;
 
-/// The hyper-parameters of a llama model, as its GGUF file states them.
+/// The GGUF architectures the runtime runs (general.architecture).
+enum class model_arch : uint8_t {
+    llama,  ///< attention layers with RoPE: a kv_cache or kv_cache_iswa
+    mamba,  ///< Mamba-1 layers only: a memory_recurrent
+    jamba,  ///< Mamba and attention layers (head_count_kv 0: Mamba): a memory_hybrid
+};
+
+/// The memory a model decodes through.
+enum class model_memory : uint8_t { kv, recurrent, hybrid };
+
+/// The hyper-parameters of a model, as its GGUF file states them.
 struct model_hparams {
-    std::string name;                ///< general.name, if any
-    uint32_t n_vocab = 0;            ///< vocabulary size
-    uint32_t n_ctx_train = 0;        ///< training context
-    uint32_t n_embd = 0;             ///< embedding width
-    uint32_t n_layer = 0;            ///< layers
-    uint32_t n_ff = 0;               ///< feed-forward width
-    uint32_t n_head = 0;             ///< attention heads
-    uint32_t n_head_kv = 0;          ///< KV heads
-    uint32_t n_embd_head = 0;        ///< n_embd / n_head
-    float rms_eps = 1e-5f;           ///< RMSNorm epsilon
-    rope_params rope{};              ///< llama: normal rotation of n_rot dims
-    dtype weight_type = dtype::f32;  ///< of the attention projections (what the file mostly holds)
+    model_arch arch = model_arch::llama;  ///< general.architecture
+    std::string name;                     ///< general.name, if any
+    uint32_t n_vocab = 0;                 ///< vocabulary size
+    uint32_t n_ctx_train = 0;             ///< training context
+    uint32_t n_embd = 0;                  ///< embedding width
+    uint32_t n_layer = 0;                 ///< layers
+    uint32_t n_ff = 0;                    ///< feed-forward width
+    uint32_t n_head = 0;                  ///< attention heads
+    uint32_t n_head_kv = 0;               ///< KV heads (of the attention layers)
+    uint32_t n_embd_head = 0;             ///< n_embd / n_head
+    float rms_eps = 1e-5f;                ///< RMSNorm epsilon
+    rope_params rope{};                   ///< llama: normal rotation of n_rot dims
+    dtype weight_type = dtype::f32;       ///< of the attention projections (what the file mostly holds)
+    /// [n_layer] per layer: whether it is a Mamba layer (state rows, no K/V)
+    std::vector<bool> recurrent;
+    uint32_t ssm_d_conv = 0;   ///< Mamba: conv kernel width
+    uint32_t ssm_d_inner = 0;  ///< Mamba: inner width (2 * n_embd)
+    uint32_t ssm_d_state = 0;  ///< Mamba: SSM state per channel
+    uint32_t ssm_dt_rank = 0;  ///< Mamba: rank of the time-step projection
+
+    /// Values of a Mamba layer's r row (the conv window): (d_conv - 1) * d_inner.
+    uint32_t n_embd_r() const { return ssm_d_conv == 0 ? 0 : (ssm_d_conv - 1) * ssm_d_inner; }
+    /// Values of a Mamba layer's s row (the SSM state): d_state * d_inner.
+    uint32_t n_embd_s() const { return ssm_d_state * ssm_d_inner; }
+    /// Whether layer il is a Mamba layer.
+    bool is_recurrent(uint32_t il) const { return il < recurrent.size() && recurrent[il]; }
 };
 
 /// A llama model, memory-mapped from a GGUF file.
 class model {
 public:
     /// Loads and checks a model: architecture, every hyper-parameter, every tensor's presence, type and
-    /// shape. Throws kvc::error naming the key or tensor that is missing or wrong.
+    /// shape. Throws kvc::error naming the key or tensor that is missing or wrong, or the option the
+    /// runtime does not run (another architecture, Jamba's mixture-of-experts layers).
     static model load(const std::string& path);
     model(model&&) noexcept;             ///< takes the other's mapping
     model& operator=(model&&) noexcept;  ///< takes the other's mapping
@@ -65,6 +96,13 @@ public:
     std::vector<layer_desc> layers() const;
     /// Cache parameters for this model; the caller adjusts types, streams, sizes.
     kv_cache_params cache_params(uint32_t kv_size, uint32_t n_seq_max) const;
+    /// The memory the model needs: kv (llama), recurrent (mamba) or hybrid (jamba).
+    model_memory memory_kind() const;
+    /// The recurrent layers (f32 rows, no rollback); the caller adjusts types and n_rs_seq.
+    recurrent_params recr_params(uint32_t n_seq_max) const;
+    /// Hybrid parameters: the attention layers in a kv_cache of kv_size cells, the Mamba layers in
+    /// the recurrent part.
+    memory_hybrid_params hybrid_params(uint32_t kv_size, uint32_t n_seq_max) const;
 
     struct impl;
     const impl& get() const { return *p_; }  ///< the weights, for the runtime's own code
@@ -91,6 +129,9 @@ struct decode_result {
 struct runtime_params {
     uint32_t n_threads = 0;   ///< 0: the hardware's
     uint32_t n_ubatch = 512;  ///< tokens per ubatch
+    /// init_batch's embd_all: a recurrent or hybrid memory then splits by sequence (split_seq) instead of
+    /// in equal blocks (split_equal), as llama.cpp does when every token is an output
+    bool embd_all = false;
 };
 
 /// Decodes batches through a kv_cache or a kv_cache_iswa, as an engine's llama_decode does: applies the
@@ -104,6 +145,12 @@ public:
     /// Decodes through an iSWA memory: the model's layers with layer_desc::is_swa in its cache params go
     /// to the SWA cache.
     runtime(const model& m, kv_cache_iswa& mem, runtime_params params = {});
+    /// Decodes a Mamba model through a recurrent memory: each ubatch's state rows are gathered, run and
+    /// written back through the context's get_recr() (recurrent_engine.h), rollback planes included.
+    runtime(const model& m, memory_recurrent& mem, runtime_params params = {});
+    /// Decodes a Jamba model through a hybrid memory: attention layers through get_attn(il), Mamba layers
+    /// through get_recr().
+    runtime(const model& m, memory_hybrid& mem, runtime_params params = {});
     ~runtime();  ///< stops the thread pool
 
     /// Throws kvc::error on an invalid batch (memory unchanged); returns failed_prepare when the batch
@@ -112,8 +159,9 @@ public:
 
     const model& get_model() const { return *model_; }  ///< the model
     memory_i& memory() { return *mem_; }                ///< the memory
-    /// The KV cache (the base cache of an iSWA memory).
-    kv_cache& cache() { return *base_; }
+    /// The KV cache (the base cache of an iSWA memory, the attention part of a hybrid one); throws
+    /// kvc::error for a recurrent memory.
+    kv_cache& cache();
     thread_pool& pool() { return pool_; }  ///< the worker threads
 
 private:
@@ -121,8 +169,9 @@ private:
 
     const model* model_;                  // borrowed
     memory_i* mem_;                       // borrowed
-    kv_cache* base_;                      // the memory's kv_cache, or its base cache
-    std::vector<kv_cache*> layer_cache_;  // [n_layer] the cache holding each layer
+    kv_cache* base_ = nullptr;            // the memory's kv_cache, or its base cache (null: recurrent)
+    memory_recurrent* recr_ = nullptr;    // the recurrent state (mamba, jamba)
+    std::vector<kv_cache*> layer_cache_;  // [n_layer] the cache holding each layer (null: a Mamba layer)
     runtime_params params_;
     thread_pool pool_;
 };

@@ -1,0 +1,425 @@
+// Cache == recompute for recurrent and hybrid models: the logits of the tiny mamba and tiny jamba decoding
+// through memory_recurrent / memory_hybrid (state rows gathered, updated and scattered through the
+// memory's context, rollback planes included) equal those of reference_recurrent, which keeps each
+// sequence as its token list and recomputes its state from the first token.
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <random>
+#include <variant>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <kvcache/memory_hybrid.h>
+#include <kvcache/memory_recurrent.h>
+#include <kvcache/runtime/gguf.h>
+#include <kvcache/runtime/reference_recurrent.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
+#include <kvcache/session.h>
+#include <kvcache/state.h>
+
+namespace kvc {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The peer's tiny models, loaded once each.
+const model& tiny(tiny_arch arch) {
+    static std::unique_ptr<model> m[3];
+    auto& slot = m[static_cast<int>(arch)];
+    if (!slot) {
+        const fs::path path = fs::temp_directory_path() /
+                              fmt::format("kvc-rt-recr-{}-{}.gguf", ::getpid(), static_cast<int>(arch));
+        write_tiny_model(path.string(), arch == tiny_arch::mamba ? tiny_model_options::mamba()
+                                                                 : tiny_model_options::jamba());
+        slot = std::make_unique<model>(model::load(path.string()));
+        fs::remove(path);
+    }
+    return *slot;
+}
+
+struct setup {
+    tiny_arch arch = tiny_arch::mamba;
+    uint32_t n_rs_seq = 0;    // rollback depth
+    uint32_t n_ubatch = 512;  // small: batches split into several ubatches
+    bool embd_all = false;    // split_seq instead of split_equal
+    bool unified = true;      // jamba's KV cache: one stream (split_equal not sequential) or one per seq
+    dtype type_rs = dtype::f32;
+    dtype type_kv = dtype::f32;
+    std::string name() const {
+        return fmt::format("{}_rs{}_ub{}_{}_{}_{}_{}", arch == tiny_arch::mamba ? "mamba" : "jamba", n_rs_seq,
+                           n_ubatch, embd_all ? "seq" : "equal", unified ? "unified" : "streams",
+                           to_string(type_rs), to_string(type_kv));
+    }
+    double limit() const { return std::max({logits_tolerance(type_rs), logits_tolerance(type_kv)}); }
+};
+
+void PrintTo(const setup& s, std::ostream* os) {
+    *os << s.name();
+}
+
+// A memory for the model of s (recurrent or hybrid, as the model needs).
+std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max) {
+    const model& m = tiny(s.arch);
+    if (m.memory_kind() == model_memory::recurrent) {
+        recurrent_params p = m.recr_params(n_seq_max);
+        p.n_rs_seq = s.n_rs_seq;
+        p.type_r = p.type_s = s.type_rs;
+        return std::make_unique<memory_recurrent>(p);
+    }
+    memory_hybrid_params p = m.hybrid_params(256, n_seq_max);
+    p.attn.type_k = p.attn.type_v = s.type_kv;
+    p.attn.unified = s.unified;
+    p.recr.n_rs_seq = s.n_rs_seq;
+    p.recr.type_r = p.recr.type_s = s.type_rs;
+    return std::make_unique<memory_hybrid>(p);
+}
+
+std::unique_ptr<runtime> make_runtime(const setup& s, memory_i& mem) {
+    const runtime_params rp{.n_threads = 2, .n_ubatch = s.n_ubatch, .embd_all = s.embd_all};
+    if (auto* h = dynamic_cast<memory_hybrid*>(&mem)) return std::make_unique<runtime>(tiny(s.arch), *h, rp);
+    return std::make_unique<runtime>(tiny(s.arch), dynamic_cast<memory_recurrent&>(mem), rp);
+}
+
+// The memory with its runtime and the oracle, driven side by side; every decode compares their logits.
+class pair_run {
+public:
+    explicit pair_run(const setup& s, uint32_t n_seq_max = 4)
+        : s_(s),
+          m_(&tiny(s.arch)),
+          mem_(make_memory(s, n_seq_max)),
+          rt_(make_runtime(s, *mem_)),
+          ref_(*m_, n_seq_max) {}
+
+    struct group {
+        std::vector<seq_id_t> seqs;
+        pos_t pos = -1;  // -1: after the first sequence's last position
+        std::vector<token_t> tokens;
+    };
+    // One batch of groups, every token an output; returns the relative difference.
+    double decode(const std::vector<group>& groups) {
+        size_t n = 0;
+        for (const auto& g : groups) n += g.tokens.size();
+        batch_storage b = batch::init(static_cast<int32_t>(n), 0, 4);
+        for (const auto& g : groups) {
+            pos_t p = g.pos >= 0 ? g.pos : mem_->seq_pos_max(g.seqs[0]) + 1;
+            EXPECT_EQ(mem_->seq_pos_max(g.seqs[0]), ref_.seq_pos_max(g.seqs[0])) << "seq " << g.seqs[0];
+            for (token_t t : g.tokens) b.add(t, p++, g.seqs, true);
+        }
+        const decode_result a = rt_->decode(b.view());
+        const decode_result r = ref_.decode(b.view());
+        EXPECT_EQ(a.status, memory_status::success);
+        EXPECT_EQ(a.output_ids, r.output_ids);
+        EXPECT_EQ(a.logits.size(), r.logits.size());
+        if (a.logits.size() != r.logits.size() || a.logits.empty()) return 1e9;
+        float scale = 0;
+        for (float x : r.logits) scale = std::max(scale, std::fabs(x));
+        const double rel = max_abs_diff(a.logits, r.logits) / std::max(scale, 1e-6f);
+        worst_ = std::max(worst_, rel);
+        last_ubatches_ = a.n_ubatches;
+        return rel;
+    }
+    std::vector<token_t> tokens(size_t n) {
+        std::vector<token_t> t(n);
+        for (auto& x : t) x = static_cast<token_t>(rng_() % m_->hparams().n_vocab);
+        return t;
+    }
+    // Drops the runtime and the memory and decodes from now on through a fresh pair built alike.
+    void renew(uint32_t n_seq_max = 4) {
+        rt_.reset();
+        mem_ = make_memory(s_, n_seq_max);
+        rt_ = make_runtime(s_, *mem_);
+    }
+    double worst() const { return worst_; }
+    double limit() const { return s_.limit(); }
+    uint32_t last_ubatches() const { return last_ubatches_; }
+    memory_i& mem() { return *mem_; }
+    reference_recurrent& ref() { return ref_; }
+    const setup& config() const { return s_; }
+
+private:
+    setup s_;
+    const model* m_;
+    std::unique_ptr<memory_i> mem_;
+    std::unique_ptr<runtime> rt_;
+    reference_recurrent ref_;
+    std::mt19937 rng_{7};
+    double worst_ = 0;
+    uint32_t last_ubatches_ = 0;
+};
+
+#define EXPECT_CLOSE(r) EXPECT_LE((r).worst(), (r).limit()) << "worst relative difference"
+
+class recurrent_equals_recompute : public ::testing::TestWithParam<setup> {};
+
+TEST_P(recurrent_equals_recompute, several_sequences_in_batches_split_into_ubatches) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(10)}, {{1}, 0, r.tokens(4)}, {{2}, 0, r.tokens(7)}});
+    if (GetParam().n_ubatch < 8) {
+        EXPECT_GT(r.last_ubatches(), 1u);
+    }
+    for (int step = 0; step < 3; ++step)
+        r.decode(
+            {{{0}, -1, r.tokens(1)}, {{1}, -1, r.tokens(2)}, {{2}, -1, r.tokens(1)}, {{3}, -1, r.tokens(3)}});
+    EXPECT_GT(r.ref().n_forwards(), 0u);
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(recurrent_equals_recompute, shared_prefix_through_seq_cp_then_seq_keep) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(9)}});
+    for (seq_id_t d : {1, 2}) {
+        r.mem().seq_cp(0, d, -1, -1);
+        r.ref().seq_cp(0, d, -1, -1);
+    }
+    // the copies share seq 0's cell until they decode: copy-on-write sources in one batch
+    r.decode({{{1}, -1, r.tokens(3)}, {{2}, -1, r.tokens(2)}, {{0}, -1, r.tokens(1)}});
+    r.decode({{{2}, -1, r.tokens(1)}, {{1}, -1, r.tokens(1)}});
+    r.mem().seq_keep(1);
+    r.ref().seq_keep(1);
+    for (seq_id_t s : {0, 2, 3}) EXPECT_EQ(r.mem().seq_pos_max(s), -1);
+    r.decode({{{1}, -1, r.tokens(2)}, {{0}, 0, r.tokens(4)}});
+    EXPECT_CLOSE(r);
+}
+
+// Suffix removal: with n_rs_seq = k, up to k last tokens roll back (composed, over several decodes);
+// beyond the history it is refused and nothing changes. The oracle recomputes from the first token.
+TEST_P(recurrent_equals_recompute, suffix_removal_rolls_back_within_the_history) {
+    const uint32_t k = GetParam().n_rs_seq;
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(12)}, {{1}, 0, r.tokens(6)}});
+    const auto remove = [&](seq_id_t s, pos_t p0, bool want) {
+        EXPECT_EQ(r.mem().seq_rm(s, p0, -1), want) << "seq_rm(" << s << ", " << p0 << ")";
+        if (want) r.ref().seq_rm(s, p0, -1);
+        EXPECT_EQ(r.mem().seq_pos_max(s), r.ref().seq_pos_max(s));
+    };
+    if (k == 0) {
+        remove(0, 11, false);
+        r.decode({{{0}, -1, r.tokens(2)}});
+        EXPECT_CLOSE(r);
+        return;
+    }
+    // one rollback of every depth, each followed by a decode
+    for (uint32_t back = 1; back <= k; ++back) {
+        const pos_t p = r.mem().seq_pos_max(0);
+        remove(0, p - static_cast<pos_t>(back) + 1, true);
+        r.decode({{{0}, -1, r.tokens(back + 1)}, {{1}, -1, r.tokens(1)}});
+    }
+    // composed: one token back, then the rest of the history, before the next decode
+    if (k >= 2) {
+        const pos_t p = r.mem().seq_pos_max(0);
+        remove(0, p, true);
+        remove(0, p - static_cast<pos_t>(k) + 1, true);
+        remove(0, p - static_cast<pos_t>(k), false);  // beyond the history
+        r.decode({{{0}, -1, r.tokens(1)}});
+    }
+    // one token at a time builds the history up again (history copies of short ubatches)
+    for (uint32_t i = 0; i < k; ++i) r.decode({{{1}, -1, r.tokens(1)}});
+    const pos_t p1 = r.mem().seq_pos_max(1);
+    remove(1, p1 - static_cast<pos_t>(k) + 1, true);
+    r.decode({{{1}, -1, r.tokens(2)}, {{0}, -1, r.tokens(1)}});
+    // a shared cell does not roll back
+    r.mem().seq_cp(1, 2, -1, -1);
+    r.ref().seq_cp(1, 2, -1, -1);
+    remove(2, r.mem().seq_pos_max(2), false);
+    r.decode({{{2}, -1, r.tokens(1)}, {{1}, -1, r.tokens(1)}});
+    EXPECT_CLOSE(r);
+}
+
+TEST_P(recurrent_equals_recompute, states_restore_into_other_sequences_and_fresh_memories) {
+    pair_run r(GetParam());
+    r.decode({{{0}, 0, r.tokens(10)}, {{1}, 0, r.tokens(5)}});
+    // one sequence into another
+    const auto saved = state_seq_get_data(r.mem(), 0);
+    state_seq_set_data(r.mem(), saved, 2);
+    r.ref().seq_cp(0, 2, -1, -1);
+    r.decode({{{2}, -1, r.tokens(3)}, {{0}, -1, r.tokens(1)}});
+
+    // the whole memory through a compressed session file into a fresh memory
+    const auto path = (fs::temp_directory_path() / fmt::format("kvc-rt-recr-{}.kvc", ::getpid())).string();
+    session_save_options o;
+    o.compress = true;
+    save_file(r.mem(), path, seq_all, o);
+    r.renew();
+    load_file(r.mem(), path, seq_all);
+    r.decode({{{1}, -1, r.tokens(2)}, {{2}, -1, r.tokens(1)}});
+    // one sequence through a plain session file, into another sequence
+    save_file(r.mem(), path, 1);
+    load_file(r.mem(), path, 3);
+    r.ref().seq_cp(1, 3, -1, -1);
+    fs::remove(path);
+    r.decode({{{1}, -1, r.tokens(1)}, {{3}, -1, r.tokens(2)}});
+    // a whole-memory buffer restored over a memory changed since (the oracle not): everything back
+    const auto whole = state_seq_get_data(r.mem(), seq_all);
+    r.mem().seq_rm(1, -1, -1);
+    r.mem().seq_cp(3, 0, -1, -1);
+    state_seq_set_data(r.mem(), whole, seq_all);
+    r.decode({{{0}, -1, r.tokens(1)}, {{1}, -1, r.tokens(2)}, {{3}, -1, r.tokens(1)}});
+    EXPECT_CLOSE(r);
+}
+
+std::vector<setup> every_setup() {
+    std::vector<setup> out;
+    for (tiny_arch a : {tiny_arch::mamba, tiny_arch::jamba}) {
+        for (uint32_t k : {0u, 1u, 2u, 3u, 4u}) out.push_back({.arch = a, .n_rs_seq = k});
+        out.push_back({.arch = a, .n_rs_seq = 2, .n_ubatch = 3});
+        out.push_back({.arch = a, .n_rs_seq = 1, .n_ubatch = 4, .embd_all = true});
+        out.push_back({.arch = a, .n_rs_seq = 0, .n_ubatch = 5, .embd_all = true});
+        out.push_back({.arch = a, .n_rs_seq = 2, .type_rs = dtype::f16});
+    }
+    out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = 2, .n_ubatch = 3, .unified = false});
+    out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = 1, .type_kv = dtype::f16});
+    return out;
+}
+
+std::string setup_name(const ::testing::TestParamInfo<setup>& i) {
+    return i.param.name();
+}
+
+INSTANTIATE_TEST_SUITE_P(models, recurrent_equals_recompute, ::testing::ValuesIn(every_setup()), setup_name);
+
+// Jamba's partial-only state (the recurrent part alone), used as a checkpoint: saved after a prompt,
+// restored after the attention part has dropped what came later, the sequence continues as if the
+// later tokens had never been decoded.
+TEST(recurrent_equals_recompute_hybrid, partial_only_state_is_a_checkpoint_of_the_recurrent_part) {
+    pair_run r({.arch = tiny_arch::jamba});
+    r.decode({{{0}, 0, r.tokens(10)}, {{1}, 0, r.tokens(3)}});
+    const auto checkpoint = state_seq_get_data(r.mem(), 0, state_seq_flag_partial_only);
+    EXPECT_LT(checkpoint.size(), state_seq_get_size(r.mem(), 0));
+    r.decode({{{0}, -1, r.tokens(4)}});
+    // without rollback planes the hybrid refuses the suffix; the attention part alone drops it
+    auto& hyb = dynamic_cast<memory_hybrid&>(r.mem());
+    EXPECT_FALSE(hyb.seq_rm(0, 10, -1));
+    EXPECT_TRUE(hyb.get_attn().seq_rm(0, 10, -1));
+    state_seq_set_data(r.mem(), checkpoint, 0, state_seq_flag_partial_only);
+    r.ref().seq_rm(0, 10, -1);
+    EXPECT_EQ(r.mem().seq_pos_max(0), 9);
+    r.decode({{{0}, -1, r.tokens(3)}, {{1}, -1, r.tokens(1)}});
+    EXPECT_CLOSE(r);
+}
+
+// The oracle is not the cache: a state left out of the comparison would be seen.
+TEST(recurrent_equals_recompute_oracle, a_wrong_state_is_detected) {
+    pair_run r({.arch = tiny_arch::mamba});
+    r.decode({{{0}, 0, r.tokens(6)}, {{1}, 0, r.tokens(6)}});
+    // the memory's seq 1 takes seq 0's state, the oracle's does not
+    r.mem().seq_cp(0, 1, -1, -1);
+    EXPECT_GT(r.decode({{{1}, 6, r.tokens(1)}}), 1e-3);
+}
+
+TEST(runtime_recurrent, refuses_memories_of_another_shape) {
+    const model& mamba = tiny(tiny_arch::mamba);
+    recurrent_params p = mamba.recr_params(2);
+    p.layers[1].n_embd_s += 1;
+    memory_recurrent wrong(p);
+    EXPECT_THROW(runtime(mamba, wrong), error);
+    recurrent_params q = mamba.recr_params(2);
+    q.layers.pop_back();
+    memory_recurrent fewer(q);
+    EXPECT_THROW(runtime(mamba, fewer), error);
+    // a jamba needs its attention layers in the hybrid's KV cache
+    const model& jamba = tiny(tiny_arch::jamba);
+    memory_hybrid_params h = jamba.hybrid_params(256, 2);
+    h.attn.layers[1].has_kv = false;
+    memory_hybrid no_kv(h);
+    EXPECT_THROW(runtime(jamba, no_kv), error);
+}
+
+// The tiny jamba rewritten: metadata `edit` may change or drop (false) an entry, tensors pass `keep` or not,
+// and `extra` adds metadata; loading it must fail with a message naming `what`.
+void expect_refused(const std::function<bool(std::string_view key, gguf_writer&)>& edit,
+                    const std::function<bool(const gguf_tensor_info&, gguf_writer&)>& keep,
+                    const std::string& what) {
+    const auto f = gguf_file::parse(tiny_model_bytes(tiny_model_options::jamba()));
+    gguf_writer w;
+    for (const gguf_kv& kv : f.metadata()) {
+        if (!edit(kv.key, w)) continue;
+        const gguf_value& v = kv.value;
+        if (const auto* u = std::get_if<uint64_t>(&v.value))
+            w.set_u32(kv.key, static_cast<uint32_t>(*u));
+        else if (const auto* d = std::get_if<double>(&v.value))
+            w.set_f32(kv.key, static_cast<float>(*d));
+        else if (const auto* b = std::get_if<bool>(&v.value))
+            w.set_bool(kv.key, *b);
+        else if (const auto* t = std::get_if<std::string>(&v.value))
+            w.set_string(kv.key, *t);
+        else if (const auto* ss = std::get_if<std::vector<std::string>>(&v.value))
+            w.set_string_array(kv.key, *ss);
+        else if (const auto* fs_ = std::get_if<std::vector<double>>(&v.value))
+            w.set_f32_array(kv.key, std::vector<float>(fs_->begin(), fs_->end()));
+        else if (const auto* is = std::get_if<std::vector<int64_t>>(&v.value))
+            w.set_i32_array(kv.key, std::vector<int32_t>(is->begin(), is->end()));
+        else if (const auto* us = std::get_if<std::vector<uint64_t>>(&v.value))
+            w.set_u32_array(kv.key, std::vector<uint32_t>(us->begin(), us->end()));
+    }
+    for (const gguf_tensor_info& t : f.tensors()) {
+        if (!keep(t, w)) continue;
+        const auto* p = reinterpret_cast<const uint8_t*>(t.data);
+        w.add_tensor(t.name, t.ne, t.ggml_type, std::vector<uint8_t>(p, p + t.n_bytes));
+    }
+    const auto path = (fs::temp_directory_path() / fmt::format("kvc-rt-bad-{}.gguf", ::getpid())).string();
+    w.write(path);
+    try {
+        model::load(path);
+        ADD_FAILURE() << "loaded; expected an error naming " << what;
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    fs::remove(path);
+}
+
+TEST(runtime_recurrent, bad_models_are_refused_naming_what_is_wrong) {
+    const auto all_keys = [](std::string_view, gguf_writer&) { return true; };
+    const auto all_tensors = [](const gguf_tensor_info&, gguf_writer&) { return true; };
+    // a missing tensor, a tensor of the wrong shape
+    expect_refused(
+        all_keys, [](const gguf_tensor_info& t, gguf_writer&) { return t.name != "blk.2.ssm_a"; },
+        "tensor 'blk.2.ssm_a' is missing");
+    expect_refused(
+        all_keys,
+        [](const gguf_tensor_info& t, gguf_writer& w) {
+            if (t.name != "blk.0.ssm_dt_norm.weight") return true;
+            w.add_tensor(t.name, {5}, 0, std::vector<uint8_t>(20));
+            return false;
+        },
+        "tensor 'blk.0.ssm_dt_norm.weight' is [5], expected [4]");
+    // a missing key, mixture-of-experts, Mamba-2 groups
+    expect_refused([](std::string_view k, gguf_writer&) { return k != "jamba.ssm.state_size"; }, all_tensors,
+                   "key 'jamba.ssm.state_size' is missing");
+    expect_refused(
+        [](std::string_view k, gguf_writer& w) {
+            if (k == "jamba.ssm.time_step_rank") w.set_u32("jamba.expert_count", 16);
+            return true;
+        },
+        all_tensors, "mixture-of-experts");
+    expect_refused(
+        [](std::string_view k, gguf_writer& w) {
+            if (k == "jamba.ssm.time_step_rank") w.set_u32("jamba.ssm.group_count", 1);
+            return true;
+        },
+        all_tensors, "Mamba-2");
+    expect_refused(
+        all_keys,
+        [](const gguf_tensor_info& t, gguf_writer& w) {
+            if (t.name == "blk.1.ffn_norm.weight")
+                w.add_tensor("blk.1.ffn_gate_inp.weight", {32, 4}, 0, std::vector<uint8_t>(512));
+            return true;
+        },
+        "mixture-of-experts");
+    // head_count_kv with a value per layer for another layer count
+    expect_refused(
+        [](std::string_view k, gguf_writer& w) {
+            if (k != "jamba.attention.head_count_kv") return true;
+            w.set_u32_array(k, {0, 2, 0});
+            return false;
+        },
+        all_tensors, "key 'jamba.attention.head_count_kv' has 3 values for 4 layers");
+}
+
+}  // namespace
+}  // namespace kvc
