@@ -34,12 +34,13 @@ inline constexpr uint8_t prefix_default_priority = 50;
 /// What happened to the index (kv_cache_params::prefix.on_event), in the spirit of vLLM's KV events: a
 /// router that follows them knows which prompt prefixes an engine holds.
 struct prefix_event {
+    /// What happened.
     enum class kind : uint8_t {
         stored,   ///< a block was published
         removed,  ///< a block left the index (evicted, or its cells were edited)
         cleared,  ///< every block left the index (clear(), a whole-memory state restore)
     };
-    kind type = kind::stored;
+    kind type = kind::stored;  ///< what happened
     /// The block's chain hash: XXH3-64 of its tokens (as int32 little-endian) seeded with parent_hash.
     uint64_t hash = 0;
     uint64_t parent_hash = 0;  ///< the previous block's hash; for the first block of a chain, its key
