@@ -3,7 +3,8 @@
 /// default, and comparisons with other engines. With the default options the file is byte for byte the
 /// workplace's llama-peer `tiny_llama.gguf` (make_tiny_llama.py: splitmix64 seeded 0x5EED1234, all f32),
 /// so logits can be compared with llama.cpp on the same weights; tiny_model_options::mamba() and
-/// tiny_model_options::jamba() give its `tiny_mamba.gguf` and `tiny_jamba.gguf` (make_tiny_mamba.py, make_tiny_jamba.py).
+/// tiny_model_options::jamba() give its `tiny_mamba.gguf` and `tiny_jamba.gguf` (make_tiny_mamba.py,
+/// make_tiny_jamba.py).
 #pragma once
 
 // Layer guard: this header belongs to the runtime library (kvcache_runtime). The core library and the C
