@@ -594,8 +594,7 @@ void kv_cache::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
         throw error(errc::unsupported, "seq_add: positions of an M-RoPE cache cannot be shifted");
     if (shift == 0) return;
     if (p0 < 0) p0 = 0;
-    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
-    if (p0 == p1) return;
+    if (p1 >= 0 && p0 >= p1) return;  // p1 < 0: to the end, INT32_MAX included (as seq_rm and seq_div)
     prefix_before_shift(seq_id, p0, p1);
     const uint32_t s = seq_to_stream(seq_id);
     const uint32_t lowest = streams_[s].seq_add_range(seq_id, p0, p1, shift);

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <memory>
 
 #include <xxhash.h>
 #include <zstd.h>
@@ -152,6 +153,52 @@ void check_session_header(std::span<const uint8_t> head, uint64_t size) {
                              header_sum, xxh3(head.data(), off_header_checksum)));
     const auto flags = load_at<uint32_t>(head, off_flags);
     if (flags & ~session_flag_zstd) bad_file(errc::unsupported, fmt::format("unknown flags {:#x}", flags));
+    const auto state_flags = load_at<uint32_t>(head, off_state_flags);
+    if (state_flags & ~state_seq_flag_partial_only)
+        bad_file(errc::unsupported, fmt::format("unknown state flags {:#x}", state_flags));
+}
+
+// Decompresses one zstd frame that must hold exactly `declared` bytes. The buffer grows with what the
+// frame really produces, never to what it declares: a damaged or hostile frame may declare any size
+// (a 331-byte file declaring 8 GiB was zero-filled for 31 s before it was refused).
+void decompress(std::span<const uint8_t> src, uint64_t declared, std::vector<uint8_t>& out) {
+    const std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
+    if (!ds) bad_file(errc::out_of_memory, "cannot create a zstd stream");
+    ZSTD_initDStream(ds.get());
+    ZSTD_inBuffer in{src.data(), src.size(), 0};
+    size_t have = 0;
+    out.clear();
+    for (;;) {
+        if (have == out.size()) {  // full: grow, at most to the declared size
+            if (have == declared) {
+                bad_file(
+                    errc::corrupt_data,
+                    fmt::format("the zstd frame holds more than the {} bytes the header says", declared));
+            }
+            const uint64_t next =
+                std::min<uint64_t>(declared, std::max<uint64_t>(uint64_t{1} << 16, 2 * have));
+            try {
+                out.resize(static_cast<size_t>(next));
+            } catch (const std::bad_alloc&) {
+                bad_file(errc::out_of_memory, fmt::format("cannot allocate {} bytes for the payload", next));
+            }
+        }
+        ZSTD_outBuffer ob{out.data(), out.size(), have};
+        const size_t ret = ZSTD_decompressStream(ds.get(), &ob, &in);
+        if (ZSTD_isError(ret))
+            bad_file(errc::corrupt_data,
+                     fmt::format("the payload does not decompress: {}", ZSTD_getErrorName(ret)));
+        have = ob.pos;
+        if (ret == 0) break;  // the frame is complete
+        if (in.pos == in.size && ob.pos < ob.size)
+            bad_file(errc::corrupt_data, "the payload does not decompress: the zstd frame is truncated");
+    }
+    if (have != declared)
+        bad_file(errc::corrupt_data,
+                 fmt::format("the zstd frame holds {} bytes, the header says {}", have, declared));
+    if (in.pos != in.size)
+        bad_file(errc::corrupt_data, fmt::format("{} bytes follow the zstd frame", in.size - in.pos));
+    out.resize(have);
 }
 
 // Checks the 12-byte header of a llama.cpp sequence file of `size` bytes and that its tokens follow;
@@ -226,17 +273,7 @@ parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vect
                  fmt::format("the zstd frame holds {} bytes, the header says {}",
                              frame >= ZSTD_CONTENTSIZE_ERROR ? 0 : frame, info.payload_bytes));
     if (!want_payload) return p;
-    try {
-        storage.resize(info.payload_bytes);
-    } catch (const std::bad_alloc&) {
-        bad_file(errc::out_of_memory,
-                 fmt::format("cannot allocate {} bytes for the payload", info.payload_bytes));
-    }
-    const size_t got = ZSTD_decompress(storage.data(), storage.size(), stored.data(), stored.size());
-    if (ZSTD_isError(got) || got != info.payload_bytes)
-        bad_file(errc::corrupt_data, fmt::format("the payload does not decompress: {}",
-                                                 ZSTD_isError(got) ? ZSTD_getErrorName(got)
-                                                                   : fmt::format("{} bytes", got).c_str()));
+    decompress(stored, info.payload_bytes, storage);
     p.payload = storage;
     return p;
 }
@@ -259,6 +296,7 @@ uint64_t save_file(const memory_i& mem, const std::string& path, seq_id_t seq_id
         if (options.zstd_level < 1 || options.zstd_level > ZSTD_maxCLevel())
             throw error(errc::invalid_argument,
                         fmt::format("zstd level {} not in [1, {}]", options.zstd_level, ZSTD_maxCLevel()));
+        check_state_seq_flags(options.flags);
         io_size_counter counter;
         mem.state_write(counter, seq_id, options.flags);  // also checks seq_id before a file is made
         const uint64_t payload_bytes = counter.n_bytes();

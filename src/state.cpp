@@ -34,13 +34,22 @@ size_t restore_from(memory_i& mem, std::span<const uint8_t> data, size_t start, 
 
 }  // namespace
 
+void check_state_seq_flags(state_seq_flags flags) {
+    if ((flags & ~state_seq_flag_partial_only) != 0)
+        throw error(errc::invalid_argument,
+                    fmt::format("state flags {:#x}: bits {:#x} are no state_seq_flag (known: {:#x})", flags,
+                                flags & ~state_seq_flag_partial_only, state_seq_flag_partial_only));
+}
+
 void memory_i::state_read(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) {
+    check_state_seq_flags(flags);
     const state_stage_ptr st = state_stage(io, seq_id, flags);  // everything checked before anything changes
     io.end_of_state();
     state_commit(*st);
 }
 
 void memory_i::state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const {
+    check_state_seq_flags(flags);
     (void)state_stage(io, seq_id, flags);
     io.end_of_state();
 }
@@ -242,12 +251,14 @@ std::span<const std::byte> io_span_reader::read_span(size_t size, std::vector<st
 
 size_t state_seq_get_size(const memory_i& mem, seq_id_t seq_id, state_seq_flags flags) {
     io_size_counter counter;
+    check_state_seq_flags(flags);
     mem.state_write(counter, seq_id, flags);
     return 8 + counter.n_bytes();
 }
 
 size_t state_seq_get_data(const memory_i& mem, seq_id_t seq_id, std::span<uint8_t> dst,
                           state_seq_flags flags) {
+    check_state_seq_flags(flags);
     io_span_writer w(dst);
     const uint32_t magic = state_seq_magic;
     w.write(&magic, 4);

@@ -153,6 +153,21 @@ TEST(kv_cache, b5_position_defaults_of_sequence_operations) {
     EXPECT_EQ(c.cells(0).get_used(), 0u);
 }
 
+// Regression (issue 21): p1 < 0 reaches the last position, INT32_MAX included, for every sequence
+// operation; seq_add stopped one short of it.
+TEST(kv_cache, open_ranges_include_the_largest_position) {
+    constexpr pos_t top = std::numeric_limits<pos_t>::max();
+    for (int op = 0; op < 3; ++op) {
+        kv_cache c(small_params(8));
+        place(c, {0, 1}, {top - 1, top});
+        if (op == 0) c.seq_add(0, 0, -1, -10);
+        if (op == 1) c.seq_div(0, 0, -1, 2);
+        if (op == 2) c.seq_rm(0, top - 1, -1);
+        const pos_t want[] = {top - 10, top / 2, -1};
+        EXPECT_EQ(c.seq_pos_max(0), want[op]) << "op " << op;
+    }
+}
+
 // -- batches through init_batch --
 
 std::vector<token_t> tokens(size_t n) {

@@ -1,4 +1,7 @@
+#include <sys/resource.h>
 #include <unistd.h>
+#include <xxhash.h>
+#include <zstd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -51,6 +54,34 @@ void put_bytes(const std::string& path, std::span<const uint8_t> b) {
 }
 
 // Loading path into c must fail with an error containing `want`, leaving c byte for byte as it was.
+// Limits the address space to `extra` bytes beyond what the process maps now, for its lifetime (not under
+// AddressSanitizer, which maps terabytes of shadow memory).
+class address_space_limit {
+public:
+    explicit address_space_limit(uint64_t extra) {
+#if !defined(__SANITIZE_ADDRESS__)
+        std::ifstream statm("/proc/self/statm");
+        uint64_t pages = 0;
+        statm >> pages;
+        getrlimit(RLIMIT_AS, &old_);
+        rlimit r = old_;
+        r.rlim_cur = pages * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) + extra;
+        active_ = setrlimit(RLIMIT_AS, &r) == 0;
+#else
+        (void)extra;
+#endif
+    }
+    ~address_space_limit() {
+        if (active_) setrlimit(RLIMIT_AS, &old_);
+    }
+    address_space_limit(const address_space_limit&) = delete;
+    address_space_limit& operator=(const address_space_limit&) = delete;
+
+private:
+    rlimit old_{};
+    bool active_ = false;
+};
+
 void expect_load_fails(kv_cache& c, const std::string& path, seq_id_t dest, const std::string& want) {
     const auto before = whole(c);
     try {
@@ -215,6 +246,64 @@ TEST_F(session, load_errors_name_the_problem_and_change_nothing) {
     }
     // the payload's own checks still apply: a whole-memory file of two sequences is not one sequence
     expect_load_fails(b, path("good.kvc"), 3, "cannot be restored into one sequence");
+}
+
+// Little-endian fields of a session file (docs/state-format.md).
+uint64_t field(const std::vector<uint8_t>& file, size_t off, int bytes) {
+    uint64_t v = 0;
+    for (int k = 0; k < bytes; ++k) v |= uint64_t{file[off + k]} << (8 * k);
+    return v;
+}
+
+// A session file with another stored payload and state flags, the lengths and both checksums made valid
+// again through the documented layout: what anyone can forge.
+std::vector<uint8_t> forge(const std::vector<uint8_t>& file, std::span<const uint8_t> stored,
+                           uint64_t payload_bytes, uint32_t state_flags) {
+    const size_t body_head = 72 + field(file, 24, 4) + 4 * field(file, 20, 4);  // layout and tokens
+    std::vector<uint8_t> out(file.begin(), file.begin() + static_cast<ptrdiff_t>(body_head));
+    out.insert(out.end(), stored.begin(), stored.end());
+    const auto put = [&](size_t off, uint64_t v, int bytes) {
+        for (int k = 0; k < bytes; ++k) out[off + k] = static_cast<uint8_t>(v >> (8 * k));
+    };
+    put(16, state_flags, 4);
+    put(32, payload_bytes, 8);
+    put(40, stored.size(), 8);
+    put(56, XXH3_64bits(out.data() + 72, out.size() - 72), 8);
+    put(64, XXH3_64bits(out.data(), 64), 8);
+    return out;
+}
+
+// Regression (issue 21): a zstd frame declaring 8 GiB was zero-filled (31 s) before it was refused. With
+// the address space limited to 1 GiB more than in use, allocating what the frame declares fails with
+// another message ("cannot allocate"), so the test tells the two apart without timing anything.
+TEST_F(session, forged_files_are_refused_without_allocating_what_they_declare) {
+    std::mt19937 rng(5);
+    const auto p = params_for(dtype::f16, dtype::f16, false, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 4, rng);
+    session_save_options o;
+    o.compress = true;
+    save_file(a, path("z.kvc"), seq_all, o);
+    const auto good = bytes_of(path("z.kvc"));
+    const size_t body_head = 72 + field(good, 24, 4) + 4 * field(good, 20, 4);
+    const auto stored = std::span(good).subspan(body_head);
+    kv_cache b(p);
+    put_bytes(path("x"), forge(good, stored, field(good, 32, 8), 0));  // forging keeps a valid file valid
+    load_file(b, path("x"), seq_all);
+    b.clear(/*data=*/true);
+    // one frame header (single segment, an 8-byte content size of 8 GiB) and one RLE block of 100 bytes
+    const uint64_t huge = uint64_t{8} << 30;
+    std::vector<uint8_t> bomb = {0x28, 0xb5, 0x2f, 0xfd, 0xe0};
+    for (int k = 0; k < 8; ++k) bomb.push_back(static_cast<uint8_t>(huge >> (8 * k)));
+    bomb.insert(bomb.end(), {0x23, 0x03, 0x00, 0x00});
+    ASSERT_EQ(ZSTD_getFrameContentSize(bomb.data(), bomb.size()), huge);
+    put_bytes(path("bomb.kvc"), forge(good, bomb, huge, 0));
+    {
+        address_space_limit limit(uint64_t{1} << 30);
+        expect_load_fails(b, path("bomb.kvc"), seq_all, "does not decompress");
+    }
+    put_bytes(path("x"), forge(good, stored, field(good, 32, 8), 0xffffffff));
+    expect_load_fails(b, path("x"), seq_all, "unknown state flags 0xffffffff");
 }
 
 // Every single-byte corruption of a session file is caught by its checksums, before the memory changes.

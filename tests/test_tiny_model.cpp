@@ -63,7 +63,8 @@ TEST(tiny_model, mamba_and_jamba_bytes_equal_the_peer_files) {
     if (peer_file("tiny_mamba.gguf").empty()) GTEST_SKIP() << "KVC_PEER_DIR does not name the peer's folder";
     for (const auto& [name, o] :
          {std::pair{"mamba", tiny_model_options::mamba()}, {"jamba", tiny_model_options::jamba()}}) {
-        const std::string path = peer_file(name == std::string("mamba") ? "tiny_mamba.gguf" : "tiny_jamba.gguf");
+        const std::string path =
+            peer_file(name == std::string("mamba") ? "tiny_mamba.gguf" : "tiny_jamba.gguf");
         ASSERT_TRUE(fs::exists(path)) << path << " is missing: run the peer's setup.sh";
         EXPECT_EQ(tiny_model_bytes(o), read_file_bytes(path)) << name;
     }

@@ -45,6 +45,9 @@ using state_seq_flags = uint32_t;
 /// Composite memories (iSWA, hybrid) save and restore only their partial part (SWA cache, recurrent
 /// state); plain memories ignore the flag.
 inline constexpr state_seq_flags state_seq_flag_partial_only = 1;
+/// Throws kvc::error(invalid_argument) naming the bits of `flags` that are no state_seq_flag_* (every
+/// state read and write checks its flags with it).
+void check_state_seq_flags(state_seq_flags flags);
 
 /// A state parsed and checked by memory_i::state_stage, waiting for memory_i::state_commit. It may point
 /// into the reader's source, which must outlive it.

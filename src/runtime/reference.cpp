@@ -35,14 +35,13 @@ struct reference_memory::impl {
                         fmt::format("reference {}: seq_id {} not in [0, {})", what, s, n_seq_max));
         return seqs[static_cast<size_t>(s)];
     }
-    // Each sequence (or, with s = -1, every one) with the entries in [p0, p1).
+    // Each sequence (or, with s = -1, every one) with the entries in [p0, p1) (p1 < 0: to the end).
     template <class F>
     void each(seq_id_t s, pos_t p0, pos_t p1, const char* what, F&& f) {
         if (s >= 0) seq(s, what);  // validates
-        if (p0 < 0) p0 = 0;
-        if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
+        const int64_t lo = std::max<pos_t>(p0, 0), hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
         for (uint32_t q = 0; q < n_seq_max; ++q)
-            if (s < 0 || static_cast<uint32_t>(s) == q) f(seqs[q], p0, p1);
+            if (s < 0 || static_cast<uint32_t>(s) == q) f(seqs[q], lo, hi);
     }
 };
 
@@ -127,7 +126,7 @@ void reference_memory::clear() {
 }
 
 bool reference_memory::seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
-    p_->each(s, p0, p1, "seq_rm", [](std::vector<entry>& es, pos_t a, pos_t b) {
+    p_->each(s, p0, p1, "seq_rm", [](std::vector<entry>& es, int64_t a, int64_t b) {
         std::erase_if(es, [&](const entry& e) { return e.pos >= a && e.pos < b; });
     });
     return true;
@@ -137,10 +136,9 @@ void reference_memory::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     const std::vector<entry> from = p_->seq(src, "seq_cp");
     std::vector<entry>& to = p_->seq(dst, "seq_cp");
     if (src == dst) return;
-    if (p0 < 0) p0 = 0;
-    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
+    const int64_t lo = std::max<pos_t>(p0, 0), hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
     for (const entry& e : from)
-        if (e.pos >= p0 && e.pos < p1) to.push_back(e);
+        if (e.pos >= lo && e.pos < hi) to.push_back(e);
 }
 
 void reference_memory::seq_keep(seq_id_t s) {
@@ -150,7 +148,7 @@ void reference_memory::seq_keep(seq_id_t s) {
 }
 
 void reference_memory::seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t shift) {
-    p_->each(s, p0, p1, "seq_add", [&](std::vector<entry>& es, pos_t a, pos_t b) {
+    p_->each(s, p0, p1, "seq_add", [&](std::vector<entry>& es, int64_t a, int64_t b) {
         for (entry& e : es)
             if (e.pos >= a && e.pos < b) e.pos += shift;
         std::erase_if(es, [](const entry& e) { return e.pos < 0; });  // shifted out, as cells are freed
@@ -159,7 +157,7 @@ void reference_memory::seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t shift) {
 
 void reference_memory::seq_div(seq_id_t s, pos_t p0, pos_t p1, int d) {
     if (d < 1) throw error(errc::invalid_argument, fmt::format("reference seq_div: divisor {}", d));
-    p_->each(s, p0, p1, "seq_div", [&](std::vector<entry>& es, pos_t a, pos_t b) {
+    p_->each(s, p0, p1, "seq_div", [&](std::vector<entry>& es, int64_t a, int64_t b) {
         for (entry& e : es)
             if (e.pos >= a && e.pos < b) e.pos /= d;
     });

@@ -161,13 +161,12 @@ void reference_recurrent::clear() {
 
 void reference_recurrent::seq_rm(seq_id_t s, pos_t p0, pos_t p1) {
     if (s >= 0) p_->seq(s, "seq_rm");  // validates
-    if (p0 < 0) p0 = std::numeric_limits<pos_t>::min();
-    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
+    const int64_t lo = p0 < 0 ? 0 : p0, hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
     for (uint32_t q = 0; q < p_->n_seq_max; ++q) {
         if (s >= 0 && static_cast<seq_id_t>(q) != s) continue;
         seq_data& sd = p_->seqs[q];
         const size_t n = sd.toks.size();
-        std::erase_if(sd.toks, [&](const auto& t) { return t.second >= p0 && t.second < p1; });
+        std::erase_if(sd.toks, [&](const auto& t) { return t.second >= lo && t.second < hi; });
         if (sd.toks.size() != n) sd.valid = false;
     }
 }
@@ -185,10 +184,9 @@ void reference_recurrent::seq_keep(seq_id_t s) {
 
 void reference_recurrent::seq_add(seq_id_t s, pos_t p0, pos_t p1, pos_t shift) {
     seq_data& sd = p_->seq(s, "seq_add");
-    if (p0 < 0) p0 = std::numeric_limits<pos_t>::min();
-    if (p1 < 0) p1 = std::numeric_limits<pos_t>::max();
+    const int64_t lo = p0 < 0 ? 0 : p0, hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
     for (auto& t : sd.toks)
-        if (t.second >= p0 && t.second < p1) t.second += shift;
+        if (t.second >= lo && t.second < hi) t.second += shift;
     sd.valid = false;
 }
 
