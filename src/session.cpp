@@ -344,11 +344,19 @@ session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* p
     return std::move(p.info);
 }
 
-session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest) {
+// A caller's room for the tokens, checked once the file is known to be intact (a damaged file is reported
+// as damaged whatever the room).
+void check_room(size_t n_tokens, size_t max_tokens) {
+    if (n_tokens > max_tokens)
+        throw error(errc::out_of_range, fmt::format("the file holds {} tokens, room for {}", n_tokens, max_tokens));
+}
+
+session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens) {
     return about_file("load_file", path, [&] {
         const std::vector<uint8_t> file = read_file_bytes(path);
         std::vector<uint8_t> storage;
         parsed_session p = parse(file, true, storage);
+        check_room(p.info.tokens.size(), max_tokens);
         const std::string layout = mem.state_layout();
         if (p.info.layout != layout)
             throw error(errc::invalid_state,
@@ -374,14 +382,21 @@ uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_i
     });
 }
 
-std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest) {
+std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest,
+                                         size_t max_tokens) {
     return about_file("load_llama_seq_file", path, [&] {
         const std::vector<uint8_t> file = read_file_bytes(path);
         const std::span<const uint8_t> b(file);
         const uint32_t n_tokens = check_llama_header(b, b.size());
+        const auto payload = b.subspan(12 + size_t{n_tokens} * 4);
+        if (n_tokens > max_tokens) {  // no checksum: the state's own checks tell a damaged file first
+            io_span_reader r(payload, true);
+            mem.state_check(r, dest, 0);
+            check_room(n_tokens, max_tokens);
+        }
         std::vector<token_t> tokens(n_tokens);
         if (n_tokens) std::memcpy(tokens.data(), b.data() + 12, size_t{n_tokens} * 4);
-        state_set_payload(mem, b.subspan(12 + size_t{n_tokens} * 4), dest, 0);
+        state_set_payload(mem, payload, dest, 0);
         return tokens;
     });
 }

@@ -151,8 +151,30 @@ static void test_files(void) {
     uint8_t* before = state_of(other, KVC_SEQ_ALL, &n_before);
     int32_t got[4] = {0};
     CHECK_ERR(kvc_state_seq_load_file(other, path, 1, got, 3, &n_got), KVC_ERR_OUT_OF_RANGE,
-              "holds 4 tokens, tokens_out has room for 3");
+              "holds 4 tokens, room for 3");
     CHECK(same_state(other, before, n_before));
+    /* regression: a damaged file is reported damaged, not short of token slots */
+    {
+        FILE* f = fopen(path, "rb");
+        CHECK(f != NULL);
+        fseek(f, 0, SEEK_END);
+        const long n = ftell(f);
+        fseek(f, 0, SEEK_SET);
+        uint8_t* bytes = malloc((size_t)n);
+        CHECK(fread(bytes, 1, (size_t)n, f) == (size_t)n);
+        fclose(f);
+        bytes[n - 1] ^= 0x40;
+        char damaged[4096];
+        snprintf(damaged, sizeof damaged, "%s.damaged", path);
+        f = fopen(damaged, "wb");
+        CHECK(fwrite(bytes, 1, (size_t)n, f) == (size_t)n);
+        fclose(f);
+        free(bytes);
+        CHECK_ERR(kvc_state_seq_load_file(other, damaged, 1, got, 3, &n_got), KVC_ERR_CORRUPT_DATA,
+                  "checksum mismatch");
+        CHECK(same_state(other, before, n_before));
+        remove(damaged);
+    }
     CHECK_OK(kvc_state_seq_load_file(other, path, KVC_SEQ_ALL, NULL, 0, &n_got)); /* tokens not wanted */
     CHECK(n_got == 4);
     CHECK_OK(kvc_memory_clear(other, true));

@@ -60,8 +60,9 @@ struct session_info {
 };
 
 /// Loads a session file into dest (-1: the whole memory; a sequence loads into any destination).
-/// Returns what the file held (its tokens included). Throws kvc::error, memory unchanged, on any problem.
-session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest);
+/// Returns what the file held (its tokens included). Throws kvc::error, memory unchanged, on any problem;
+/// a verified file holding more than max_tokens tokens is kvc::error(out_of_range).
+session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens = SIZE_MAX);
 
 /// Parses and verifies a session file held in memory (envelope, checksums, decompression), without a
 /// memory; payload (if not null) receives the uncompressed payload. Throws kvc::error on any problem.
@@ -100,7 +101,9 @@ session_header read_session_header(const std::string& path);
 /// u32 magic, u32 version, u32 n_tokens, tokens, then state_write(seq_id) with no prefix. Returns bytes.
 uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_id_t seq_id,
                              std::span<const token_t> tokens);
-/// Restores such a file into dest; returns its tokens. Unlike llama.cpp, trailing bytes are an error.
-std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest);
+/// Restores such a file into dest; returns its tokens. Unlike llama.cpp, trailing bytes are an error; a
+/// file whose state checks out but that holds more than max_tokens tokens is kvc::error(out_of_range).
+std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest,
+                                         size_t max_tokens = SIZE_MAX);
 
 }  // namespace kvc

@@ -18,29 +18,13 @@ using kvc::errc;
 
 namespace {
 
-// The tokens a file of `format` announces in its header; nullopt when the header cannot be read or is of
-// the other format (the load then reports the problem, in its own words).
-std::optional<uint32_t> announced_tokens(const std::string& path, kvc::session_file_format format) {
-    try {
-        const kvc::session_header h = kvc::read_session_header(path);
-        if (h.format == format) return h.n_tokens;
-    } catch (const kvc::error&) {}
-    return std::nullopt;
-}
-
-// What both loaders share: checks the token capacity before anything is loaded, then loads.
+// What both loaders share: the caller's room for the tokens (checked by the loader once the file is known
+// to be intact, before the memory changes), then the tokens copied out.
 template <class Load>
-void load_with_tokens(const std::string& path, kvc::session_file_format format, int32_t* tokens_out,
-                      size_t capacity, size_t* n_tokens_out, const Load& load) {
-    if (tokens_out != nullptr)
-        if (const auto n = announced_tokens(path, format); n && *n > capacity)
-            throw_error(errc::out_of_range,
-                        fmt::format("'{}' holds {} tokens, tokens_out has room for {}", path, *n, capacity));
-    const std::vector<kvc::token_t> tokens = load();
-    // The file was checked above; should it have been replaced in between, the first `capacity` tokens
-    // are returned and n_tokens_out says how many there were.
+void load_with_tokens(int32_t* tokens_out, size_t capacity, size_t* n_tokens_out, const Load& load) {
+    const std::vector<kvc::token_t> tokens = load(tokens_out != nullptr ? capacity : SIZE_MAX);
     if (tokens_out != nullptr && !tokens.empty())
-        std::memcpy(tokens_out, tokens.data(), std::min(capacity, tokens.size()) * sizeof(int32_t));
+        std::memcpy(tokens_out, tokens.data(), tokens.size() * sizeof(int32_t));
     if (n_tokens_out != nullptr) *n_tokens_out = tokens.size();
 }
 
@@ -110,8 +94,8 @@ kvc_status kvc_state_seq_load_file(kvc_memory* mem, const char* path, int32_t de
     return guarded(__func__, [&] {
         kvc_memory& m = need(mem, "mem");
         need_ptr(path, "path");
-        load_with_tokens(path, kvc::session_file_format::kvcache, tokens_out, capacity, n_tokens_out,
-                         [&] { return kvc::load_file(*m.mem, path, dest).tokens; });
+        load_with_tokens(tokens_out, capacity, n_tokens_out,
+                         [&](size_t room) { return kvc::load_file(*m.mem, path, dest, room).tokens; });
     });
 }
 
@@ -129,7 +113,7 @@ kvc_status kvc_state_seq_load_llama_file(kvc_memory* mem, const char* path, int3
     return guarded(__func__, [&] {
         kvc_memory& m = need(mem, "mem");
         need_ptr(path, "path");
-        load_with_tokens(path, kvc::session_file_format::llama_seq, tokens_out, capacity, n_tokens_out,
-                         [&] { return kvc::load_llama_seq_file(*m.mem, path, dest); });
+        load_with_tokens(tokens_out, capacity, n_tokens_out,
+                         [&](size_t room) { return kvc::load_llama_seq_file(*m.mem, path, dest, room); });
     });
 }
