@@ -1,4 +1,6 @@
 // kvcache size: how much memory a KV cache of a given shape takes, per element type.
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,9 +24,9 @@ struct size_options {
 };
 
 std::string human(double bytes) {
-    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
     int u = 0;
-    while (bytes >= 1024.0 && u < 4) {
+    while (bytes >= 1024.0 && u < 8) {
         bytes /= 1024.0;
         ++u;
     }
@@ -32,23 +34,24 @@ std::string human(double bytes) {
 }
 
 void run_size(const size_options& o) {
-    const auto positive = [](int64_t v, const char* name) {
-        if (v <= 0) throw error(errc::invalid_argument, fmt::format("{} must be positive, got {}", name, v));
+    // The limits of a kv_cache (cells are uint32, positions int32); within them no product overflows.
+    const auto in_range = [](int64_t v, const char* name, int64_t max) {
+        if (v <= 0 || v > max)
+            throw error(errc::invalid_argument, fmt::format("{} must be in [1, {}], got {}", name, max, v));
     };
-    positive(o.layers, "--layers");
-    positive(o.n_head_kv, "--n-head-kv");
-    positive(o.head_dim, "--head-dim");
-    positive(o.ctx, "--ctx");
+    in_range(o.layers, "--layers", 1 << 16);
+    in_range(o.n_head_kv, "--n-head-kv", 1 << 16);
+    in_range(o.head_dim, "--head-dim", 1 << 16);
+    in_range(o.ctx, "--ctx", std::numeric_limits<int32_t>::max());
     const dtype tk = parse_dtype(o.type_k);
     const dtype tv = parse_dtype(o.type_v);
     const int64_t n_embd = o.n_head_kv * o.head_dim;  // values per token per layer
-    // A quantised row must be whole blocks; say which option to change rather than failing in row_size.
+    // As the cache checks: a quantised head must be whole blocks (say which option to change).
     for (auto [t, name] : {std::pair{tk, "--type-k"}, std::pair{tv, "--type-v"}})
-        if (n_embd % block_size(t) != 0)
-            throw error(
-                errc::invalid_argument,
-                fmt::format("{} {}: n_head_kv * head_dim = {} is not a multiple of its block of {} values",
-                            name, to_string(t), n_embd, block_size(t)));
+        if (o.head_dim % block_size(t) != 0)
+            throw error(errc::invalid_argument,
+                        fmt::format("{} {}: a head of {} values is not a whole number of its blocks of {} values",
+                                    name, to_string(t), o.head_dim, block_size(t)));
     const double k_tok = static_cast<double>(row_size(tk, n_embd)) * static_cast<double>(o.layers);
     const double v_tok = static_cast<double>(row_size(tv, n_embd)) * static_cast<double>(o.layers);
     const double n = static_cast<double>(o.ctx);
