@@ -163,11 +163,12 @@ void batch_allocr::init(const batch& b, const memory_positions& memory, const ba
 
         // tokens / embeddings
         if (b.token) {
-            if (opt.n_vocab > 0)
-                for (uint32_t i = 0; i < n; ++i)
-                    if (b.token[i] < 0 || b.token[i] >= opt.n_vocab)
-                        fail(errc::out_of_range,
-                             fmt::format("token[{}] = {} not in [0, {})", i, b.token[i], opt.n_vocab));
+            for (uint32_t i = 0; i < n; ++i)  // a token id is never negative, vocabulary known or not
+                if (b.token[i] < 0 || (opt.n_vocab > 0 && b.token[i] >= opt.n_vocab))
+                    fail(errc::out_of_range,
+                         opt.n_vocab > 0
+                             ? fmt::format("token[{}] = {} not in [0, {})", i, b.token[i], opt.n_vocab)
+                             : fmt::format("token[{}] = {} is negative", i, b.token[i]));
             token_.assign(b.token, b.token + n);
         } else {
             n_embd_ = static_cast<uint32_t>(opt.n_embd);

@@ -46,12 +46,13 @@ void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* 
     if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
         throw error(errc::invalid_argument,
                     fmt::format("{}: {} tokens, more than {}", what, tokens.size(), INT32_MAX));
-    const int32_t n_vocab = params_.prefix.n_vocab;
-    if (n_vocab <= 0) return;
+    const int32_t n_vocab = params_.prefix.n_vocab;  // a token id is never negative, vocabulary known or not
     for (size_t i = 0; i < tokens.size(); ++i)
-        if (tokens[i] < 0 || tokens[i] >= n_vocab)
+        if (tokens[i] < 0 || (n_vocab > 0 && tokens[i] >= n_vocab))
             throw error(errc::invalid_argument,
-                        fmt::format("{}: token[{}] = {} not in [0, {})", what, i, tokens[i], n_vocab));
+                        n_vocab > 0
+                            ? fmt::format("{}: token[{}] = {} not in [0, {})", what, i, tokens[i], n_vocab)
+                            : fmt::format("{}: token[{}] = {} is negative", what, i, tokens[i]));
 }
 
 // -- the API --

@@ -274,6 +274,13 @@ TEST(batch_allocr, each_rejection_names_the_token_and_values) {
              t.pos = {0, -1, 1};
          },
          "batch: pos[1] = -1 is negative"},
+        // regression (issue 20): accepted when no vocabulary was known
+        {"negative token, no vocabulary",
+         [](test_batch& t, batch_options& o) {
+             t.tokens = {1, 2, -3};
+             o.n_vocab = 0;
+         },
+         "batch: token[2] = -3 is negative"},
         {"zero n_seq_max", [](test_batch&, batch_options& o) { o.n_seq_max = 0; },
          "batch: n_seq_max must be at least 1"},
     };

@@ -4,9 +4,16 @@
 
 #include <gtest/gtest.h>
 #include <kvcache/runtime/thread_pool.h>
+#include <kvcache/types.h>
 
 namespace kvc {
 namespace {
+
+TEST(thread_pool, a_count_above_the_limit_is_an_error) {
+    EXPECT_THROW(thread_pool(thread_pool::max_threads + 1), error);
+    EXPECT_THROW(thread_pool(5000), error);
+    EXPECT_EQ(thread_pool(3).size(), 3u);
+}
 
 TEST(thread_pool, pieces_cover_the_range_exactly_once) {
     for (unsigned threads : {1u, 2u, 3u, 8u}) {

@@ -116,7 +116,7 @@ struct ubatch {
 /// What batch_allocr::init needs to know about the model and the call.
 struct batch_options {
     uint32_t n_seq_max = 1;   ///< sequence ids must be in [0, n_seq_max)
-    int32_t n_vocab = 0;      ///< > 0: token ids must be in [0, n_vocab); 0: not checked
+    int32_t n_vocab = 0;      ///< > 0: token ids must be in [0, n_vocab); 0: only non-negative
     int32_t n_embd = 0;       ///< width of embedding rows (required with embeddings input)
     uint32_t n_pos = 1;       ///< positions per token (n_pos_per_embd; > 1 for M-RoPE)
     bool output_all = false;  ///< every token is an output (embeddings / pooling mode)

@@ -243,7 +243,7 @@ typedef struct kvc_prefix_cache_params {
     kvc_evict_policy policy;       ///< the eviction order of blocks of one priority
     float protected_fraction;      ///< SLRU: the protected segment holds at most this fraction of blocks
     float max_pinned_fraction;     ///< pins may hold at most this fraction of the cells
-    int32_t n_vocab;               ///< > 0: prompt tokens must be in [0, n_vocab)
+    int32_t n_vocab;               ///< > 0: prompt tokens must be in [0, n_vocab); else non-negative
     kvc_prefix_event_fn on_event;  ///< NULL: no events
     void* on_event_user_data;      ///< passed to on_event
 } kvc_prefix_cache_params;

@@ -1,20 +1,16 @@
 // The C API's state and files: llama.cpp's state buffers and payloads, kvcache session files and
 // llama.cpp's 'ggsq' sequence files.
-#include <algorithm>
 #include <cstring>
-#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
 #include "capi_impl.h"
 
 using namespace kvc::capi;
-using kvc::errc;
 
 namespace {
 

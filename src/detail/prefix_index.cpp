@@ -109,6 +109,13 @@ void prefix_index::match(uint64_t key, std::span<const token_t> toks, std::vecto
     }
 }
 
+void prefix_index::add_chunk() {
+    chunk_data& c = chunks_.emplace_back();
+    c.blocks = std::make_unique<block[]>(chunk);
+    c.tokens = std::make_unique<token_t[]>(size_t{chunk} * bs_);
+    c.cells = std::make_unique<uint32_t[]>(size_t{chunk} * bs_);
+}
+
 uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
                            std::span<const uint32_t> cells, uint32_t stream, uint8_t priority) {
     assert(toks.size() == bs_ && cells.size() == bs_ && stream < streams_.size());
@@ -118,10 +125,7 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
         free_ids_.pop_back();
     } else {
         id = n_records_++;
-        if (id / chunk == chunks_.size())
-            chunks_.push_back({std::make_unique<block[]>(chunk),
-                               std::make_unique<token_t[]>(size_t{chunk} * bs_),
-                               std::make_unique<uint32_t[]>(size_t{chunk} * bs_)});
+        if (id / chunk == chunks_.size()) add_chunk();
     }
     block& b = rec(id);
     const uint32_t gen = b.gen;

@@ -132,6 +132,7 @@ private:
         std::unique_ptr<uint32_t[]> cells;  // [chunk * bs]
     };
     block& rec(uint32_t id) { return chunks_[id / chunk].blocks[id % chunk]; }
+    void add_chunk();
     uint64_t hash_of(uint64_t seed, std::span<const token_t> toks) const;
     uint64_t seed_of(uint32_t parent, uint64_t key) const { return parent == none ? key : at(parent).hash; }
     uint64_t root_key(uint32_t id) const {

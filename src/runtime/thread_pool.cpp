@@ -1,11 +1,16 @@
 #include <algorithm>
 #include <exception>
 
+#include <fmt/format.h>
 #include <kvcache/runtime/thread_pool.h>
+#include <kvcache/types.h>
 
 namespace kvc {
 
 thread_pool::thread_pool(unsigned n_threads) {
+    if (n_threads > max_threads)
+        throw error(errc::invalid_argument,
+                    fmt::format("thread_pool: {} threads, at most {}", n_threads, max_threads));
     if (n_threads == 0) n_threads = std::max(1u, std::thread::hardware_concurrency());
     n_threads_ = n_threads;
     for (unsigned i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker(i); });

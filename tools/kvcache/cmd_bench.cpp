@@ -24,6 +24,8 @@
 #include <kvcache/state.h>
 #include <kvcache/version.h>
 
+#include <kvcache/runtime/thread_pool.h>
+
 #include "commands.h"
 
 namespace kvc::cli {
@@ -541,7 +543,8 @@ void add_bench_command(CLI::App& app) {
         app.add_subcommand("bench", "The key figures, each next to a yardstick from the same run");
     cmd->add_flag("--json", opt->json, "print JSON");
     cmd->add_flag("--quick", opt->quick, "smaller sizes, fewer repetitions (a smoke run)");
-    cmd->add_option("--threads", opt->threads, "runtime threads (0: all cores)");
+    cmd->add_option("--threads", opt->threads, "runtime threads (0: all cores)")
+        ->check(CLI::Range(0u, thread_pool::max_threads));
     cmd->callback([opt] {
         if (!opt->json)
             fmt::print(

@@ -24,6 +24,8 @@
 #include <kvcache/session.h>
 #include <kvcache/version.h>
 
+#include <kvcache/runtime/thread_pool.h>
+
 #include "commands.h"
 #include "demo_recurrent.h"
 
@@ -505,10 +507,14 @@ void add_demo_command(CLI::App& app, int& exit_code) {
     cmd->add_option("--type-v", opt->type_v, "V element type")->capture_default_str();
     cmd->add_option("--seqs", opt->seqs, "parallel sequences (2..64)")->capture_default_str();
     cmd->add_option("--ctx", opt->ctx, "cells per stream")->capture_default_str();
-    cmd->add_option("--threads", opt->threads, "threads (0: all cores)")->capture_default_str();
+    cmd->add_option("--threads", opt->threads, "threads (0: all cores)")
+        ->check(CLI::Range(0u, thread_pool::max_threads))
+        ->capture_default_str();
     cmd->add_option("--v-trans", opt->v_trans, "store V transposed (1) or as rows (0)")
+        ->check(CLI::Range(0, 1))  // 2 is not a yes
         ->capture_default_str();
     cmd->add_option("--unified", opt->unified, "one stream for all sequences (1) or one per sequence (0)")
+        ->check(CLI::Range(0, 1))  // 2 is not a yes
         ->capture_default_str();
     cmd->add_option(
            "--swa", opt->swa,

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -103,10 +104,16 @@ void op_decode(replay_memory& m, const words& w) {
     try {
         for (const group& g : groups) {
             const bool known = g.seqs[0] >= 0 && static_cast<uint32_t>(g.seqs[0]) < m.n_seq_max;
-            pos_t p = g.pos ? *g.pos : known ? m.mem->seq_pos_max(g.seqs[0]) + 1 : 0;
+            int64_t p = g.pos ? *g.pos : known ? int64_t{m.mem->seq_pos_max(g.seqs[0])} + 1 : 0;
+            // positions are int32: say so rather than wrap around
+            const int64_t last = p + static_cast<int64_t>(g.tokens.size()) - 1;
+            if (last > std::numeric_limits<pos_t>::max())
+                throw error(errc::out_of_range,
+                            fmt::format("seq {}: positions {} to {} go beyond {}", g.seqs[0], p, last,
+                                        std::numeric_limits<pos_t>::max()));
             const uint64_t key = seq_set_key(g.seqs);
             for (token_t t : g.tokens) {
-                b.add(t, p++, g.seqs, out == "all");
+                b.add(t, static_cast<pos_t>(p++), g.seqs, out == "all");
                 seq_key.push_back(key);
             }
         }

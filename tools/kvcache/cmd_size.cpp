@@ -49,9 +49,10 @@ void run_size(const size_options& o) {
     // As the cache checks: a quantised head must be whole blocks (say which option to change).
     for (auto [t, name] : {std::pair{tk, "--type-k"}, std::pair{tv, "--type-v"}})
         if (o.head_dim % block_size(t) != 0)
-            throw error(errc::invalid_argument,
-                        fmt::format("{} {}: a head of {} values is not a whole number of its blocks of {} values",
-                                    name, to_string(t), o.head_dim, block_size(t)));
+            throw error(
+                errc::invalid_argument,
+                fmt::format("{} {}: a head of {} values is not a whole number of its blocks of {} values",
+                            name, to_string(t), o.head_dim, block_size(t)));
     const double k_tok = static_cast<double>(row_size(tk, n_embd)) * static_cast<double>(o.layers);
     const double v_tok = static_cast<double>(row_size(tv, n_embd)) * static_cast<double>(o.layers);
     const double n = static_cast<double>(o.ctx);

@@ -26,7 +26,10 @@ namespace kvc {
 /// A fixed pool of worker threads that runs the pieces of a range in parallel.
 class thread_pool {
 public:
-    /// n_threads workers in all, the calling thread included (0: the hardware's count).
+    /// Most threads a pool runs: more only queue on the cores and take seconds to start.
+    static constexpr unsigned max_threads = 512;
+    /// n_threads workers in all, the calling thread included (0: the hardware's count). Throws
+    /// kvc::error(invalid_argument) above max_threads.
     explicit thread_pool(unsigned n_threads = 0);
     ~thread_pool();
     thread_pool(const thread_pool&) = delete;
