@@ -348,7 +348,8 @@ session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* p
 // as damaged whatever the room).
 void check_room(size_t n_tokens, size_t max_tokens) {
     if (n_tokens > max_tokens)
-        throw error(errc::out_of_range, fmt::format("the file holds {} tokens, room for {}", n_tokens, max_tokens));
+        throw error(errc::out_of_range,
+                    fmt::format("the file holds {} tokens, room for {}", n_tokens, max_tokens));
 }
 
 session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens) {
