@@ -92,9 +92,7 @@ public:
         EXPECT_EQ(a.output_ids, r.output_ids);
         EXPECT_EQ(a.logits.size(), r.logits.size());
         if (a.logits.size() != r.logits.size() || a.logits.empty()) return 1e9;
-        float scale = 0;
-        for (float x : r.logits) scale = std::max(scale, std::fabs(x));
-        const double rel = max_abs_diff(a.logits, r.logits) / std::max(scale, 1e-6f);
+        const double rel = relative_diff(a.logits, r.logits);
         worst_ = std::max(worst_, rel);
         return rel;
     }

@@ -497,6 +497,12 @@ float max_abs_diff(std::span<const float> a, std::span<const float> b) {
     return m;
 }
 
+double relative_diff(std::span<const float> a, std::span<const float> ref) {
+    float scale = 0;
+    for (float x : ref) scale = std::max(scale, std::fabs(x));
+    return static_cast<double>(max_abs_diff(a, ref)) / std::max(scale, 1e-6f);
+}
+
 double logits_tolerance(dtype type) {
     switch (type) {
         case dtype::f32:

@@ -307,10 +307,7 @@ private:
         if (is_fail(a.status)) throw error(errc::invalid_state, "demo: the cache has no room for the batch");
         const decode_result r = ref_.decode(b.view());
         n_decoded_ += count;
-        float scale = 0;
-        for (float x : r.logits) scale = std::max(scale, std::fabs(x));
-        phase_worst_ = std::max(
-            phase_worst_, static_cast<double>(max_abs_diff(a.logits, r.logits)) / std::max(scale, 1e-6f));
+        phase_worst_ = std::max(phase_worst_, relative_diff(a.logits, r.logits));
         // greedy next tokens from the cache's logits
         const uint32_t nv = m_.hparams().n_vocab;
         std::vector<token_t> out;

@@ -211,6 +211,8 @@ private:
 
 /// Largest |a - b| over two logit arrays of equal size (for reports and tests).
 float max_abs_diff(std::span<const float> a, std::span<const float> b);
+/// max |a - ref| / max |ref| (the denominator at least 1e-6): the difference logits_tolerance bounds.
+double relative_diff(std::span<const float> a, std::span<const float> ref);
 
 /// The documented bound on max |cache - reference| / max |reference| over the logits when K or V are
 /// stored as `type` (docs/runtime.md: about 3x the worst seen on the tiny models): f32 1e-5, f16 2e-3,
