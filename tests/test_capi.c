@@ -138,7 +138,7 @@ static void test_create(void) {
     CHECK(v.type == KVC_TYPE_F16 && v.ne[0] == 8 && v.ne[1] == 1 && v.ne[2] == 16 && v.ne[3] == 1);
     CHECK_OK(kvc_memory_get_k(full, 2, &v));
     CHECK_ERR(kvc_memory_get_k(full, 1, &v), KVC_ERR_OUT_OF_RANGE, "model layer 1 has no K/V");
-    CHECK_ERR(kvc_memory_get_v(full, 3, &v), KVC_ERR_OUT_OF_RANGE, "model layer 3 has no K/V");
+    CHECK_ERR(kvc_memory_get_v(full, 3, &v), KVC_ERR_OUT_OF_RANGE, "no model layer 3 (the model has 3)");
     kvc_memory_context_free(full);
     kvc_memory_free(mem);
     kvc_memory_free(NULL); /* harmless */
@@ -312,7 +312,7 @@ static void test_decode_loop(void) {
         CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 0, (kvc_type)77, mask, (size_t)n_mask, true, false),
                   KVC_ERR_INVALID_ARGUMENT, "type = 77 is not an element type");
         CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 2, KVC_TYPE_F32, mask, (size_t)n_mask, true, false),
-                  KVC_ERR_OUT_OF_RANGE, "model layer 2 has no K/V in this memory");
+                  KVC_ERR_OUT_OF_RANGE, "no model layer 2 (the model has 2)");
         CHECK(kvc_memory_kq_mask_elements(ctx, 1) == n_mask); /* the layers of a cache share it */
         CHECK(kvc_memory_kq_mask_elements(ctx, 2) == KVC_ERR_OUT_OF_RANGE);
         CHECK(kvc_memory_context_n_kv(ctx, 1) == n_kv &&
@@ -490,7 +490,7 @@ static void test_sequence_ops(void) {
     CHECK_ERR(kvc_memory_set_input_k_shift(mem, 0, NULL, 16), KVC_ERR_INVALID_ARGUMENT, "dst is NULL");
     CHECK(kvc_memory_k_shift_elements(mem, 1) == 16); /* the layers of a cache share it */
     CHECK(kvc_memory_k_shift_elements(mem, 2) == KVC_ERR_OUT_OF_RANGE);
-    CHECK_MSG("kvc_memory_k_shift_elements: model layer 2 has no K/V in this memory");
+    CHECK_MSG("kvc_memory_k_shift_elements: no model layer 2 (the model has 2)"); /* regression (issue 20) */
     CHECK_ERR(kvc_memory_set_input_k_shift(mem, 9, shift, 16), KVC_ERR_OUT_OF_RANGE, "model layer 9");
 
     kvc_memory_context* up = NULL;

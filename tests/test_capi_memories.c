@@ -330,7 +330,7 @@ static void test_iswa(void) {
     CHECK(kvc_memory_k_shift_elements(mem, 1) == 256); /* ... and sliding window */
     CHECK(kvc_memory_k_shift_elements(mem, 3) == 256);
     CHECK(kvc_memory_k_shift_elements(mem, 4) == KVC_ERR_OUT_OF_RANGE);
-    CHECK_MSG("model layer 4 has no K/V in this memory");
+    CHECK_MSG("no model layer 4 (the model has 4)");
     int32_t* shift = malloc(sizeof(int32_t) * 512);
     CHECK_OK(kvc_memory_set_input_k_shift(mem, 1, shift, 256));
     CHECK_ERR(kvc_memory_set_input_k_shift(mem, 1, shift, 512), KVC_ERR_INVALID_ARGUMENT, "256");
@@ -338,7 +338,7 @@ static void test_iswa(void) {
     CHECK_OK(kvc_memory_set_input_k_shift(mem, 0, shift, 512));
     CHECK_ERR(kvc_memory_set_input_k_shift(mem, 0, shift, 256), KVC_ERR_INVALID_ARGUMENT, "512");
     CHECK_ERR(kvc_memory_set_input_k_shift(mem, 4, shift, 512), KVC_ERR_OUT_OF_RANGE,
-              "kvc_memory_set_input_k_shift: model layer 4 has no K/V in this memory");
+              "kvc_memory_set_input_k_shift: no model layer 4 (the model has 4)");
     free(shift);
 
     /* a full context: each cache's cells */
@@ -346,7 +346,7 @@ static void test_iswa(void) {
     CHECK_OK(kvc_memory_init_full(mem, &ctx));
     CHECK(kvc_memory_context_n_kv(ctx, 0) == 512 && kvc_memory_context_n_kv(ctx, 1) == 256);
     CHECK(kvc_memory_context_n_kv(ctx, 4) == KVC_ERR_OUT_OF_RANGE);
-    CHECK_MSG("kvc_memory_context_n_kv: model layer 4 has no K/V in this memory");
+    CHECK_MSG("kvc_memory_context_n_kv: no model layer 4 (the model has 4)");
     kvc_tensor_view v;
     CHECK_OK(kvc_memory_get_k(ctx, 3, &v));
     CHECK(v.ne[0] == 4 && v.ne[1] == 2 && v.ne[2] == 256 && v.ne[3] == 1);
@@ -374,7 +374,7 @@ static void test_iswa(void) {
     check_toy_mask(ctx, 3, 4);
     CHECK(kvc_memory_context_n_kv(ctx, 0) == kvc_memory_context_n_kv(ctx, 2)); /* one cache, one n_kv */
     CHECK(kvc_memory_kq_mask_elements(ctx, 4) == KVC_ERR_OUT_OF_RANGE);
-    CHECK_MSG("kvc_memory_kq_mask_elements: model layer 4 has no K/V");
+    CHECK_MSG("kvc_memory_kq_mask_elements: no model layer 4");
     const int64_t n_mask = kvc_memory_kq_mask_elements(ctx, 3);
     float* mask = malloc(sizeof(float) * (size_t)n_mask);
     CHECK_ERR(kvc_memory_set_input_kq_mask(ctx, 4, KVC_TYPE_F16, mask, (size_t)n_mask, true, false),
@@ -388,7 +388,7 @@ static void test_iswa(void) {
     free(buckets);
     free(mask);
     float rows[4 * E] = {0};
-    CHECK_ERR(kvc_memory_cpy_k(ctx, 4, rows, 2), KVC_ERR_OUT_OF_RANGE, "model layer 4 has no K/V");
+    CHECK_ERR(kvc_memory_cpy_k(ctx, 4, rows, 2), KVC_ERR_OUT_OF_RANGE, "no model layer 4");
     CHECK_ERR(kvc_memory_cpy_v(ctx, 1, rows, 3), KVC_ERR_INVALID_ARGUMENT, "cpy_v: expected");
     CHECK_ERR(kvc_memory_get_v(ctx, 7, &v), KVC_ERR_OUT_OF_RANGE, "model layer 7");
     CHECK(kvc_memory_context_n_kv(ctx, 9) == KVC_ERR_OUT_OF_RANGE);

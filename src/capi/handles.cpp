@@ -236,7 +236,9 @@ void to_c(const tensor_view& v, kvc_tensor_view& out) {
 
 namespace {
 
-[[noreturn]] void no_kv_for(uint32_t il) {
+// The model's layer count n tells a layer the model lacks from one whose K/V this memory does not keep.
+[[noreturn]] void no_kv_for(uint32_t il, size_t n) {
+    if (il >= n) throw_error(errc::out_of_range, fmt::format("no model layer {} (the model has {})", il, n));
     throw_error(errc::out_of_range, fmt::format("model layer {} has no K/V in this memory", il));
 }
 
@@ -244,20 +246,20 @@ namespace {
 
 const kv_cache& layer_cache(const kvc_memory& m, uint32_t il) {
     if (m.kv != nullptr) {
-        if (!m.kv->has_layer(il)) no_kv_for(il);
+        if (!m.kv->has_layer(il)) no_kv_for(il, m.kv->params().layers.size());
         return *m.kv;
     }
     if (m.iswa != nullptr) {
         if (m.iswa->get_base().has_layer(il)) return m.iswa->get_base();
         if (m.iswa->get_swa().has_layer(il)) return m.iswa->get_swa();
-        no_kv_for(il);
+        no_kv_for(il, m.iswa->get_base().params().layers.size());
     }
     if (m.hybrid != nullptr) {
         try {
             return m.hybrid->attn_cache(il);
         } catch (const error& e) {
             if (e.code() != errc::out_of_range) throw;
-            no_kv_for(il);  // the same message for every kind of memory
+            no_kv_for(il, m.hybrid->params().attn.layers.size());  // the same messages for every memory
         }
     }
     throw_error(errc::unsupported, "this memory holds no K/V (a recurrent memory)");
