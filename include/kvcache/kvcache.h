@@ -522,7 +522,9 @@ typedef enum kvc_memory_status {
 /// @param embd_all Every token produces an output (embeddings / pooling), which constrains the split.
 /// @param out Receives the context (free it with kvc_memory_context_free()); NULL on failure.
 /// @return #KVC_OK (check the context's status); #KVC_ERR_INVALID_ARGUMENT / #KVC_ERR_OUT_OF_RANGE for NULL
-/// pointers, n_ubatch == 0 or a batch that breaks a rule (the message names the token and the value).
+/// pointers, n_ubatch == 0 or a batch that breaks a rule (the message names the token and the value);
+/// #KVC_ERR_INVALID_STATE for a batch whose positions do not continue a sequence the memory holds (a gap
+/// after its last position, or a start before it that the memory cannot take).
 KVC_API kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch, uint32_t n_ubatch,
                                          bool embd_all, kvc_memory_context** out) KVC_NOEXCEPT;
 
