@@ -571,7 +571,7 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         copies[k] = {row(ss, c_src), row(sd, c_dst)};
     }
     storage_->copy_rows(copies);
-    prefix_copied(src, dst, entries, free);
+    prefix_copied(dst, entries, free);
 }
 
 void kv_cache::seq_keep(seq_id_t seq_id) {

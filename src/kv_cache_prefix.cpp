@@ -482,7 +482,7 @@ void kv_cache::prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) 
     }
 }
 
-void kv_cache::prefix_copied(seq_id_t src, seq_id_t dst, std::span<const std::pair<pos_t, uint32_t>> entries,
+void kv_cache::prefix_copied(seq_id_t dst, std::span<const std::pair<pos_t, uint32_t>> entries,
                              std::span<const uint32_t> cells) {
     if (!prefix_) return;
     prefix_tracker& d = prefix_->seqs[static_cast<size_t>(dst)];
@@ -502,7 +502,6 @@ void kv_cache::prefix_copied(seq_id_t src, seq_id_t dst, std::span<const std::pa
         }
         d.cells[j] = cells[k];
     }
-    (void)src;
 }
 
 void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {

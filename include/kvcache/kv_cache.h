@@ -255,7 +255,7 @@ private:
     void prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1);
     void prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);
     // a copy across streams placed src's cells `entries` (pos, cell) at `cells` of dst's stream
-    void prefix_copied(seq_id_t src, seq_id_t dst, std::span<const std::pair<pos_t, uint32_t>> entries,
+    void prefix_copied(seq_id_t dst, std::span<const std::pair<pos_t, uint32_t>> entries,
                        std::span<const uint32_t> cells);
     void prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1);  // copies or unpublishes held cells
     void prefix_forget(seq_id_t seq_id);  // its tracker stops publishing (seq_all: every tracker)
