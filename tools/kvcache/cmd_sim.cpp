@@ -249,6 +249,10 @@ void add_sim_command(CLI::App& app) {
     cmd->add_option("--trace-block", o->sim.trace_block, "tokens per hash id")->capture_default_str();
     cmd->add_option("--block", o->sim.cache_block, "tokens per prefix-cache block")->capture_default_str();
     cmd->add_option("--ubatch", o->sim.n_ubatch, "tokens per ubatch when placing a step")->capture_default_str();
+    cmd->add_option("--defer-shared", o->sim.defer_shared,
+                    "kvcache: a request whose first block is being computed by one admitted in the same step "
+                    "waits a step (1) or not (0)")
+        ->capture_default_str();
     cmd->add_option("--cache-ram", o->sim.cache_ram, "llama-server: tokens of its RAM prompt cache (0: off)")
         ->capture_default_str();
     cmd->add_option("--slot-similarity", o->sim.slot_similarity, "llama-server: --slot-prompt-similarity")

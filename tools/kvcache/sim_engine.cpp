@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <algorithm>
 #include <deque>
 
 #include <fmt/format.h>
@@ -97,6 +98,8 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
     bool may_fit = true;  // the head of the queue may fit: something ended since it last did not
     const bool tokens = be->needs_tokens();
     size_t progress_mark = 0;
+    const bool defer = o.defer_shared && policy == sim_policy::kvcache;
+    std::vector<uint64_t> first_blocks;  // first trace block of each request admitted in this step
 
     while (done < reqs.size()) {
         // arrivals
@@ -114,8 +117,12 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
             }
         }
         // admissions, in arrival order: the head waits until it fits
+        first_blocks.clear();
         while (may_fit && !queue.empty() && live.size() < o.concurrency) {
             const size_t q = queue.front();
+            if (defer && std::find(first_blocks.begin(), first_blocks.end(), reqs[q].hash_ids[0]) != first_blocks.end())
+                break;  // its prefix is being computed in this step: attach it at the next
+            first_blocks.push_back(reqs[q].hash_ids[0]);
             live_request lr{.req = q, .seq = free_seqs.back()};
             if (tokens) prompt_tokens(reqs[q], o.trace_block, lr.prompt);
             std::optional<uint32_t> hit;

@@ -158,7 +158,7 @@ std::vector<sim_request> mooncake_like(builder& b) {
             }
         }
         conv c{b.r.uniform() < 0.5 ? b.r.below(16) : 16u, b.ids.stream(), 0};
-        c.len = std::clamp<uint32_t>(static_cast<uint32_t>(b.r.lognormal(9000, 1.0)), 64, 100000);
+        c.len = std::clamp<uint32_t>(static_cast<uint32_t>(b.r.lognormal(10000, 1.0)), 64, 100000);
         const uint32_t sl = c.sys < 16 ? systems[c.sys].second : 0;
         b.add(c.sys < 16 ? systems[c.sys].first : c.stream, sl, c.stream, c.len, out);
         c.len += out;
