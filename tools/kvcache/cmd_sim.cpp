@@ -265,6 +265,9 @@ void add_sim_command(CLI::App& app) {
                                                    "tool output)");
     cmd->add_option("--output", o->gen.output, "generator: output tokens per request");
     cmd->add_option("--rate", o->gen.rate, "generator: arrivals per second");
+    cmd->add_option("--recency", o->gen.recency,
+                    "mooncake-like: follow-ups continue the k-th most recent conversation, k ~ Exp(N) (default "
+                    "32); 0: uniform over the 256 most recent");
     cmd->add_flag("--json", o->json, "print JSON");
     cmd->add_option("--plot", o->plot, "draw hit rate against budget, one line per policy, into FILE.svg");
     cmd->callback([o] { run(*o); });

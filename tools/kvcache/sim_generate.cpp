@@ -131,11 +131,12 @@ std::vector<sim_request> parallel(builder& b) {
 }
 
 // Statistics like Mooncake's conversation trace (FAST'25): prompts of ~12k tokens on average, ~40% of
-// prompt tokens reusable with an infinite cache, ~343 output tokens. 40% of requests continue one of the
-// 256 most recent conversations (its history, the answer and a new message), the others open a new one:
+// prompt tokens reusable with an infinite cache, ~343 output tokens. 40% of requests continue a recent
+// conversation (its history, the answer and a new message; see `recency`), the others open a new one:
 // one of 16 system prompts (1-3k tokens) half of the time, then a long document.
 std::vector<sim_request> mooncake_like(builder& b) {
     const uint32_t N = or_default(b.o.prompts, 2000), O = or_default(b.o.output, 343);
+    const double recency = b.o.recency < 0 ? 32 : b.o.recency;
     std::vector<std::pair<uint64_t, uint32_t>> systems;
     for (uint32_t i = 0; i < 16; ++i) systems.emplace_back(b.ids.stream(), 1024 + b.r.below(4) * 512);
     struct conv {
@@ -147,7 +148,9 @@ std::vector<sim_request> mooncake_like(builder& b) {
     for (uint32_t i = 0; i < N; ++i) {
         const uint32_t out = 32 + b.r.below(2 * O - 64);
         if (!recent.empty() && b.r.uniform() < 0.4) {
-            const uint32_t k = b.r.below(static_cast<uint32_t>(std::min<size_t>(recent.size(), 256)));
+            // most follow-ups come soon after the turn before: the k-th most recent conversation
+            const uint32_t n = static_cast<uint32_t>(std::min<size_t>(recent.size(), recency > 0 ? recent.size() : 256));
+            const uint32_t k = recency > 0 ? std::min(static_cast<uint32_t>(b.r.exponential(recency)), n - 1) : b.r.below(n);
             conv& c = recent[recent.size() - 1 - k];
             const uint32_t msg = std::clamp<uint32_t>(static_cast<uint32_t>(b.r.lognormal(1500, 1.0)), 16, 16384);
             if (c.len + msg < 120000) {

@@ -24,6 +24,9 @@ struct generate_options {
     uint32_t question = 0;   ///< shared-prefix: question (128); multi-turn: user message (256); agent:
                              ///< tool output (1024)
     uint32_t output = 0;     ///< output tokens per request (256; agent 128; parallel 512; mooncake-like 343)
+    /// mooncake-like: a follow-up continues the k-th most recent conversation, k ~ Exp(recency); 0: k
+    /// uniform in the 256 most recent (little locality). Default 32.
+    double recency = -1;
     double rate = 0;         ///< mean arrivals per second (Poisson), 0: the kind's default (10)
 };
 
