@@ -110,9 +110,10 @@ TEST(sim_engine, budget_smaller_than_a_request_is_an_error) {
         run_sim(reqs, sim_policy::kvcache, small(256));
         FAIL() << "no error";
     } catch (const error& e) {
-        EXPECT_NE(std::string(e.what()).find("request 2 needs 320 cells (300 prompt + 20 output tokens), more "
-                                             "than the budget of 256 tokens"),
-                  std::string::npos)
+        EXPECT_NE(
+            std::string(e.what()).find("request 2 needs 320 cells (300 prompt + 20 output tokens), more "
+                                       "than the budget of 256 tokens"),
+            std::string::npos)
             << e.what();
     }
     EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, small(100)), error);  // not a multiple of the block

@@ -50,16 +50,19 @@ TEST(sim_trace, write_then_read_is_identity) {
 }
 
 TEST(sim_trace, malformed_line_names_line_and_field) {
-    const std::string ok = "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}\n";
+    const std::string ok =
+        "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}\n";
     EXPECT_NE(error_of(ok + "{\"timestamp\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n")
                   .find("t.jsonl:2: field 'input_length' is missing"),
               std::string::npos);
-    EXPECT_NE(error_of(ok + ok + "{\"timestamp\": 1, \"input_length\": 4, \"output_length\": -1, \"hash_ids\": [1]}")
+    EXPECT_NE(error_of(ok + ok +
+                       "{\"timestamp\": 1, \"input_length\": 4, \"output_length\": -1, \"hash_ids\": [1]}")
                   .find("t.jsonl:3: field 'output_length' must be a non-negative integer, got -1"),
               std::string::npos);
-    EXPECT_NE(error_of("{\"timestamp\": 0, \"input_length\": 9, \"output_length\": 1, \"hash_ids\": [1]}")
-                  .find("t.jsonl:1: field 'hash_ids' has 1 ids, but input_length 9 needs 3 blocks of 4 tokens"),
-              std::string::npos);
+    EXPECT_NE(
+        error_of("{\"timestamp\": 0, \"input_length\": 9, \"output_length\": 1, \"hash_ids\": [1]}")
+            .find("t.jsonl:1: field 'hash_ids' has 1 ids, but input_length 9 needs 3 blocks of 4 tokens"),
+        std::string::npos);
     EXPECT_NE(error_of("{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [\"a\"]}")
                   .find("t.jsonl:1: field 'hash_ids'[0] must be a non-negative integer"),
               std::string::npos);
@@ -72,9 +75,10 @@ TEST(sim_trace, malformed_line_names_line_and_field) {
     EXPECT_NE(error_of("{\"timestamp\": 0, \"input_length\": 0, \"output_length\": 1, \"hash_ids\": []}")
                   .find("t.jsonl:1: field 'input_length' must be at least 1"),
               std::string::npos);
-    EXPECT_NE(error_of("{\"timestamp\": 0, \"input_length\": 99999999, \"output_length\": 1, \"hash_ids\": []}")
-                  .find("above the limit"),
-              std::string::npos);
+    EXPECT_NE(
+        error_of("{\"timestamp\": 0, \"input_length\": 99999999, \"output_length\": 1, \"hash_ids\": []}")
+            .find("above the limit"),
+        std::string::npos);
     EXPECT_NE(error_of("").find("t.jsonl: no requests"), std::string::npos);
 }
 
@@ -87,8 +91,8 @@ TEST(sim_trace, tokens_follow_block_ids) {
     ASSERT_EQ(ta.size(), 6u);
     ASSERT_EQ(tb.size(), 8u);
     EXPECT_TRUE(std::equal(ta.begin(), ta.begin() + 4, tb.begin()));  // same first id: same first block
-    EXPECT_NE(ta[4], tb[4]);                                           // different second id
-    EXPECT_NE(ta[0], tc[0]);  // id 8 at the start is not id 7
+    EXPECT_NE(ta[4], tb[4]);                                          // different second id
+    EXPECT_NE(ta[0], tc[0]);                                          // id 8 at the start is not id 7
     for (token_t t : ta) EXPECT_GE(t, 0);
     std::vector<token_t> again;
     prompt_tokens(a, 4, again);
@@ -103,8 +107,8 @@ TEST(sim_trace, statistics_count_reuse_in_cache_blocks) {
     const trace_stats st = analyse_trace(r, 4, 2);
     EXPECT_EQ(st.prompt_tokens, 12u);
     EXPECT_EQ(st.output_tokens, 3u);
-    EXPECT_EQ(st.reusable_tokens, 4u);          // the two cache blocks of id 1
-    EXPECT_EQ(st.unique_tokens, 12u - 4u);      // partial tails count as unique
+    EXPECT_EQ(st.reusable_tokens, 4u);      // the two cache blocks of id 1
+    EXPECT_EQ(st.unique_tokens, 12u - 4u);  // partial tails count as unique
     EXPECT_EQ(st.max_request, 8u);
 }
 

@@ -34,16 +34,17 @@ public:
     virtual void step(std::span<const sim_work> work) = 0;
     /// The request on `seq` ended: its cells are released (kept as cache where the policy does).
     virtual void finish(seq_id_t seq) = 0;
-    virtual uint64_t used_cells() const = 0;  ///< cells in use now, cached ones included
-    virtual uint64_t live_cells() const = 0;  ///< cells live requests hold now
-    virtual void report(sim_result& r) const = 0;  ///< evictions, copies
+    virtual uint64_t used_cells() const = 0;            ///< cells in use now, cached ones included
+    virtual uint64_t live_cells() const = 0;            ///< cells live requests hold now
+    virtual void report(sim_result& r) const = 0;       ///< evictions, copies
     virtual bool needs_tokens() const { return true; }  ///< start() reads `prompt`
 };
 
 /// The library's kv_cache, with its prefix cache (policy kvcache) or without (policy none).
 std::unique_ptr<sim_backend> make_kv_backend(const sim_options& o, bool prefix);
 /// The model of llama.cpp's server (bookkeeping over the trace's block ids, no cache underneath).
-std::unique_ptr<sim_backend> make_llama_server_backend(const sim_options& o, const std::vector<sim_request>& reqs);
+std::unique_ptr<sim_backend> make_llama_server_backend(const sim_options& o,
+                                                       const std::vector<sim_request>& reqs);
 /// Belady's MIN over the trace's cache blocks (no serving loop).
 sim_result run_oracle(const std::vector<sim_request>& reqs, const sim_options& o);
 

@@ -1,9 +1,9 @@
 // kvcache sim: the serving loop (sim_engine.h) over one backend, and the checks before a run.
 #include "sim_engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <algorithm>
 #include <deque>
 
 #include <fmt/format.h>
@@ -29,20 +29,25 @@ void check_options(const sim_options& o) {
     if (o.concurrency == 0 || o.concurrency > 4096)
         throw error(errc::invalid_argument, fmt::format("--concurrency {} not in [1, 4096]", o.concurrency));
     if (o.cache_block == 0 || o.trace_block % o.cache_block != 0)
-        throw error(errc::invalid_argument, fmt::format("--block {} must divide --trace-block {}", o.cache_block,
-                                                        o.trace_block));
+        throw error(errc::invalid_argument,
+                    fmt::format("--block {} must divide --trace-block {}", o.cache_block, o.trace_block));
     if (o.n_ubatch == 0) throw error(errc::invalid_argument, "--ubatch must be at least 1");
-    if (o.step_ms <= 0) throw error(errc::invalid_argument, fmt::format("--step-ms {} must be positive", o.step_ms));
+    if (o.step_ms <= 0)
+        throw error(errc::invalid_argument, fmt::format("--step-ms {} must be positive", o.step_ms));
 }
 
 }  // namespace
 
 const char* to_string(sim_policy p) {
     switch (p) {
-        case sim_policy::kvcache: return "kvcache";
-        case sim_policy::none: return "none";
-        case sim_policy::llama_server: return "llama-server";
-        case sim_policy::oracle: return "oracle";
+        case sim_policy::kvcache:
+            return "kvcache";
+        case sim_policy::none:
+            return "none";
+        case sim_policy::llama_server:
+            return "llama-server";
+        case sim_policy::oracle:
+            return "oracle";
     }
     return "?";
 }
@@ -73,8 +78,9 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
     check_budget(reqs, o);
     if (policy == sim_policy::oracle) return run_oracle(reqs, o);
     const auto t_start = clock_type::now();
-    std::unique_ptr<sim_backend> be = policy == sim_policy::llama_server ? make_llama_server_backend(o, reqs)
-                                                                         : make_kv_backend(o, policy == sim_policy::kvcache);
+    std::unique_ptr<sim_backend> be = policy == sim_policy::llama_server
+                                          ? make_llama_server_backend(o, reqs)
+                                          : make_kv_backend(o, policy == sim_policy::kvcache);
     sim_result r;
     r.policy = policy;
     r.budget_tokens = o.budget;
@@ -105,7 +111,8 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
         // arrivals
         if (o.respect_arrival) {
             if (queue.empty() && live.empty() && next < reqs.size())  // idle: skip to the next arrival
-                step = std::max<uint64_t>(step, static_cast<uint64_t>(std::ceil(reqs[next].timestamp / o.step_ms)));
+                step = std::max<uint64_t>(step,
+                                          static_cast<uint64_t>(std::ceil(reqs[next].timestamp / o.step_ms)));
             while (next < reqs.size() && reqs[next].timestamp <= static_cast<double>(step) * o.step_ms) {
                 arrived[next] = step;
                 queue.push_back(next++);
@@ -120,10 +127,13 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
         first_blocks.clear();
         while (may_fit && !queue.empty() && live.size() < o.concurrency) {
             const size_t q = queue.front();
-            if (defer && std::find(first_blocks.begin(), first_blocks.end(), reqs[q].hash_ids[0]) != first_blocks.end())
+            if (defer && std::find(first_blocks.begin(), first_blocks.end(), reqs[q].hash_ids[0]) !=
+                             first_blocks.end())
                 break;  // its prefix is being computed in this step: attach it at the next
             first_blocks.push_back(reqs[q].hash_ids[0]);
-            live_request lr{.req = q, .seq = free_seqs.back()};
+            live_request lr;
+            lr.req = q;
+            lr.seq = free_seqs.back();
             if (tokens) prompt_tokens(reqs[q], o.trace_block, lr.prompt);
             std::optional<uint32_t> hit;
             timed([&] { hit = be->start(lr.seq, q, lr.prompt, reqs[q].output_length, reserved); });
@@ -151,7 +161,8 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
         for (size_t i = 0; i < live.size(); ++i) {
             const live_request& l = live[i];
             const sim_request& q = reqs[l.req];
-            sim_work w{.seq = l.seq};
+            sim_work w;
+            w.seq = l.seq;
             if (!l.prefilled) {
                 w.p0 = static_cast<pos_t>(l.hit);
                 w.n = q.input_length - l.hit;
@@ -177,8 +188,10 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
         // advance, and end the requests that are done (their sequence is free for the next)
         for (size_t i = 0; i < live.size();) {
             live_request& l = live[i];
-            if (!l.prefilled) l.prefilled = true;
-            else ++l.out_done;
+            if (!l.prefilled)
+                l.prefilled = true;
+            else
+                ++l.out_done;
             if (l.out_done < reqs[l.req].output_length) {
                 ++i;
                 continue;

@@ -31,10 +31,10 @@ const char* to_string(sim_policy p);
 std::optional<sim_policy> parse_sim_policy(const std::string& s);
 
 struct sim_options {
-    uint32_t budget = 0;           ///< cells (tokens) of the cache
-    uint32_t concurrency = 64;     ///< live requests at most (sequences, slots)
-    uint32_t trace_block = 512;    ///< tokens per hash id
-    uint32_t cache_block = 16;     ///< tokens per prefix-cache block
+    uint32_t budget = 0;         ///< cells (tokens) of the cache
+    uint32_t concurrency = 64;   ///< live requests at most (sequences, slots)
+    uint32_t trace_block = 512;  ///< tokens per hash id
+    uint32_t cache_block = 16;   ///< tokens per prefix-cache block
     evict_policy evict = evict_policy::lru;
     bool respect_arrival = false;  ///< wait for timestamps (else a request arrives when a slot is free)
     double step_ms = 20;           ///< simulated time per step when timestamps are respected
@@ -43,8 +43,8 @@ struct sim_options {
     /// waits one step, so that it attaches that prefix instead of computing it again (SGLang's in-batch
     /// prefix sharing does the same).
     bool defer_shared = true;
-    uint64_t cache_ram = 0;        ///< llama-server: tokens its RAM prompt cache holds (0: off)
-    float slot_similarity = 0.1f;  ///< llama-server: --slot-prompt-similarity
+    uint64_t cache_ram = 0;                ///< llama-server: tokens its RAM prompt cache holds (0: off)
+    float slot_similarity = 0.1f;          ///< llama-server: --slot-prompt-similarity
     std::function<void(double)> progress;  ///< called with the fraction of requests done (may be empty)
 };
 
@@ -57,25 +57,27 @@ struct sim_result {
     uint64_t hit_tokens = 0;      ///< prompt tokens reused (not computed)
     uint64_t prefill_tokens = 0;  ///< prompt tokens computed
     uint64_t output_tokens = 0;
-    uint64_t evicted_tokens = 0;  ///< cached tokens dropped to make room
-    uint64_t copied_tokens = 0;   ///< rows copied (llama-server's RAM cache saves and restores)
-    uint64_t bytes_copied = 0;    ///< kvcache: prefix_stats::bytes_copied
-    uint64_t peak_cells = 0;      ///< most cells in use at once (kvcache: cached cells included)
-    uint64_t peak_live_cells = 0; ///< most cells held by live requests at once
-    uint64_t steps = 0;           ///< decode steps
-    double mean_live = 0;         ///< live requests per step, averaged over steps
+    uint64_t evicted_tokens = 0;   ///< cached tokens dropped to make room
+    uint64_t copied_tokens = 0;    ///< rows copied (llama-server's RAM cache saves and restores)
+    uint64_t bytes_copied = 0;     ///< kvcache: prefix_stats::bytes_copied
+    uint64_t peak_cells = 0;       ///< most cells in use at once (kvcache: cached cells included)
+    uint64_t peak_live_cells = 0;  ///< most cells held by live requests at once
+    uint64_t steps = 0;            ///< decode steps
+    double mean_live = 0;          ///< live requests per step, averaged over steps
     uint64_t max_live = 0;
-    uint64_t queued = 0;          ///< requests that waited at least one step for room or a slot
-    uint64_t wait_steps = 0;      ///< steps waited, summed over requests
+    uint64_t queued = 0;      ///< requests that waited at least one step for room or a slot
+    uint64_t wait_steps = 0;  ///< steps waited, summed over requests
     uint64_t max_wait_steps = 0;
-    double bookkeeping_ns = 0;    ///< time in the policy's calls (cache bookkeeping, placement, index)
-    double wall_seconds = 0;      ///< the whole run
+    double bookkeeping_ns = 0;      ///< time in the policy's calls (cache bookkeeping, placement, index)
+    double wall_seconds = 0;        ///< the whole run
     uint64_t cache_hit_tokens = 0;  ///< kvcache: prefix_stats::hit_tokens (= hit_tokens + probe_hit_tokens)
     uint64_t probe_hit_tokens = 0;  ///< kvcache: tokens of attaches undone because the request did not fit
-    bool has_serving = true;      ///< false for the oracle (no serving loop: no live/queue figures)
+    bool has_serving = true;        ///< false for the oracle (no serving loop: no live/queue figures)
 
     double hit_rate() const { return prompt_tokens ? static_cast<double>(hit_tokens) / prompt_tokens : 0; }
-    double ns_per_token() const { return prompt_tokens ? bookkeeping_ns / static_cast<double>(prompt_tokens) : 0; }
+    double ns_per_token() const {
+        return prompt_tokens ? bookkeeping_ns / static_cast<double>(prompt_tokens) : 0;
+    }
 };
 
 /// Replays `reqs` through `policy`. Throws kvc::error when a request is larger than the budget (before

@@ -23,7 +23,8 @@ public:
     double exponential(double mean) { return -std::log(1.0 - uniform()) * mean; }
     // A log-normal draw with the given mean and sigma of the underlying normal.
     double lognormal(double mean, double sigma) {
-        const double z = std::sqrt(-2.0 * std::log(1.0 - uniform())) * std::cos(6.283185307179586 * uniform());
+        const double z =
+            std::sqrt(-2.0 * std::log(1.0 - uniform())) * std::cos(6.283185307179586 * uniform());
         return mean * std::exp(sigma * z - sigma * sigma / 2);
     }
 
@@ -72,7 +73,9 @@ struct builder {
     }
 };
 
-uint32_t or_default(uint32_t v, uint32_t d) { return v ? v : d; }
+uint32_t or_default(uint32_t v, uint32_t d) {
+    return v ? v : d;
+}
 
 // SGLang's generated-shared-prefix benchmark: G groups of P prompts, a system prompt per group and a
 // question per prompt; the prompts arrive shuffled.
@@ -84,7 +87,8 @@ std::vector<sim_request> shared_prefix(builder& b) {
     for (auto& s : systems) s = b.ids.stream();
     std::vector<uint32_t> order(static_cast<size_t>(G) * P);
     for (uint32_t i = 0; i < order.size(); ++i) order[i] = i / P;
-    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[b.r.below(static_cast<uint32_t>(i))]);
+    for (size_t i = order.size(); i > 1; --i)
+        std::swap(order[i - 1], order[b.r.below(static_cast<uint32_t>(i))]);
     for (uint32_t g : order) b.add(systems[g], S, b.ids.stream(), Q, O);
     return std::move(b.reqs);
 }
@@ -95,7 +99,8 @@ std::vector<sim_request> shared_prefix(builder& b) {
 std::vector<sim_request> conversations(builder& b, bool agent) {
     const uint32_t N = or_default(b.o.groups, agent ? 16 : 64), T = or_default(b.o.prompts, agent ? 16 : 8);
     const uint32_t S = or_default(b.o.system, agent ? 4096 : 512);
-    const uint32_t U = or_default(b.o.question, agent ? 1024 : 256), O = or_default(b.o.output, agent ? 128 : 256);
+    const uint32_t U = or_default(b.o.question, agent ? 1024 : 256),
+                   O = or_default(b.o.output, agent ? 128 : 256);
     const uint64_t system = b.ids.stream();
     struct conv {
         uint64_t stream;
@@ -149,10 +154,13 @@ std::vector<sim_request> mooncake_like(builder& b) {
         const uint32_t out = 32 + b.r.below(2 * O - 64);
         if (!recent.empty() && b.r.uniform() < 0.4) {
             // most follow-ups come soon after the turn before: the k-th most recent conversation
-            const uint32_t n = static_cast<uint32_t>(std::min<size_t>(recent.size(), recency > 0 ? recent.size() : 256));
-            const uint32_t k = recency > 0 ? std::min(static_cast<uint32_t>(b.r.exponential(recency)), n - 1) : b.r.below(n);
+            const uint32_t n =
+                static_cast<uint32_t>(std::min<size_t>(recent.size(), recency > 0 ? recent.size() : 256));
+            const uint32_t k =
+                recency > 0 ? std::min(static_cast<uint32_t>(b.r.exponential(recency)), n - 1) : b.r.below(n);
             conv& c = recent[recent.size() - 1 - k];
-            const uint32_t msg = std::clamp<uint32_t>(static_cast<uint32_t>(b.r.lognormal(1500, 1.0)), 16, 16384);
+            const uint32_t msg =
+                std::clamp<uint32_t>(static_cast<uint32_t>(b.r.lognormal(1500, 1.0)), 16, 16384);
             if (c.len + msg < 120000) {
                 const uint32_t sl = c.sys < 16 ? systems[c.sys].second : 0;
                 b.add(c.sys < 16 ? systems[c.sys].first : c.stream, sl, c.stream, c.len + msg, out);
@@ -173,7 +181,8 @@ std::vector<sim_request> mooncake_like(builder& b) {
 }  // namespace
 
 const std::vector<std::string>& generator_kinds() {
-    static const std::vector<std::string> k{"shared-prefix", "multi-turn", "agent", "parallel", "mooncake-like"};
+    static const std::vector<std::string> k{"shared-prefix", "multi-turn", "agent", "parallel",
+                                            "mooncake-like"};
     return k;
 }
 

@@ -14,12 +14,13 @@ public:
     kv_backend(const sim_options& o, bool prefix)
         : prefix_(prefix), cache_(params(o, prefix)), n_ubatch_(o.n_ubatch) {}
 
-    std::optional<uint32_t> start(seq_id_t seq, uint64_t /*req*/, std::span<const token_t> prompt, uint32_t n_out,
-                                  uint64_t reserved) override {
+    std::optional<uint32_t> start(seq_id_t seq, uint64_t /*req*/, std::span<const token_t> prompt,
+                                  uint32_t n_out, uint64_t reserved) override {
         const uint64_t len = prompt.size(), size = cache_.get_size();
         // room = free cells + cached cells no live request holds (evictable) = size - held_
         const auto room = [&] { return static_cast<int64_t>(size - held_ - reserved); };
-        if (!prefix_) return room() >= static_cast<int64_t>(len + n_out) ? std::optional<uint32_t>(0) : std::nullopt;
+        if (!prefix_)
+            return room() >= static_cast<int64_t>(len + n_out) ? std::optional<uint32_t>(0) : std::nullopt;
         const uint32_t n = cache_.prefix_attach(seq, prompt);
         const uint64_t took = alone(seq);  // attached cells that were cached only: no longer evictable
         held_ += took;
@@ -77,7 +78,8 @@ private:
     static kv_cache_params params(const sim_options& o, bool prefix) {
         kv_cache_params p;
         // one layer, one f32 value per row: the K/V bytes are negligible, everything else is real
-        p.layers = {layer_desc{.n_head_kv = 1, .n_embd_head_k = 1, .n_embd_head_v = 1, .rope = {.type = rope_type::none}}};
+        p.layers = {layer_desc{
+            .n_head_kv = 1, .n_embd_head_k = 1, .n_embd_head_v = 1, .rope = {.type = rope_type::none}}};
         p.type_k = p.type_v = dtype::f32;
         p.v_trans = false;
         p.kv_size = o.budget;

@@ -34,8 +34,8 @@ public:
 
     bool needs_tokens() const override { return false; }
 
-    std::optional<uint32_t> start(seq_id_t seq, uint64_t req, std::span<const token_t> /*prompt*/, uint32_t n_out,
-                                  uint64_t reserved) override {
+    std::optional<uint32_t> start(seq_id_t seq, uint64_t req, std::span<const token_t> /*prompt*/,
+                                  uint32_t n_out, uint64_t reserved) override {
         const uint64_t len = reqs_[req].input_length;
         // get_available_slot: by LCP similarity, else LRU
         int best = -1;
@@ -51,7 +51,8 @@ public:
         }
         bool update_cache = false;
         if (best >= 0) {
-            update_cache = static_cast<double>(lcp(slots_[best].c, req)) / static_cast<double>(slots_[best].c.n) < 0.5;
+            update_cache =
+                static_cast<double>(lcp(slots_[best].c, req)) / static_cast<double>(slots_[best].c.n) < 0.5;
         } else {
             int64_t t_last = -1;
             for (size_t i = 0; i < slots_.size(); ++i)
@@ -185,7 +186,8 @@ private:
 
 }  // namespace
 
-std::unique_ptr<sim_backend> make_llama_server_backend(const sim_options& o, const std::vector<sim_request>& reqs) {
+std::unique_ptr<sim_backend> make_llama_server_backend(const sim_options& o,
+                                                       const std::vector<sim_request>& reqs) {
     return std::make_unique<llama_server>(o, reqs);
 }
 

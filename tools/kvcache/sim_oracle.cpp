@@ -23,7 +23,8 @@ sim_result run_oracle(const std::vector<sim_request>& reqs, const sim_options& o
     for (const sim_request& q : reqs) {
         r.prompt_tokens += q.input_length;
         r.output_tokens += q.output_length;
-        for (uint32_t k = 0; k < q.input_length / o.cache_block; ++k) keys.push_back(cache_block_key(q, k, per));
+        for (uint32_t k = 0; k < q.input_length / o.cache_block; ++k)
+            keys.push_back(cache_block_key(q, k, per));
     }
     r.requests = reqs.size();
     // next use of each access (SIZE_MAX: never)
@@ -68,7 +69,8 @@ sim_result run_oracle(const std::vector<sim_request>& reqs, const sim_options& o
     r.hit_tokens = hits * o.cache_block;
     r.prefill_tokens = r.prompt_tokens - r.hit_tokens;
     r.evicted_tokens = evicted * o.cache_block;
-    r.bookkeeping_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    r.bookkeeping_ns =
+        std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
     r.wall_seconds = r.bookkeeping_ns * 1e-9;
     return r;
 }

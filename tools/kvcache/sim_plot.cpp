@@ -11,7 +11,8 @@
 
 namespace kvc::cli {
 
-std::string plot_hit_rates(const std::vector<sim_result>& results, const trace_stats& ts, const std::string& title) {
+std::string plot_hit_rates(const std::vector<sim_result>& results, const trace_stats& ts,
+                           const std::string& title) {
     const double W = 720, H = 440, L = 70, R = 190, T = 40, B = 60;  // plot area inside the margins
     const double pw = W - L - R, ph = H - T - B;
     const double unique = static_cast<double>(std::max<uint64_t>(ts.unique_tokens, 1));
@@ -39,18 +40,24 @@ std::string plot_hit_rates(const std::vector<sim_result>& results, const trace_s
     std::sort(ticks.begin(), ticks.end());
     ticks.erase(std::unique(ticks.begin(), ticks.end()), ticks.end());
     for (double x : ticks) {
-        body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='#dddddd'/>\n", fx(x), T, fx(x), T + ph);
+        body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='#dddddd'/>\n", fx(x), T, fx(x),
+                            T + ph);
         body += svg_text(fx(x), T + ph + 16, 11, fmt::format("{:.3g}%", x), "text-anchor='middle'");
     }
-    body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='none' stroke='#333333'/>\n", L, T, pw, ph);
+    body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='none' stroke='#333333'/>\n", L, T,
+                        pw, ph);
     body += svg_text(L + pw / 2, H - 18, 12,
-                     fmt::format("budget, % of the {} unique prompt tokens{}", ts.unique_tokens, logx ? " (log scale)" : ""),
+                     fmt::format("budget, % of the {} unique prompt tokens{}", ts.unique_tokens,
+                                 logx ? " (log scale)" : ""),
                      "text-anchor='middle'");
-    body += svg_text(18, T + ph / 2, 12, "token hit rate", fmt::format("text-anchor='middle' transform='rotate(-90 18 {})'", T + ph / 2));
+    body += svg_text(18, T + ph / 2, 12, "token hit rate",
+                     fmt::format("text-anchor='middle' transform='rotate(-90 18 {})'", T + ph / 2));
     // the infinite cache
-    const double ideal = ts.prompt_tokens ? static_cast<double>(ts.reusable_tokens) / static_cast<double>(ts.prompt_tokens) : 0;
-    body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='#888888' stroke-dasharray='6,4'/>\n", L,
-                        fy(ideal), L + pw, fy(ideal));
+    const double ideal = ts.prompt_tokens
+                             ? static_cast<double>(ts.reusable_tokens) / static_cast<double>(ts.prompt_tokens)
+                             : 0;
+    body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='#888888' stroke-dasharray='6,4'/>\n",
+                        L, fy(ideal), L + pw, fy(ideal));
     // one line per policy, in the order they first appear
     static const char* colours[] = {"#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#9c755f"};
     std::vector<sim_policy> order;
@@ -67,9 +74,10 @@ std::string plot_hit_rates(const std::vector<sim_result>& results, const trace_s
         std::string path;
         for (const auto& [x, y] : pts) path += fmt::format("{},{} ", fx(x), fy(y));
         body += fmt::format("<polyline points='{}' fill='none' stroke='{}' stroke-width='2'/>\n", path, c);
-        for (const auto& [x, y] : pts) body += fmt::format("<circle cx='{}' cy='{}' r='3.5' fill='{}'/>\n", fx(x), fy(y), c);
-        body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='{}' stroke-width='2'/>\n", L + pw + 14, ly,
-                            L + pw + 40, ly, c);
+        for (const auto& [x, y] : pts)
+            body += fmt::format("<circle cx='{}' cy='{}' r='3.5' fill='{}'/>\n", fx(x), fy(y), c);
+        body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='{}' stroke-width='2'/>\n",
+                            L + pw + 14, ly, L + pw + 40, ly, c);
         body += svg_text(L + pw + 46, ly + 4, 12, to_string(order[k]));
         ly += 20;
     }

@@ -56,10 +56,12 @@ std::vector<sim_request> read_trace(std::istream& in, const std::string& name, u
         const auto ts = j.find("timestamp");
         if (ts == j.end()) bad(name, line, "field 'timestamp' is missing");
         if (!ts->is_number() || ts->get<double>() < 0)
-            bad(name, line, fmt::format("field 'timestamp' must be a non-negative number, got {}", ts->dump()));
+            bad(name, line,
+                fmt::format("field 'timestamp' must be a non-negative number, got {}", ts->dump()));
         r.timestamp = ts->get<double>();
         if (r.timestamp < last)
-            bad(name, line, fmt::format("field 'timestamp' goes back in time ({} after {})", r.timestamp, last));
+            bad(name, line,
+                fmt::format("field 'timestamp' goes back in time ({} after {})", r.timestamp, last));
         last = r.timestamp;
         r.input_length = static_cast<uint32_t>(get_uint(j, "input_length", max_tokens, name, line));
         if (r.input_length == 0) bad(name, line, "field 'input_length' must be at least 1");
@@ -76,8 +78,8 @@ std::vector<sim_request> read_trace(std::istream& in, const std::string& name, u
         for (size_t k = 0; k < ids->size(); ++k) {
             const auto& v = (*ids)[k];
             if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
-                bad(name, line, fmt::format("field 'hash_ids'[{}] must be a non-negative integer, got {}", k,
-                                            v.dump()));
+                bad(name, line,
+                    fmt::format("field 'hash_ids'[{}] must be a non-negative integer, got {}", k, v.dump()));
             r.hash_ids.push_back(v.get<uint64_t>());
         }
         reqs.push_back(std::move(r));
@@ -94,8 +96,9 @@ std::vector<sim_request> read_trace_file(const std::string& path, uint32_t block
 
 void write_trace(std::ostream& out, const std::vector<sim_request>& reqs) {
     for (const sim_request& r : reqs) {
-        out << "{\"timestamp\": " << fmt::format("{}", r.timestamp) << ", \"input_length\": " << r.input_length
-            << ", \"output_length\": " << r.output_length << ", \"hash_ids\": [";
+        out << "{\"timestamp\": " << fmt::format("{}", r.timestamp)
+            << ", \"input_length\": " << r.input_length << ", \"output_length\": " << r.output_length
+            << ", \"hash_ids\": [";
         for (size_t k = 0; k < r.hash_ids.size(); ++k) out << (k ? ", " : "") << r.hash_ids[k];
         out << "]}\n";
     }
@@ -106,7 +109,8 @@ token_t block_token(uint64_t id, uint32_t j) {
 }
 
 void prompt_tokens(const sim_request& r, uint32_t block, std::vector<token_t>& out) {
-    for (uint32_t i = 0; i < r.input_length; ++i) out.push_back(block_token(r.hash_ids[i / block], i % block));
+    for (uint32_t i = 0; i < r.input_length; ++i)
+        out.push_back(block_token(r.hash_ids[i / block], i % block));
 }
 
 token_t output_token(uint64_t req, uint32_t i) {

@@ -14,10 +14,10 @@ namespace kvc::cli {
 /// One request of a trace. Equal hash_ids at the same index of two requests mean equal token blocks
 /// (ids are chained: an id names its block and everything before it).
 struct sim_request {
-    double timestamp = 0;           ///< arrival, ms
-    uint32_t input_length = 0;      ///< prompt tokens
-    uint32_t output_length = 0;     ///< tokens decoded
-    std::vector<uint64_t> hash_ids; ///< [ceil(input_length / trace_block)] ids of the prompt's blocks
+    double timestamp = 0;            ///< arrival, ms
+    uint32_t input_length = 0;       ///< prompt tokens
+    uint32_t output_length = 0;      ///< tokens decoded
+    std::vector<uint64_t> hash_ids;  ///< [ceil(input_length / trace_block)] ids of the prompt's blocks
 };
 
 /// Reads a JSONL trace; `name` (a file name) prefixes every error, which names the line and the field.
