@@ -17,6 +17,7 @@ std::string plot_hit_rates(const std::vector<sim_result>& results, const trace_s
     const double pw = W - L - R, ph = H - T - B;
     const double unique = static_cast<double>(std::max<uint64_t>(ts.unique_tokens, 1));
     std::vector<double> xs;
+    xs.reserve(results.size());
     for (const sim_result& r : results) xs.push_back(100.0 * static_cast<double>(r.budget_tokens) / unique);
     const double x0 = xs.empty() ? 1 : *std::min_element(xs.begin(), xs.end());
     const double x1 = xs.empty() ? 1 : *std::max_element(xs.begin(), xs.end());
