@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -105,7 +106,7 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
     const bool tokens = be->needs_tokens();
     size_t progress_mark = 0;
     const bool defer = o.defer_shared && policy == sim_policy::kvcache;
-    std::vector<uint64_t> first_blocks;  // first trace block of each request admitted in this step
+    std::unordered_set<uint64_t> computing;  // trace blocks the requests admitted in this step compute
 
     while (done < reqs.size()) {
         // arrivals
@@ -124,13 +125,12 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
             }
         }
         // admissions, in arrival order: the head waits until it fits
-        first_blocks.clear();
+        computing.clear();
         while (may_fit && !queue.empty() && live.size() < o.concurrency) {
             const size_t q = queue.front();
-            if (defer && std::find(first_blocks.begin(), first_blocks.end(), reqs[q].hash_ids[0]) !=
-                             first_blocks.end())
-                break;  // its prefix is being computed in this step: attach it at the next
-            first_blocks.push_back(reqs[q].hash_ids[0]);
+            if (defer && std::any_of(reqs[q].hash_ids.begin(), reqs[q].hash_ids.end(),
+                                     [&](uint64_t id) { return computing.count(id) != 0; }))
+                break;  // part of its prompt is being computed in this step: attach it at the next
             live_request lr;
             lr.req = q;
             lr.seq = free_seqs.back();
@@ -144,6 +144,9 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
             free_seqs.pop_back();
             queue.pop_front();
             lr.hit = *hit;
+            if (defer)
+                for (size_t k = lr.hit / o.trace_block; k < reqs[q].hash_ids.size(); ++k)
+                    computing.insert(reqs[q].hash_ids[k]);
             const uint64_t waited = step - arrived[q];
             r.queued += waited > 0;
             r.wait_steps += waited;

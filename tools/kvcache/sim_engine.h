@@ -39,9 +39,9 @@ struct sim_options {
     bool respect_arrival = false;  ///< wait for timestamps (else a request arrives when a slot is free)
     double step_ms = 20;           ///< simulated time per step when timestamps are respected
     uint32_t n_ubatch = 4096;      ///< tokens per ubatch when placing a step's batch
-    /// kvcache: a request whose first trace block a request admitted in the same step is about to compute
-    /// waits one step, so that it attaches that prefix instead of computing it again (SGLang's in-batch
-    /// prefix sharing does the same).
+    /// kvcache: a request sharing a trace block with what a request admitted in the same step is about to
+    /// compute waits one step, so that it attaches that prefix instead of computing it again (SGLang's
+    /// in-batch prefix sharing does the same).
     bool defer_shared = true;
     uint64_t cache_ram = 0;                ///< llama-server: tokens its RAM prompt cache holds (0: off)
     float slot_similarity = 0.1f;          ///< llama-server: --slot-prompt-similarity
