@@ -69,7 +69,7 @@ std::string pct(double x) {
     return fmt::format("{:.1f}%", 100 * x);
 }
 
-void print_table(const std::vector<sim_result>& rs, const trace_stats& ts) {
+void print_table(const std::vector<sim_result>& rs) {
     fmt::print("{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>11} {:>7} {:>12} {:>10} {:>9} {:>7}\n",
                "policy", "hit", "hit tok", "prefill tok", "evicted", "peak cells", "live cells",
                "live mean/max", "queued", "wait mean/max", "copied", "ns/tok", "wall s");
@@ -88,7 +88,6 @@ void print_table(const std::vector<sim_result>& rs, const trace_stats& ts) {
             r.bytes_copied ? fmt::format("{} B", r.bytes_copied) : fmt::format("{} tok", r.copied_tokens),
             r.ns_per_token(), r.wall_seconds);
     }
-    (void)ts;
 }
 
 nlohmann::ordered_json to_json(const sim_result& r) {
@@ -210,7 +209,7 @@ void run(sim_cli_options o) {
                 "\nbudget  {} tokens ({} of unique), concurrency {}, {} blocks of {} tokens, evict {}\n",
                 so.budget, pct(double(so.budget) / double(ts.unique_tokens)), so.concurrency,
                 so.budget / so.cache_block, so.cache_block, o.evict);
-            print_table(rs, ts);
+            print_table(rs);
         }
         all.insert(all.end(), rs.begin(), rs.end());
     }
