@@ -104,6 +104,31 @@ TEST(sim_engine, oracle_bounds_the_policies) {
     EXPECT_EQ(run_sim(reqs, sim_policy::oracle, small(1 << 16)).hit_tokens, st.reusable_tokens);
 }
 
+TEST(sim_engine, respected_arrivals_space_the_requests) {
+    // 10 s apart, 20 ms steps: each request is alone, and nobody waits
+    std::vector<sim_request> reqs;
+    for (int i = 0; i < 5; ++i) reqs.push_back({10000.0 * i, 32, 4, {1, static_cast<uint64_t>(10 + i)}});
+    sim_options o = small(256, 8);
+    o.respect_arrival = true;
+    const sim_result r = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_EQ(r.max_live, 1u);
+    EXPECT_EQ(r.queued, 0u);
+    EXPECT_EQ(r.hit_tokens, 4u * 16u);  // the first block of the first request, again and again
+    EXPECT_EQ(r.steps, 5u * 5u);        // a prefill step and four decode steps each; idle time is skipped
+}
+
+TEST(sim_engine, deferring_shared_prefixes_saves_their_recomputation) {
+    // 8 prompts of one system prompt arrive together: admitted in the same step, each would compute it
+    const auto reqs = shared_prefix(1, 8, 256, 16, 8);
+    sim_options o = small(4096, 8);
+    const sim_result with = run_sim(reqs, sim_policy::kvcache, o);
+    o.defer_shared = false;
+    const sim_result without = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_EQ(with.hit_tokens, 7u * 256u);
+    EXPECT_EQ(without.hit_tokens, 0u);
+    EXPECT_EQ(with.max_live, 8u);  // the others follow one step later
+}
+
 TEST(sim_engine, budget_smaller_than_a_request_is_an_error) {
     const std::vector<sim_request> reqs{{0, 32, 4, {1, 2}}, {0, 300, 20, std::vector<uint64_t>(19, 3)}};
     try {
