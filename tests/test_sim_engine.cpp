@@ -107,6 +107,7 @@ TEST(sim_engine, oracle_bounds_the_policies) {
 TEST(sim_engine, respected_arrivals_space_the_requests) {
     // 10 s apart, 20 ms steps: each request is alone, and nobody waits
     std::vector<sim_request> reqs;
+    reqs.reserve(5);
     for (int i = 0; i < 5; ++i) reqs.push_back({10000.0 * i, 32, 4, {1, static_cast<uint64_t>(10 + i)}});
     sim_options o = small(256, 8);
     o.respect_arrival = true;
