@@ -85,7 +85,9 @@ void print_table(const std::vector<sim_result>& rs) {
             r.has_serving ? std::to_string(r.peak_cells) : "-",
             r.has_serving ? std::to_string(r.peak_live_cells) : "-", live,
             r.has_serving ? std::to_string(r.queued) : "-", wait,
-            r.bytes_copied ? fmt::format("{} B", r.bytes_copied) : fmt::format("{} tok", r.copied_tokens),
+            r.policy == sim_policy::kvcache || r.policy == sim_policy::none
+                ? fmt::format("{} B", r.bytes_copied)
+                : fmt::format("{} tok", r.copied_tokens),
             r.ns_per_token(), r.wall_seconds);
     }
 }
