@@ -130,6 +130,14 @@ TEST(sim_engine, deferring_shared_prefixes_saves_their_recomputation) {
     EXPECT_EQ(with.max_live, 8u);  // the others follow one step later
 }
 
+TEST(sim_engine, lru_blocks_evicts_roots_first) {
+    // two blocks of room: B's block pushes out A's root, so A's second visit hits nothing under a plain
+    // LRU, while the oracle does not keep B's block (never used again) and hits both of A's
+    const std::vector<sim_request> reqs{{0, 32, 0, {1, 2}}, {0, 16, 0, {3}}, {0, 32, 0, {1, 2}}};
+    EXPECT_EQ(run_sim(reqs, sim_policy::lru_blocks, small(32)).hit_tokens, 0u);
+    EXPECT_EQ(run_sim(reqs, sim_policy::oracle, small(32)).hit_tokens, 32u);
+}
+
 TEST(sim_engine, budget_smaller_than_a_request_is_an_error) {
     const std::vector<sim_request> reqs{{0, 32, 4, {1, 2}}, {0, 300, 20, std::vector<uint64_t>(19, 3)}};
     try {

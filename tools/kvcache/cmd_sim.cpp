@@ -169,8 +169,9 @@ void run(sim_cli_options o) {
     for (const std::string& p : split(o.policies)) {
         const auto v = parse_sim_policy(p);
         if (!v)
-            throw error(errc::invalid_argument,
-                        fmt::format("--policy '{}': not one of kvcache, none, llama-server, oracle", p));
+            throw error(
+                errc::invalid_argument,
+                fmt::format("--policy '{}': not one of kvcache, none, llama-server, oracle, lru-blocks", p));
         policies.push_back(*v);
     }
     if (policies.empty()) throw error(errc::invalid_argument, "--policy: no policy given");
@@ -253,7 +254,8 @@ void add_sim_command(CLI::App& app) {
                     "mooncake-like");
     cmd->add_option("--out", o->out,
                     "write the workload as JSONL to FILE (then stop unless --budget/--sweep)");
-    cmd->add_option("--policy", o->policies, "policies, comma-separated: kvcache, llama-server, none, oracle")
+    cmd->add_option("--policy", o->policies,
+                    "policies, comma-separated: kvcache, llama-server, none, oracle, lru-blocks")
         ->capture_default_str();
     cmd->add_option("--budget", o->budget,
                     "cache size: TOKENS or a percentage of the unique prompt tokens "

@@ -47,5 +47,8 @@ std::unique_ptr<sim_backend> make_llama_server_backend(const sim_options& o,
                                                        const std::vector<sim_request>& reqs);
 /// Belady's MIN over the trace's cache blocks (no serving loop).
 sim_result run_oracle(const std::vector<sim_request>& reqs, const sim_options& o);
+/// A plain LRU over the trace's cache blocks, requests one after the other; a request hits the blocks of
+/// its prompt up to the first missing one (no serving loop).
+sim_result run_lru_blocks(const std::vector<sim_request>& reqs, const sim_options& o);
 
 }  // namespace kvc::cli

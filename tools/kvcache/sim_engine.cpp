@@ -49,12 +49,15 @@ const char* to_string(sim_policy p) {
             return "llama-server";
         case sim_policy::oracle:
             return "oracle";
+        case sim_policy::lru_blocks:
+            return "lru-blocks";
     }
     return "?";
 }
 
 std::optional<sim_policy> parse_sim_policy(const std::string& s) {
-    for (sim_policy p : {sim_policy::kvcache, sim_policy::none, sim_policy::llama_server, sim_policy::oracle})
+    for (sim_policy p : {sim_policy::kvcache, sim_policy::none, sim_policy::llama_server, sim_policy::oracle,
+                         sim_policy::lru_blocks})
         if (s == to_string(p)) return p;
     return std::nullopt;
 }
@@ -78,6 +81,7 @@ void check_budget(const std::vector<sim_request>& reqs, const sim_options& o) {
 sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, const sim_options& o) {
     check_budget(reqs, o);
     if (policy == sim_policy::oracle) return run_oracle(reqs, o);
+    if (policy == sim_policy::lru_blocks) return run_lru_blocks(reqs, o);
     const auto t_start = clock_type::now();
     std::unique_ptr<sim_backend> be = policy == sim_policy::llama_server
                                           ? make_llama_server_backend(o, reqs)

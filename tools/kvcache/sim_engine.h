@@ -26,6 +26,8 @@ enum class sim_policy : uint8_t {
     none,          ///< the library's kv_cache without a prefix cache: nothing is reused
     llama_server,  ///< a model of llama.cpp's server: slots, their own common prefix, a RAM prompt cache
     oracle,        ///< Belady's MIN over the trace's cache blocks: the most block hits a cache this size has
+    lru_blocks,    ///< a plain LRU over blocks, roots as evictable as leaves (the yardstick of Mooncake's
+                   ///< paper)
 };
 const char* to_string(sim_policy p);
 std::optional<sim_policy> parse_sim_policy(const std::string& s);
