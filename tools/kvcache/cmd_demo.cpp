@@ -28,6 +28,7 @@
 
 #include "commands.h"
 #include "demo_recurrent.h"
+#include "svg.h"
 
 namespace kvc::cli {
 namespace {
@@ -402,10 +403,8 @@ private:
         std::string body;
         uint32_t lx = 4;
         const auto swatch = [&](const char* fill, const std::string& label) {
-            body += fmt::format(
-                "<rect x='{}' y='26' width='10' height='10' fill='{}'/><text x='{}' y='35' font-size='11' "
-                "font-family='sans-serif'>{}</text>\n",
-                lx, fill, lx + 13, label);
+            body += svg_rect(lx, 26, 10, 10, fill);
+            body += svg_text(lx + 13, 35, 11, label);
             lx += 26 + 6 * static_cast<uint32_t>(label.size());
         };
         swatch("#eeeeee", "empty");
@@ -416,8 +415,7 @@ private:
         uint32_t y = 44;
         for (uint32_t st = 0; st < base().get_n_stream(); ++st) {
             const kv_cells& c = base().cells(st);
-            body += fmt::format(
-                "<text x='4' y='{}' font-size='11' font-family='sans-serif'>stream {}</text>\n", y + 10, st);
+            body += svg_text(4, y + 10, 11, fmt::format("stream {}", st));
             y += 16;
             for (uint32_t i = 0; i < c.size(); ++i) {
                 const uint32_t x0 = 4 + (i % cols) * px, y0 = y + (i / cols) * px;
@@ -426,16 +424,12 @@ private:
                     fill = c.seq_count(i) == 0  ? "#9ecae1"
                            : c.seq_count(i) > 1 ? "#555555"
                                                 : colour(c.seq_get(i));
-                body += fmt::format("<rect x='{}' y='{}' width='{}' height='{}' fill='{}' stroke='white'/>\n",
-                                    x0, y0, px, px, fill);
+                body += svg_rect(x0, y0, px, px, fill, "stroke='white'");
             }
             y += (c.size() + cols - 1) / cols * px + 10;
         }
-        const std::string svg = fmt::format(
-            "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}'>\n<rect width='100%' "
-            "height='100%' fill='white'/>\n<text x='4' y='18' font-size='13' font-family='sans-serif'>phase "
-            "{}: {}</text>\n{}</svg>\n",
-            std::max(8 + cols * px, lx), y + 4, n_phase_, name, body);
+        body = svg_text(4, 18, 13, fmt::format("phase {}: {}", n_phase_, name)) + body;
+        const std::string svg = svg_document(std::max(8 + cols * px, lx), y + 4, body);
         std::string file = fmt::format("{}/phase-{}.svg", o_.plot, n_phase_);
         std::ofstream(file) << svg;
     }

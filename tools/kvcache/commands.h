@@ -12,6 +12,8 @@ void add_tiny_model_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_replay_command(CLI::App& app, int& exit_code);  // exit_code: 0, or 2 on a script error
 void add_inspect_command(CLI::App& app, int& exit_code);
+// kvcache sim: replays a trace through the prefix cache and the policies it is compared with
+void add_sim_command(CLI::App& app);
 void add_demo_command(
     CLI::App& app,
     int& exit_code);  // exit_code: 1 when cache != recompute  // exit_code: 0, or 1 for an invalid file

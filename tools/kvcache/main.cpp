@@ -21,6 +21,7 @@ int run(int argc, char** argv) {
     kvc::cli::add_bench_command(app);
     kvc::cli::add_replay_command(app, exit_code);
     kvc::cli::add_inspect_command(app, exit_code);
+    kvc::cli::add_sim_command(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::CallForHelp& e) {

@@ -1,0 +1,160 @@
+// kvcache sim's serving loop and policies (tools/kvcache/sim_engine.cpp and the backends): the hits it
+// reports are the prefix cache's own, requests wait rather than fail, budgets are checked before a run,
+// and the policies keep their order (oracle >= kvcache >= none).
+#include <gtest/gtest.h>
+
+#include "sim_engine.h"
+#include "sim_generate.h"
+
+namespace kvc::cli {
+namespace {
+
+sim_options small(uint32_t budget, uint32_t concurrency = 8) {
+    sim_options o;
+    o.budget = budget;
+    o.concurrency = concurrency;
+    o.trace_block = 16;
+    o.cache_block = 16;
+    return o;
+}
+
+std::vector<sim_request> shared_prefix(uint32_t groups, uint32_t prompts, uint32_t system, uint32_t question,
+                                       uint32_t output) {
+    generate_options g;
+    g.kind = "shared-prefix";
+    g.block = 16;
+    g.groups = groups;
+    g.prompts = prompts;
+    g.system = system;
+    g.question = question;
+    g.output = output;
+    return generate(g);
+}
+
+TEST(sim_engine, hits_are_the_prefix_cache_counters) {
+    const auto reqs = shared_prefix(8, 8, 256, 32, 16);
+    for (uint32_t budget : {1024u, 4096u}) {
+        const sim_result r = run_sim(reqs, sim_policy::kvcache, small(budget));
+        EXPECT_EQ(r.requests, reqs.size());
+        EXPECT_GT(r.hit_tokens, 0u);
+        EXPECT_EQ(r.hit_tokens + r.prefill_tokens, r.prompt_tokens);
+        EXPECT_EQ(r.hit_tokens + r.probe_hit_tokens, r.cache_hit_tokens);  // the cache's own count
+        EXPECT_EQ(r.output_tokens, reqs.size() * 16u);
+        EXPECT_LE(r.peak_cells, budget);
+        EXPECT_LE(r.max_live, 8u);
+    }
+}
+
+TEST(sim_engine, second_turn_reuses_the_first) {
+    // trace blocks of 16: the second prompt starts with the first one's two blocks
+    const std::vector<sim_request> reqs{{0, 32, 4, {1, 2}}, {0, 48, 4, {1, 2, 3}}};
+    for (sim_policy p : {sim_policy::kvcache, sim_policy::llama_server, sim_policy::oracle}) {
+        const sim_result r = run_sim(reqs, p, small(256, 1));
+        EXPECT_EQ(r.hit_tokens, 32u) << to_string(p);
+        EXPECT_EQ(r.prompt_tokens, 80u) << to_string(p);
+    }
+    EXPECT_EQ(run_sim(reqs, sim_policy::none, small(256, 1)).hit_tokens, 0u);
+}
+
+TEST(sim_engine, llama_server_reuses_only_its_slot) {
+    // two conversations on one slot: each new turn finds the slot holding the other conversation
+    const std::vector<sim_request> reqs{{0, 32, 1, {1, 2}}, {0, 32, 1, {5, 6}}, {0, 48, 1, {1, 2, 3}}};
+    EXPECT_EQ(run_sim(reqs, sim_policy::llama_server, small(256, 1)).hit_tokens, 0u);
+    EXPECT_EQ(run_sim(reqs, sim_policy::kvcache, small(256, 1)).hit_tokens, 32u);
+    // with its RAM prompt cache the slot's old prompt comes back
+    sim_options o = small(256, 1);
+    o.cache_ram = 1000;
+    const sim_result r = run_sim(reqs, sim_policy::llama_server, o);
+    EXPECT_EQ(r.hit_tokens, 32u);
+    EXPECT_GT(r.copied_tokens, 0u);
+}
+
+TEST(sim_engine, requests_wait_for_room_and_none_is_lost) {
+    const auto reqs = shared_prefix(4, 16, 64, 32, 32);
+    for (sim_policy p : {sim_policy::kvcache, sim_policy::none, sim_policy::llama_server}) {
+        const sim_result r = run_sim(reqs, p, small(256, 16));  // 256 cells hold two requests at most
+        EXPECT_EQ(r.requests, reqs.size()) << to_string(p);
+        EXPECT_EQ(r.output_tokens, reqs.size() * 32u) << to_string(p);
+        EXPECT_GT(r.queued, 0u) << to_string(p);
+        EXPECT_LE(r.peak_live_cells, 256u) << to_string(p);
+    }
+}
+
+TEST(sim_engine, shared_prefix_keeps_more_sequences_live) {
+    // S = 256 shared, P = 64 private (32 question + 32 output); M = S + 20 P
+    const auto reqs = shared_prefix(1, 200, 256, 32, 32);
+    const uint32_t M = 256 + 20 * 64;
+    const sim_result k = run_sim(reqs, sim_policy::kvcache, small(M, 64));
+    const sim_result l = run_sim(reqs, sim_policy::llama_server, small(M, 64));
+    EXPECT_GE(static_cast<double>(k.max_live), 0.95 * 20);
+    EXPECT_LE(l.max_live, M / (256 + 64));  // each slot holds its own copy
+}
+
+TEST(sim_engine, oracle_bounds_the_policies) {
+    const auto reqs = shared_prefix(16, 8, 128, 32, 16);
+    for (uint32_t budget : {512u, 1024u, 4096u}) {
+        const double o = run_sim(reqs, sim_policy::oracle, small(budget)).hit_rate();
+        const double k = run_sim(reqs, sim_policy::kvcache, small(budget)).hit_rate();
+        const double l = run_sim(reqs, sim_policy::llama_server, small(budget)).hit_rate();
+        EXPECT_GE(o, k) << budget;
+        EXPECT_GE(o, l) << budget;
+    }
+    // with room for everything the oracle hits every repeated block
+    const trace_stats st = analyse_trace(reqs, 16, 16);
+    EXPECT_EQ(run_sim(reqs, sim_policy::oracle, small(1 << 16)).hit_tokens, st.reusable_tokens);
+}
+
+TEST(sim_engine, respected_arrivals_space_the_requests) {
+    // 10 s apart, 20 ms steps: each request is alone, and nobody waits
+    std::vector<sim_request> reqs;
+    reqs.reserve(5);
+    for (int i = 0; i < 5; ++i) reqs.push_back({10000.0 * i, 32, 4, {1, static_cast<uint64_t>(10 + i)}});
+    sim_options o = small(256, 8);
+    o.respect_arrival = true;
+    const sim_result r = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_EQ(r.max_live, 1u);
+    EXPECT_EQ(r.queued, 0u);
+    EXPECT_EQ(r.hit_tokens, 4u * 16u);  // the first block of the first request, again and again
+    EXPECT_EQ(r.steps, 5u * 5u);        // a prefill step and four decode steps each; idle time is skipped
+}
+
+TEST(sim_engine, deferring_shared_prefixes_saves_their_recomputation) {
+    // 8 prompts of one system prompt arrive together: admitted in the same step, each would compute it
+    const auto reqs = shared_prefix(1, 8, 256, 16, 8);
+    sim_options o = small(4096, 8);
+    const sim_result with = run_sim(reqs, sim_policy::kvcache, o);
+    o.defer_shared = false;
+    const sim_result without = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_EQ(with.hit_tokens, 7u * 256u);
+    EXPECT_EQ(without.hit_tokens, 0u);
+    EXPECT_EQ(with.max_live, 8u);  // the others follow one step later
+}
+
+TEST(sim_engine, lru_blocks_evicts_roots_first) {
+    // two blocks of room: B's block pushes out A's root, so A's second visit hits nothing under a plain
+    // LRU, while the oracle does not keep B's block (never used again) and hits both of A's
+    const std::vector<sim_request> reqs{{0, 32, 0, {1, 2}}, {0, 16, 0, {3}}, {0, 32, 0, {1, 2}}};
+    EXPECT_EQ(run_sim(reqs, sim_policy::lru_blocks, small(32)).hit_tokens, 0u);
+    EXPECT_EQ(run_sim(reqs, sim_policy::oracle, small(32)).hit_tokens, 32u);
+}
+
+TEST(sim_engine, budget_smaller_than_a_request_is_an_error) {
+    const std::vector<sim_request> reqs{{0, 32, 4, {1, 2}}, {0, 300, 20, std::vector<uint64_t>(19, 3)}};
+    try {
+        run_sim(reqs, sim_policy::kvcache, small(256));
+        FAIL() << "no error";
+    } catch (const error& e) {
+        EXPECT_NE(
+            std::string(e.what()).find("request 2 needs 320 cells (300 prompt + 20 output tokens), more "
+                                       "than the budget of 256 tokens"),
+            std::string::npos)
+            << e.what();
+    }
+    EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, small(100)), error);  // not a multiple of the block
+    sim_options o = small(1024);
+    o.concurrency = 0;
+    EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, o), error);
+}
+
+}  // namespace
+}  // namespace kvc::cli

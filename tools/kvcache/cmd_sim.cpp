@@ -1,0 +1,304 @@
+// kvcache sim: replays a serving trace (Mooncake's JSONL, or a built-in generator's) through the library's
+// kv_cache with its prefix cache and through the policies people would otherwise use (llama.cpp's server,
+// no reuse, the offline optimum), at one budget or a sweep of budgets; prints a table per budget, --json,
+// and --plot draws hit rate against budget. docs/sim.md says what is modelled.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "sim_engine.h"
+#include "sim_generate.h"
+#include "sim_plot.h"
+#include "sim_trace.h"
+
+namespace kvc::cli {
+namespace {
+
+struct sim_cli_options {
+    std::string trace, out, plot;
+    generate_options gen;
+    std::string policies = "kvcache,llama-server,none,oracle";
+    std::string budget, sweep;
+    std::string evict = "lru", arrival = "ignore";
+    sim_options sim;
+    bool json = false;
+};
+
+std::vector<std::string> split(const std::string& s) {
+    std::vector<std::string> v;
+    std::stringstream in(s);
+    for (std::string x; std::getline(in, x, ',');)
+        if (!x.empty()) v.push_back(x);
+    return v;
+}
+
+// A budget: tokens ("65536") or a percentage of the trace's unique prompt tokens ("3%"), rounded up to
+// whole cache blocks.
+uint32_t parse_budget(const std::string& s, uint64_t unique, uint32_t block) {
+    const bool pct = !s.empty() && s.back() == '%';
+    double v = 0;
+    size_t used = 0;
+    try {
+        v = std::stod(pct ? s.substr(0, s.size() - 1) : s, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    if (used != s.size() - (pct ? 1 : 0) || !(v > 0) || (pct && v > 1000))
+        throw error(
+            errc::invalid_argument,
+            fmt::format("budget '{}': want a positive token count or a percentage in (0%, 1000%]", s));
+    const double tokens = pct ? std::ceil(static_cast<double>(unique) * v / 100) : v;
+    if (tokens > 2e9)
+        throw error(errc::invalid_argument,
+                    fmt::format("budget '{}' is {:.0f} tokens, above the limit 2e9", s, tokens));
+    const auto t = static_cast<uint64_t>(tokens);
+    return static_cast<uint32_t>((t + block - 1) / block * block);
+}
+
+std::string pct(double x) {
+    return fmt::format("{:.1f}%", 100 * x);
+}
+
+void print_table(const std::vector<sim_result>& rs) {
+    fmt::print("{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>11} {:>7} {:>12} {:>10} {:>9} {:>7}\n",
+               "policy", "hit", "hit tok", "prefill tok", "evicted", "peak cells", "live cells",
+               "live mean/max", "queued", "wait mean/max", "copied", "ns/tok", "wall s");
+    for (const sim_result& r : rs) {
+        const std::string live = r.has_serving ? fmt::format("{:.1f}/{}", r.mean_live, r.max_live) : "-";
+        const std::string wait =
+            r.has_serving ? fmt::format("{:.1f}/{}", r.requests ? double(r.wait_steps) / r.requests : 0.0,
+                                        r.max_wait_steps)
+                          : "-";
+        fmt::print(
+            "{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>13} {:>7} {:>12} {:>10} {:>9.1f} {:>7.2f}\n",
+            to_string(r.policy), pct(r.hit_rate()), r.hit_tokens, r.prefill_tokens, r.evicted_tokens,
+            r.has_serving ? std::to_string(r.peak_cells) : "-",
+            r.has_serving ? std::to_string(r.peak_live_cells) : "-", live,
+            r.has_serving ? std::to_string(r.queued) : "-", wait,
+            r.policy == sim_policy::kvcache || r.policy == sim_policy::none
+                ? fmt::format("{} B", r.bytes_copied)
+                : fmt::format("{} tok", r.copied_tokens),
+            r.ns_per_token(), r.wall_seconds);
+    }
+}
+
+nlohmann::ordered_json to_json(const sim_result& r) {
+    nlohmann::ordered_json j;
+    j["policy"] = to_string(r.policy);
+    j["budget_tokens"] = r.budget_tokens;
+    j["requests"] = r.requests;
+    j["prompt_tokens"] = r.prompt_tokens;
+    j["hit_tokens"] = r.hit_tokens;
+    j["hit_rate"] = r.hit_rate();
+    j["prefill_tokens"] = r.prefill_tokens;
+    j["evictions"] = r.evicted_tokens;  // tokens
+    j["copied_tokens"] = r.copied_tokens;
+    j["bytes_copied"] = r.bytes_copied;
+    if (r.has_serving) {
+        j["peak_cells"] = r.peak_cells;
+        j["peak_live_cells"] = r.peak_live_cells;
+        j["max_live"] = r.max_live;
+        j["mean_live"] = r.mean_live;
+        j["queued"] = r.queued;
+        j["wait_steps"] = r.wait_steps;
+        j["max_wait_steps"] = r.max_wait_steps;
+        j["steps"] = r.steps;
+        j["output_tokens"] = r.output_tokens;
+    } else {
+        for (const char* k : {"peak_cells", "peak_live_cells", "max_live", "mean_live", "queued",
+                              "wait_steps", "max_wait_steps", "steps", "output_tokens"})
+            j[k] = nullptr;
+    }
+    j["bookkeeping_ns_per_token"] = r.ns_per_token();
+    j["wall_seconds"] = r.wall_seconds;
+    if (r.policy == sim_policy::kvcache) {
+        j["cache_hit_tokens"] = r.cache_hit_tokens;  // the prefix cache's own counter
+        j["probe_hit_tokens"] = r.probe_hit_tokens;
+    }
+    return j;
+}
+
+// A bar on stderr, only when it is a terminal.
+struct progress_bar {
+    std::string label;
+    void operator()(double f) const {
+        const int w = 30, n = static_cast<int>(f * w);
+        std::fprintf(stderr, "\r%-28s [%s%s] %3d%%", label.c_str(), std::string(n, '#').c_str(),
+                     std::string(w - n, ' ').c_str(), static_cast<int>(f * 100));
+        if (f >= 1) std::fprintf(stderr, "\r%*s\r", 70, "");
+        std::fflush(stderr);
+    }
+};
+
+void run(sim_cli_options o) {
+    if (o.trace.empty() == o.gen.kind.empty())
+        throw error(errc::invalid_argument, "give one workload: --trace FILE.jsonl or --generate KIND");
+    o.gen.block = o.sim.trace_block;
+    std::vector<sim_request> reqs =
+        o.trace.empty() ? generate(o.gen) : read_trace_file(o.trace, o.sim.trace_block);
+    if (!o.out.empty()) {
+        std::ofstream f(o.out);
+        write_trace(f, reqs);
+        if (!f) throw error(errc::io, fmt::format("cannot write '{}'", o.out));
+        if (o.budget.empty() && o.sweep.empty()) {
+            fmt::print("{} requests written to {}\n", reqs.size(), o.out);
+            return;
+        }
+    }
+    if (o.evict == "lru")
+        o.sim.evict = evict_policy::lru;
+    else if (o.evict == "slru")
+        o.sim.evict = evict_policy::slru;
+    else
+        throw error(errc::invalid_argument, fmt::format("--evict '{}': not one of lru, slru", o.evict));
+    if (o.arrival != "ignore" && o.arrival != "respect")
+        throw error(errc::invalid_argument,
+                    fmt::format("--arrival '{}': not one of ignore, respect", o.arrival));
+    o.sim.respect_arrival = o.arrival == "respect";
+    std::vector<sim_policy> policies;
+    for (const std::string& p : split(o.policies)) {
+        const auto v = parse_sim_policy(p);
+        if (!v)
+            throw error(
+                errc::invalid_argument,
+                fmt::format("--policy '{}': not one of kvcache, none, llama-server, oracle, lru-blocks", p));
+        policies.push_back(*v);
+    }
+    if (policies.empty()) throw error(errc::invalid_argument, "--policy: no policy given");
+    if (o.sim.cache_block == 0 || o.sim.trace_block % o.sim.cache_block != 0)
+        throw error(errc::invalid_argument, fmt::format("--block {} must divide --trace-block {}",
+                                                        o.sim.cache_block, o.sim.trace_block));
+    const trace_stats ts = analyse_trace(reqs, o.sim.trace_block, o.sim.cache_block);
+    std::vector<std::string> budget_specs =
+        o.sweep.empty() ? std::vector<std::string>{o.budget.empty() ? "10%" : o.budget} : split(o.sweep);
+    if (!o.sweep.empty() && !o.budget.empty())
+        throw error(errc::invalid_argument, "give --budget or --sweep, not both");
+    std::vector<uint32_t> budgets;
+    for (const std::string& b : budget_specs) {
+        sim_options so = o.sim;
+        so.budget = parse_budget(b, ts.unique_tokens, o.sim.cache_block);
+        check_budget(reqs, so);  // every budget before anything runs
+        budgets.push_back(so.budget);
+    }
+    const double ideal = ts.prompt_tokens ? double(ts.reusable_tokens) / double(ts.prompt_tokens) : 0;
+    if (!o.json)
+        fmt::print(
+            "trace   {} requests, {} prompt tokens (mean {:.0f}), {} output tokens, {} unique prompt tokens; "
+            "an infinite cache hits {} of prompt tokens\n",
+            ts.requests, ts.prompt_tokens, double(ts.prompt_tokens) / double(ts.requests), ts.output_tokens,
+            ts.unique_tokens, pct(ideal));
+    const bool tty = ::isatty(2) != 0;
+    std::vector<sim_result> all;
+    for (size_t bi = 0; bi < budgets.size(); ++bi) {
+        sim_options so = o.sim;
+        so.budget = budgets[bi];
+        std::vector<sim_result> rs;
+        for (sim_policy p : policies) {
+            if (tty) so.progress = progress_bar{fmt::format("{} @ {}", to_string(p), budget_specs[bi])};
+            rs.push_back(run_sim(reqs, p, so));
+        }
+        if (!o.json) {
+            fmt::print(
+                "\nbudget  {} tokens ({} of unique), concurrency {}, {} blocks of {} tokens, evict {}\n",
+                so.budget, pct(double(so.budget) / double(ts.unique_tokens)), so.concurrency,
+                so.budget / so.cache_block, so.cache_block, o.evict);
+            print_table(rs);
+        }
+        all.insert(all.end(), rs.begin(), rs.end());
+    }
+    if (o.json) {
+        nlohmann::ordered_json j;
+        j["trace"] = {{"requests", ts.requests},
+                      {"prompt_tokens", ts.prompt_tokens},
+                      {"output_tokens", ts.output_tokens},
+                      {"unique_tokens", ts.unique_tokens},
+                      {"reusable_tokens", ts.reusable_tokens},
+                      {"ideal_hit_rate", ideal}};
+        j["concurrency"] = o.sim.concurrency;
+        j["evict"] = o.evict;
+        auto& arr = j["results"] = nlohmann::ordered_json::array();
+        for (const sim_result& r : all) arr.push_back(to_json(r));
+        fmt::print("{}\n", j.dump(2));
+    }
+    if (!o.plot.empty()) {
+        std::ofstream f(o.plot);
+        f << plot_hit_rates(all, ts, o.trace.empty() ? o.gen.kind : o.trace);
+        if (!f) throw error(errc::io, fmt::format("cannot write '{}'", o.plot));
+        if (!o.json) fmt::print("\nplot in {}\n", o.plot);
+    }
+}
+
+}  // namespace
+
+void add_sim_command(CLI::App& app) {
+    auto o = std::make_shared<sim_cli_options>();
+    CLI::App* cmd = app.add_subcommand(
+        "sim",
+        "Replay a serving trace through the prefix cache and other policies: hit rate, prefill, "
+        "live sequences, cost");
+    cmd->add_option("--trace", o->trace,
+                    "a Mooncake-format JSONL trace (timestamp, input_length, "
+                    "output_length, hash_ids)");
+    cmd->add_option("--generate", o->gen.kind,
+                    "a built-in workload: shared-prefix, multi-turn, agent, parallel, "
+                    "mooncake-like");
+    cmd->add_option("--out", o->out,
+                    "write the workload as JSONL to FILE (then stop unless --budget/--sweep)");
+    cmd->add_option("--policy", o->policies,
+                    "policies, comma-separated: kvcache, llama-server, none, oracle, lru-blocks")
+        ->capture_default_str();
+    cmd->add_option("--budget", o->budget,
+                    "cache size: TOKENS or a percentage of the unique prompt tokens "
+                    "(default 10%)");
+    cmd->add_option("--sweep", o->sweep, "several budgets, comma-separated (e.g. 1%,3%,10%,30%)");
+    cmd->add_option("--concurrency", o->sim.concurrency, "live requests at most (sequences, slots)")
+        ->capture_default_str();
+    cmd->add_option("--evict", o->evict, "the prefix cache's eviction policy: lru, slru")
+        ->capture_default_str();
+    cmd->add_option("--arrival", o->arrival,
+                    "ignore: a request arrives when a sequence is free; respect: at its "
+                    "timestamp")
+        ->capture_default_str();
+    cmd->add_option("--step-ms", o->sim.step_ms, "simulated ms per decode step (--arrival respect)")
+        ->capture_default_str();
+    cmd->add_option("--trace-block", o->sim.trace_block, "tokens per hash id")->capture_default_str();
+    cmd->add_option("--block", o->sim.cache_block, "tokens per prefix-cache block")->capture_default_str();
+    cmd->add_option("--ubatch", o->sim.n_ubatch, "tokens per ubatch when placing a step")
+        ->capture_default_str();
+    cmd->add_option("--defer-shared", o->sim.defer_shared,
+                    "kvcache: a request whose first block is being computed by one admitted in the same step "
+                    "waits a step (1) or not (0)")
+        ->capture_default_str();
+    cmd->add_option("--cache-ram", o->sim.cache_ram, "llama-server: tokens of its RAM prompt cache (0: off)")
+        ->capture_default_str();
+    cmd->add_option("--slot-similarity", o->sim.slot_similarity, "llama-server: --slot-prompt-similarity")
+        ->capture_default_str();
+    cmd->add_option("--seed", o->gen.seed, "generator seed")->capture_default_str();
+    cmd->add_option("--groups", o->gen.groups, "generator: groups / conversations / agents / prompts");
+    cmd->add_option("--prompts", o->gen.prompts, "generator: prompts per group / turns / samples / requests");
+    cmd->add_option("--system", o->gen.system, "generator: shared prefix tokens");
+    cmd->add_option("--question", o->gen.question,
+                    "generator: private tokens per request (question, message, "
+                    "tool output)");
+    cmd->add_option("--output", o->gen.output, "generator: output tokens per request");
+    cmd->add_option("--rate", o->gen.rate, "generator: arrivals per second");
+    cmd->add_option(
+        "--recency", o->gen.recency,
+        "mooncake-like: follow-ups continue the k-th most recent conversation, k ~ Exp(N) (default "
+        "32); 0: uniform over the 256 most recent");
+    cmd->add_flag("--json", o->json, "print JSON");
+    cmd->add_option("--plot", o->plot, "draw hit rate against budget, one line per policy, into FILE.svg");
+    cmd->callback([o] { run(*o); });
+}
+
+}  // namespace kvc::cli

@@ -1,0 +1,92 @@
+// kvcache sim: the serving loop that replays a trace through one policy, and what it measures.
+//
+// Requests arrive in trace order; at most `concurrency` are live. A request is admitted when its policy
+// can hold it (its prompt not reused plus its whole output, next to what the live requests still need);
+// otherwise it waits at the head of the queue. An admitted request prefills the rest of its prompt in one
+// step, then decodes one output token per step in one batch with every live request, and ends.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <kvcache/prefix_cache.h>
+
+#include "sim_trace.h"
+
+namespace kvc::cli {
+
+/// The policies kvcache sim compares.
+enum class sim_policy : uint8_t {
+    kvcache,       ///< the library's kv_cache with its prefix cache (real bookkeeping)
+    none,          ///< the library's kv_cache without a prefix cache: nothing is reused
+    llama_server,  ///< a model of llama.cpp's server: slots, their own common prefix, a RAM prompt cache
+    oracle,        ///< Belady's MIN over the trace's cache blocks: the most block hits a cache this size has
+    lru_blocks,    ///< a plain LRU over blocks, roots as evictable as leaves (the yardstick of Mooncake's
+                   ///< paper)
+};
+const char* to_string(sim_policy p);
+std::optional<sim_policy> parse_sim_policy(const std::string& s);
+
+struct sim_options {
+    uint32_t budget = 0;         ///< cells (tokens) of the cache
+    uint32_t concurrency = 64;   ///< live requests at most (sequences, slots)
+    uint32_t trace_block = 512;  ///< tokens per hash id
+    uint32_t cache_block = 16;   ///< tokens per prefix-cache block
+    evict_policy evict = evict_policy::lru;
+    bool respect_arrival = false;  ///< wait for timestamps (else a request arrives when a slot is free)
+    double step_ms = 20;           ///< simulated time per step when timestamps are respected
+    uint32_t n_ubatch = 4096;      ///< tokens per ubatch when placing a step's batch
+    /// kvcache: a request sharing a trace block with what a request admitted in the same step is about to
+    /// compute waits one step, so that it attaches that prefix instead of computing it again (SGLang's
+    /// in-batch prefix sharing does the same).
+    bool defer_shared = true;
+    uint64_t cache_ram = 0;                ///< llama-server: tokens its RAM prompt cache holds (0: off)
+    float slot_similarity = 0.1f;          ///< llama-server: --slot-prompt-similarity
+    std::function<void(double)> progress;  ///< called with the fraction of requests done (may be empty)
+};
+
+/// What one policy did with one trace at one budget.
+struct sim_result {
+    sim_policy policy = sim_policy::kvcache;
+    uint64_t budget_tokens = 0;
+    uint64_t requests = 0;
+    uint64_t prompt_tokens = 0;
+    uint64_t hit_tokens = 0;      ///< prompt tokens reused (not computed)
+    uint64_t prefill_tokens = 0;  ///< prompt tokens computed
+    uint64_t output_tokens = 0;
+    uint64_t evicted_tokens = 0;   ///< cached tokens dropped to make room
+    uint64_t copied_tokens = 0;    ///< rows copied (llama-server's RAM cache saves and restores)
+    uint64_t bytes_copied = 0;     ///< kvcache: prefix_stats::bytes_copied
+    uint64_t peak_cells = 0;       ///< most cells in use at once (kvcache: cached cells included)
+    uint64_t peak_live_cells = 0;  ///< most cells held by live requests at once
+    uint64_t steps = 0;            ///< decode steps
+    double mean_live = 0;          ///< live requests per step, averaged over steps
+    uint64_t max_live = 0;
+    uint64_t queued = 0;      ///< requests that waited at least one step for room or a slot
+    uint64_t wait_steps = 0;  ///< steps waited, summed over requests
+    uint64_t max_wait_steps = 0;
+    double bookkeeping_ns = 0;      ///< time in the policy's calls (cache bookkeeping, placement, index)
+    double wall_seconds = 0;        ///< the whole run
+    uint64_t cache_hit_tokens = 0;  ///< kvcache: prefix_stats::hit_tokens (= hit_tokens + probe_hit_tokens)
+    uint64_t probe_hit_tokens = 0;  ///< kvcache: tokens of attaches undone because the request did not fit
+    bool has_serving = true;        ///< false for the oracle (no serving loop: no live/queue figures)
+
+    double hit_rate() const { return prompt_tokens ? static_cast<double>(hit_tokens) / prompt_tokens : 0; }
+    double ns_per_token() const {
+        return prompt_tokens ? bookkeeping_ns / static_cast<double>(prompt_tokens) : 0;
+    }
+};
+
+/// Replays `reqs` through `policy`. Throws kvc::error when a request is larger than the budget (before
+/// anything runs) or an option is out of range.
+sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, const sim_options& o);
+
+/// The cells a request needs at least (prompt and output), checked against the budget before a run.
+void check_budget(const std::vector<sim_request>& reqs, const sim_options& o);
+
+}  // namespace kvc::cli
