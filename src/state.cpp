@@ -3,8 +3,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <limits>
 #include <random>
 
 #include <fmt/format.h>
@@ -163,7 +166,38 @@ void io_file_reader::read(void* dst, size_t size) {
     n_ += size;
 }
 
+namespace {
+
+// The temporary files of earlier saves into `path` whose writer is gone (crashed or killed mid-save):
+// NAME.tmp-PID-XXXXXXXX where no process PID exists. A live PID (this process, or a writer at work, or
+// a reused PID) keeps its file. Best effort: a directory that cannot be read is left alone.
+void remove_stale_temps(const std::string& dir, const std::string& name) {
+    const std::string prefix = name + ".tmp-";
+    std::error_code ec;
+    for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+        const std::string f = it->path().filename().string();
+        if (f.compare(0, prefix.size(), prefix) != 0) continue;
+        const size_t dash = f.find('-', prefix.size());
+        if (dash == std::string::npos || f.size() - dash != 9 || dash == prefix.size()) continue;
+        const std::string pid_text = f.substr(prefix.size(), dash - prefix.size());
+        if (pid_text.find_first_not_of("0123456789") != std::string::npos || pid_text.size() > 10) continue;
+        if (f.find_first_not_of("0123456789abcdef", dash + 1) != std::string::npos) continue;
+        const long long pid = std::stoll(pid_text);
+        if (pid <= 0 || pid == ::getpid()) continue;
+        if (pid <= std::numeric_limits<pid_t>::max() &&
+            (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH))
+            continue;
+        std::filesystem::remove(it->path(), ec);  // gone meanwhile is fine
+        ec.clear();
+    }
+}
+
+}  // namespace
+
 uint64_t write_file_atomically(const std::string& path, const std::function<void(io_file_writer&)>& fill) {
+    const size_t slash = path.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    remove_stale_temps(dir, slash == std::string::npos ? path : path.substr(slash + 1));
     std::random_device rd;
     const std::string tmp = fmt::format("{}.tmp-{}-{:08x}", path, ::getpid(), rd());
     try {
@@ -175,13 +209,16 @@ uint64_t write_file_atomically(const std::string& path, const std::function<void
         if (std::rename(tmp.c_str(), path.c_str()) != 0)
             throw error(errc::io,
                         fmt::format("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
-        // the rename itself reaches the disk with the directory
-        const size_t slash = path.rfind('/');
-        const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+        // the rename itself reaches the disk with the directory (a file system that cannot sync a
+        // directory, EINVAL, has nothing more to do)
         const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-            ::fsync(dfd);
-            ::close(dfd);
+        if (dfd < 0) io_fail("the file is replaced, but cannot open its directory to sync it", dir);
+        const int synced = ::fsync(dfd);
+        const int sync_errno = errno;
+        ::close(dfd);
+        if (synced != 0 && sync_errno != EINVAL) {
+            errno = sync_errno;
+            io_fail("the file is replaced, but the rename may not be durable: cannot sync directory", dir);
         }
         return bytes;
     } catch (...) {

@@ -186,6 +186,26 @@ TEST_F(session, saving_replaces_the_target_atomically_and_a_failed_save_leaves_i
     EXPECT_EQ(files(), std::vector<std::string>{"s.kvc"});
 }
 
+// Regression (issue 21): saves killed mid-write left NAME.tmp-PID-RAND files that nothing removed. The
+// next save into the same target removes those whose writer is gone, and nothing else.
+TEST_F(session, a_save_removes_the_temporary_files_of_crashed_saves_of_its_target) {
+    std::mt19937 rng(6);
+    kv_cache a(params_for(dtype::f16, dtype::f16, false, true));
+    decode(a, 0, 0, 3, rng);
+    const std::string dead = fmt::format("x.kvc.tmp-{}-0badc0de", 2147483646);   // no such process
+    const std::string mine = fmt::format("x.kvc.tmp-{}-00c0ffee", ::getpid());   // a writer at work
+    const std::string other = fmt::format("y.kvc.tmp-{}-0badc0de", 2147483646);  // another target
+    const std::string odd = "x.kvc.tmp-12x-0badc0de";                            // not the pattern
+    for (const std::string& f : {dead, mine, other, odd})
+        put_bytes(path(f.c_str()), std::vector<uint8_t>(8, 1));
+    save_file(a, path("x.kvc"), 0);
+    EXPECT_FALSE(fs::exists(path(dead.c_str())));
+    for (const std::string& f : {mine, other, odd}) EXPECT_TRUE(fs::exists(path(f.c_str()))) << f;
+    kv_cache b(params_for(dtype::f16, dtype::f16, false, true));
+    load_file(b, path("x.kvc"), 0);
+    EXPECT_EQ(b.seq_pos_max(0), 2);
+}
+
 TEST_F(session, load_errors_name_the_problem_and_change_nothing) {
     std::mt19937 rng(4);
     const auto p = params_for(dtype::q8_0, dtype::f16, true, true);
