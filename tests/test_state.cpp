@@ -164,6 +164,30 @@ TEST(state, a_sequence_restores_into_any_destination) {
     }
 }
 
+// Regression (issue 21): a restore with flags 0xFFFFFFFF was accepted. Unknown flag bits are refused on
+// every read and write, naming the bits, and the memory stays as it was.
+TEST(state, unknown_flag_bits_are_refused_both_ways) {
+    std::mt19937 rng(3);
+    kv_cache a(params_for(dtype::f16, dtype::f16, true, true));
+    decode(a, 0, 0, 4, rng);
+    const auto saved = state_seq_get_data(a, 0);
+    const auto before = state_seq_get_data(a, seq_all);
+    for (const state_seq_flags bad : {state_seq_flags{2}, state_seq_flags{0xffffffff}}) {
+        EXPECT_THROW((void)state_seq_get_size(a, 0, bad), error);
+        EXPECT_THROW((void)state_seq_get_data(a, 0, bad), error);
+        try {
+            state_seq_set_data(a, saved, 1, bad);
+            ADD_FAILURE() << "flags " << bad << " accepted";
+        } catch (const error& e) {
+            EXPECT_NE(std::string(e.what()).find("are no state_seq_flag"), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(state_seq_get_data(a, seq_all), before);
+    }
+    state_seq_set_data(a, saved, 1,
+                       state_seq_flag_partial_only);  // the known flag (ignored by a plain cache)
+    EXPECT_EQ(a.seq_pos_max(1), 3);
+}
+
 TEST(state, swa_and_mrope_states) {
     std::mt19937 rng(3);
     auto p = params_for(dtype::f16, dtype::f16, false, true);

@@ -197,7 +197,8 @@ public:
     /// Publishes now the blocks completed by the ubatches applied so far (the next init_batch,
     /// init_ubatches, prefix_lookup or prefix_attach does it anyway); call it after computing them.
     void prefix_publish();
-    /// What the prefix cache did and holds (zeros without one).
+    /// What the prefix cache did and holds (zeros without one). It counts the cells of every stream: for
+    /// reports, not for every step.
     prefix_stats get_prefix_stats() const;
 
     // -- maintenance (what init_update's context runs) --
