@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/memory_budget.h>
 
 #include "detail/kv_cache_layer.h"
 #include "detail/kv_cache_prefix.h"
@@ -56,6 +57,35 @@ bool slot_info::is_contiguous() const {
     return true;
 }
 
+namespace {
+
+// Values per K or V row (heads x head size) a layer may declare: far above any model's, and low enough
+// that no size computed from it overflows.
+constexpr uint64_t max_row_values = uint64_t{1} << 24;
+
+// K/V bytes of every cell of every stream for the layers kept (saturating: p is not checked yet).
+uint64_t reserve_bytes_of(const kv_cache_params& p, std::span<const uint32_t> kept) {
+    const auto values = [](uint32_t heads, uint32_t per_head) { return uint64_t{heads} * per_head; };
+    const auto bytes = [](dtype t, uint64_t n) {
+        return is_valid(t) ? mul_sat(n / block_size(t), type_size(t)) : uint64_t{0};
+    };
+    uint64_t e_vmax = 0;  // transposed V: every layer's rows are as wide as the widest
+    for (uint32_t il : kept)
+        e_vmax = std::max(e_vmax, values(p.layers[il].n_head_kv, p.layers[il].n_embd_head_v));
+    uint64_t cell = 0;  // K and V bytes of one cell over every layer
+    for (uint32_t il : kept) {
+        const layer_desc& d = p.layers[il];
+        cell = add_sat(cell, bytes(p.type_k, values(d.n_head_kv, d.n_embd_head_k)));
+        cell = add_sat(cell, p.v_trans && is_valid(p.type_v)
+                                 ? mul_sat(e_vmax, type_size(p.type_v))
+                                 : bytes(p.type_v, values(d.n_head_kv, d.n_embd_head_v)));
+    }
+    const uint64_t n_stream = p.unified ? 1 : p.n_seq_max;
+    return mul_sat(cell, mul_sat(p.kv_size, n_stream));
+}
+
+}  // namespace
+
 struct kv_cache::journal {
     struct entry {
         uint32_t stream;
@@ -83,13 +113,16 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     if (p.layers.empty()) bad("no layers");
     if (!p.unified && p.n_seq_max > 65536) bad("one stream per sequence allows at most 65536 sequences");
 
-    layer_map_.assign(p.layers.size(), -1);
     const uint32_t n_stream = p.unified ? 1 : p.n_seq_max;
+    std::vector<uint32_t> kept;  // model indices of the layers this cache holds
     for (uint32_t il = 0; il < p.layers.size(); ++il) {
         const layer_desc& d = p.layers[il];
         if (!d.has_kv || (p.filter && !p.filter(il))) continue;
         if (d.n_head_kv == 0 || d.n_embd_head_k == 0 || d.n_embd_head_v == 0)
             bad(fmt::format("layer {}: n_head_kv, n_embd_head_k and n_embd_head_v must be positive", il));
+        if (uint64_t{d.n_head_kv} * std::max(d.n_embd_head_k, d.n_embd_head_v) > max_row_values)
+            bad(fmt::format("layer {}: {} KV heads x {} values is over the limit of {} values per row", il,
+                            d.n_head_kv, std::max(d.n_embd_head_k, d.n_embd_head_v), max_row_values));
         if (d.n_embd_head_k % block_size(p.type_k) != 0)
             bad(fmt::format("layer {}: key head of {} values is not a whole number of {} blocks", il,
                             d.n_embd_head_k, to_string(p.type_k)));
@@ -100,11 +133,18 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
         if (d.rope.type != rope_type::none && (rot % 2 != 0 || rot > d.n_embd_head_k))
             bad(fmt::format("layer {}: n_rot {} must be even and at most the key head size {}", il, rot,
                             d.n_embd_head_k));
-        layer_map_[il] = static_cast<int32_t>(layers_.size());
-        layer_ids_.push_back(il);
-        layers_.push_back({il, d});
+        kept.push_back(il);
     }
-    if (layers_.empty()) bad("the filter keeps no layer");
+    if (kept.empty()) bad("the filter keeps no layer");
+    // every byte the cache may grow to, before anything is allocated
+    check_memory_budget("kv_cache", reserve_bytes_of(p, kept), p.memory_budget,
+                        fmt::format("{} layers x {} cells x {} streams", kept.size(), p.kv_size, n_stream));
+    layer_map_.assign(p.layers.size(), -1);
+    for (uint32_t il : kept) {
+        layer_map_[il] = static_cast<int32_t>(layers_.size());
+        layers_.push_back({il, p.layers[il]});
+    }
+    layer_ids_ = std::move(kept);
     if (p.prefix.enabled) check_prefix_params(p, n_stream);
     kv_storage_params sp;
     for (const layer& l : layers_)
@@ -116,13 +156,62 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     sp.n_stream = n_stream;
     sp.allocator = p.allocator;
     storage_ = make_host_kv_storage(std::move(sp));
+    granule_ = storage_->commit_granule();
     streams_.reserve(n_stream);
     for (uint32_t s = 0; s < n_stream; ++s) streams_.emplace_back(p.kv_size, p.n_seq_max);
     heads_.assign(n_stream, 0);
+    committed_.assign(n_stream, granule_ == 0 ? p.kv_size : 0);
     if (p.prefix.enabled) prefix_init();
 }
 
 kv_cache::~kv_cache() = default;
+
+uint64_t kv_cache::reserve_bytes(const kv_cache_params& p) {
+    std::vector<uint32_t> kept;
+    for (uint32_t il = 0; il < p.layers.size(); ++il)
+        if (p.layers[il].has_kv && (!p.filter || p.filter(il))) kept.push_back(il);
+    return reserve_bytes_of(p, kept);
+}
+
+memory_breakdown kv_cache::get_memory_breakdown() const {
+    const uint64_t cell = cell_bytes();
+    memory_breakdown b;
+    b.seq.assign(params_.n_seq_max, 0);
+    std::vector<uint32_t> used;
+    for (uint32_t s = 0; s < streams_.size(); ++s) {
+        const kv_cells& c = streams_[s];
+        b.reserved += uint64_t{params_.kv_size} * cell;
+        b.committed += uint64_t{committed_[s]} * cell;
+        used.clear();
+        c.used_cells(used);
+        for (uint32_t i : used) {
+            (c.seq_count(i) == 0 ? b.cached : b.used) += cell;  // no sequence: only the prefix cache holds it
+            for (seq_id_t q : c.seqs(i)) b.seq[static_cast<size_t>(q)] += cell;
+        }
+        if (prefix_) b.pinned += uint64_t{prefix_->index.pinned_blocks(s)} * prefix_->bs() * cell;
+    }
+    assert(b.committed >= b.used + b.cached);  // every placement moves the commit mark first
+    b.free = b.committed - b.used - b.cached;
+    return b;
+}
+
+void kv_cache::fit_storage(uint32_t stream) {
+    if (granule_ == 0) return;
+    const uint64_t g = granule_;
+    const uint64_t extent = (uint64_t{streams_[stream].used_max_p1()} + g - 1) / g * g;
+    const auto mark = static_cast<uint32_t>(std::min<uint64_t>(params_.kv_size, extent));
+    if (mark == committed_[stream]) return;
+    committed_[stream] = mark;
+    storage_->set_committed(stream, mark);
+}
+
+void kv_cache::fit_storage_of(seq_id_t seq_id) {
+    if (seq_id != seq_all && streams_.size() > 1) {
+        fit_storage(seq_to_stream(seq_id));
+        return;
+    }
+    for (uint32_t s = 0; s < streams_.size(); ++s) fit_storage(s);
+}
 
 // -- shape --
 
@@ -356,10 +445,12 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
             auto snap = cells.cp(idxs);
             j->entries.push_back({seq_to_stream(q), std::move(idxs), std::move(snap)});
         }
-        seq_rm(q, pmin, m + 1);
+        remove(q, pmin, m + 1);  // a trial placement rolls it back: its memory stays
     }
     for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
-    if (!j) prefix_record(sinfo, ub);
+    if (j) return;
+    prefix_record(sinfo, ub);
+    for (uint32_t s : sinfo.strm) fit_storage(s);  // before the engine writes the rows
 }
 
 std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
@@ -484,6 +575,7 @@ uint32_t kv_cache::compact() {
         heads_[s] = c.get_used();
     }
     storage_->copy_rows(copies);
+    fit_storage_of(seq_all);  // after the copies: the rows above the used count go back
     return static_cast<uint32_t>(copies.size());
 }
 
@@ -522,10 +614,17 @@ void kv_cache::clear(bool data) {
     for (kv_cells& c : streams_) c.reset();
     std::fill(heads_.begin(), heads_.end(), 0);
     if (data) storage_->clear();
+    fit_storage_of(seq_all);
 }
 
 bool kv_cache::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     if (seq_id != seq_all) check_seq(seq_id, "seq_rm");
+    remove(seq_id, p0, p1);
+    fit_storage_of(seq_id);
+    return true;
+}
+
+void kv_cache::remove(seq_id_t seq_id, pos_t p0, pos_t p1) {
     prefix_before_rm(seq_id, p0, p1);
     if (seq_id == seq_all) {
         for (uint32_t s = 0; s < streams_.size(); ++s)
@@ -535,7 +634,6 @@ bool kv_cache::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
         lower_head(s, streams_[s].seq_rm_range(seq_id, p0, p1));
     }
     prefix_sync(seq_id);
-    return true;
 }
 
 void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
@@ -570,6 +668,7 @@ void kv_cache::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
         if (shift != 0) to.pos_add(c_dst, shift);
         copies[k] = {row(ss, c_src), row(sd, c_dst)};
     }
+    fit_storage(sd);
     storage_->copy_rows(copies);
     prefix_copied(dst, entries, free);
 }
@@ -586,6 +685,7 @@ void kv_cache::seq_keep(seq_id_t seq_id) {
         }
     }
     prefix_sync(seq_all);
+    fit_storage_of(seq_all);
 }
 
 void kv_cache::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
@@ -599,6 +699,7 @@ void kv_cache::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
     const uint32_t s = seq_to_stream(seq_id);
     const uint32_t lowest = streams_[s].seq_add_range(seq_id, p0, p1, shift);
     heads_[s] = lowest != params_.kv_size ? lowest : 0;  // as upstream: back to the front when nothing freed
+    fit_storage(s);
 }
 
 void kv_cache::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {

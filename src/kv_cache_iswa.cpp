@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache_iswa.h>
+#include <kvcache/memory_budget.h>
 
 namespace kvc {
 
@@ -59,8 +60,23 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
     if (!any_full || !any_swa)
         bad(fmt::format("the layers kept hold no {} layer; use a plain kv_cache",
                         any_full ? "sliding-window" : "full-attention"));
-    base_ = std::make_unique<kv_cache>(half(params_, false));
-    swa_ = std::make_unique<kv_cache>(half(params_, true));
+    // both caches' bytes against the one budget, before either allocates
+    const kv_cache_params base = half(params_, false), swa = half(params_, true);
+    check_memory_budget(
+        "kv_cache_iswa", reserve_bytes(params_), k.memory_budget,
+        fmt::format("a base cache of {} cells and an SWA cache of {} cells", base.kv_size, swa.kv_size));
+    base_ = std::make_unique<kv_cache>(base);
+    swa_ = std::make_unique<kv_cache>(swa);
+}
+
+uint64_t kv_cache_iswa::reserve_bytes(const kv_cache_iswa_params& p) {
+    return add_sat(kv_cache::reserve_bytes(half(p, false)), kv_cache::reserve_bytes(half(p, true)));
+}
+
+memory_breakdown kv_cache_iswa::get_memory_breakdown() const {
+    memory_breakdown b = base_->get_memory_breakdown();
+    b += swa_->get_memory_breakdown();
+    return b;
 }
 
 kv_cache_iswa::~kv_cache_iswa() = default;

@@ -147,6 +147,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
             copies.push_back({row(from, ps.index.cells(id)[p % bs]), row(st, c)});
             at[p] = c;
         }
+        fit_storage(st);
         storage_->copy_rows(copies);
         heads_[st] = fresh.back() + 1;
         ps.stats.bytes_copied += k * cell_bytes();
@@ -357,6 +358,7 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
         ps.index.remove(id);
         ++ps.stats.evicted_blocks;
     }
+    fit_storage(stream);  // evicted cells at the top give their memory back
     return true;
 }
 
@@ -535,6 +537,7 @@ void kv_cache::prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1) {
             cells.seq_rm(from, seq_id);
             copies[k] = {row(st, from), row(st, to)};
         }
+        fit_storage(st);
         storage_->copy_rows(copies);
         ps.stats.bytes_copied += shared.size() * cell_bytes();
     }

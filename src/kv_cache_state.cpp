@@ -360,8 +360,10 @@ void kv_cache::state_commit(state_stage_i& stage) {
                 for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
                 cells.push_back(j);
             }
+            fit_storage(part.stream);
             copy_rows(part, part.stream, cells);
         }
+        fit_storage_of(seq_all);  // the streams the state left empty
         prefix_forget(seq_all);  // the restored sequences' tokens are unknown: none publishes
         prefix_sync(seq_all);
         return;
@@ -389,7 +391,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
             if (n > params_.kv_size - (c.get_used() - freed) && !prefix_make_room(s, n - freed))
                 throw no_room();
         }
-        seq_rm(seq_id, -1, -1);
+        remove(seq_id, -1, -1);
         if (n > 0) {
             // find_slot for the cells of one sequence: one group in its stream, from the stream's head
             cells.reserve(n);
@@ -408,7 +410,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
         c.seq_cells(seq_id, -1, -1, old);
         const cells_snapshot saved = c.cp(old);
         const std::vector<uint32_t> saved_heads = heads_;
-        seq_rm(seq_id, -1, -1);
+        remove(seq_id, -1, -1);  // may be put back: its memory stays
         if (n > 0) {
             const ubatch ub = restore_ubatch(part->pos, part->ext, seq_id, params_.n_pos);
             slot_info si = find_slot(ub);
@@ -421,6 +423,7 @@ void kv_cache::state_commit(state_stage_i& stage) {
             cells = std::move(si.idxs[0]);
         }
     }
+    fit_storage(s);
     if (part) copy_rows(*part, s, cells);
     prefix_forget(seq_id);  // its tokens are unknown: it does not publish
 }
@@ -444,7 +447,7 @@ bool kv_cache::state_fits(const state_stage_i& stage) {
     c.seq_cells(seq_id, -1, -1, old);
     const cells_snapshot saved = c.cp(old);
     const std::vector<uint32_t> saved_heads = heads_;
-    seq_rm(seq_id, -1, -1);
+    remove(seq_id, -1, -1);  // put back below: its memory stays
     const ubatch ub = restore_ubatch(st->parts[0].pos, st->parts[0].ext, seq_id, params_.n_pos);
     const bool fits = !prepare(std::span(&ub, 1)).empty();
     c.set(old, saved);

@@ -8,6 +8,7 @@
 #include <kvcache/kv_storage.h>
 
 #include "detail/copy.h"
+#include "detail/reserved_memory.h"
 
 namespace kvc {
 
@@ -67,11 +68,59 @@ void check_source(const const_tensor_view& src, uint32_t e, size_t n_tokens, con
 class host_kv_storage final : public kv_storage {
 public:
     explicit host_kv_storage(kv_storage_params p) : kv_storage(std::move(p)) {
-        buffer_allocator& alloc = params_.allocator ? *params_.allocator : buffer_allocator::host();
+        const size_t n_layer = params_.layers.size();
+        if (params_.allocator) {  // the engine's allocator: every byte up front, zeroed
+            for (uint32_t li = 0; li < n_layer; ++li)
+                for (kv_part part : {kv_part::k, kv_part::v}) {
+                    // zeroed: attention over a never-written cell must not meet NaNs
+                    buffers_.emplace_back(bytes(part, li), true, *params_.allocator);
+                    (part == kv_part::k ? k_ : v_).push_back(buffers_.back().data());
+                }
+            return;
+        }
+        // Host memory is elastic: one reservation for every tensor, each starting on a page, whose
+        // pages arrive when cells are first written (zeros until then) and leave with set_committed.
+        const size_t page = detail::reserved_memory::page_size();
+        const auto round = [page](size_t n) { return (n + page - 1) / page * page; };
+        size_t total = 0;
+        for (uint32_t li = 0; li < n_layer; ++li)
+            total += round(bytes(kv_part::k, li)) + round(bytes(kv_part::v, li));
+        mem_ = detail::reserved_memory(total);
+        size_t at = 0;
+        for (uint32_t li = 0; li < n_layer; ++li) {
+            k_.push_back(mem_.data() + at);
+            at += round(bytes(kv_part::k, li));
+            v_.push_back(mem_.data() + at);
+            at += round(bytes(kv_part::v, li));
+        }
+    }
+
+    uint32_t commit_granule() const override {
+        if (!elastic()) return params_.kv_size;
+        // the fewest cells whose bytes fill whole pages in every tensor (a transposed V commits channel
+        // by channel: a page holds page / element-size cells of one channel)
+        const size_t page = detail::reserved_memory::page_size();
+        size_t g = 16;
         for (uint32_t li = 0; li < params_.layers.size(); ++li) {
-            // zeroed: attention over a never-written cell must not meet NaNs
-            k_.emplace_back(bytes(kv_part::k, li), true, alloc);
-            v_.emplace_back(bytes(kv_part::v, li), true, alloc);
+            const size_t v_unit = params_.v_trans ? type_size(params_.type_v) : v_row_[li];
+            while (g * k_row_[li] < page || g * v_unit < page) g *= 2;
+        }
+        return static_cast<uint32_t>(std::min<size_t>(g, params_.kv_size));
+    }
+
+    void set_committed(uint32_t stream, uint32_t n_cells) override {
+        if (!elastic()) return;
+        const size_t kv = params_.kv_size, first = size_t{stream} * kv;
+        const size_t n_free = kv - n_cells;  // cells [n_cells, kv) of the stream go back to the system
+        for (uint32_t li = 0; li < k_.size(); ++li) {
+            mem_.release(offset(k_[li]) + (first + n_cells) * k_row_[li], n_free * k_row_[li]);
+            if (!params_.v_trans) {
+                mem_.release(offset(v_[li]) + (first + n_cells) * v_row_[li], n_free * v_row_[li]);
+                continue;
+            }
+            const size_t esz = type_size(params_.type_v);
+            for (uint32_t e = 0; e < e_vmax_; ++e)
+                mem_.release(offset(v_[li]) + (v_trans_index(first + n_cells, e)) * esz, n_free * esz);
         }
     }
 
@@ -91,7 +140,7 @@ public:
         for (size_t t = 0; t < rows.size(); ++t) {
             to_f32(src.type, src.data + t * src_row, x.data(), e);
             for (uint32_t c = 0; c < e_vmax_; ++c)
-                from_f32(type, &x[c], v_[li].data() + v_trans_index(rows[t], c) * esz, 1);
+                from_f32(type, &x[c], v_[li] + v_trans_index(rows[t], c) * esz, 1);
         }
     }
 
@@ -104,7 +153,7 @@ public:
                     std::memcpy(row_ptr(kv_part::v, li, c.dst), row_ptr(kv_part::v, li, c.src), v_row_[li]);
                     continue;
                 }
-                std::byte* v = v_[li].data();
+                std::byte* v = v_[li];
                 for (uint32_t e = 0; e < e_vmax_; ++e)
                     std::memcpy(v + v_trans_index(c.dst, e) * esz, v + v_trans_index(c.src, e) * esz, esz);
             }
@@ -141,8 +190,11 @@ public:
     }
 
     void clear() override {
-        for (buffer& b : k_) b.clear_bytes();
-        for (buffer& b : v_) b.clear_bytes();
+        if (elastic()) {
+            mem_.release(0, mem_.size());
+            return;
+        }
+        for (buffer& b : buffers_) b.clear_bytes();
     }
 
     void save_k(io_write_i& io, uint32_t li, std::span<const uint64_t> rows,
@@ -183,7 +235,7 @@ public:
             return;
         }
         const size_t esz = type_size(params_.type_v);
-        const std::byte* v = v_[li].data();
+        const std::byte* v = v_[li];
         for (uint32_t e = 0; e < e_v(li); ++e)
             for (const auto& [j, n] : runs) io.write(v + v_trans_index(rows[j], e) * esz, n * esz);
     }
@@ -201,7 +253,7 @@ public:
         const size_t channel = size_t{params_.kv_size} * esz;
         std::vector<std::byte*> dst;
         dst.reserve(runs.size());
-        for (const auto& [j, n] : runs) dst.push_back(v_[li].data() + v_trans_index(rows[j], 0) * esz);
+        for (const auto& [j, n] : runs) dst.push_back(v_[li] + v_trans_index(rows[j], 0) * esz);
         for (uint32_t e = 0; e < e_v(li); ++e)
             for (size_t r = 0; r < runs.size(); ++r)
                 std::memcpy(dst[r] + e * channel, src + (size_t{e} * rows.size() + runs[r].first) * esz,
@@ -218,7 +270,7 @@ public:
         }
         const size_t esz = type_size(params_.type_v);
         for (uint32_t c = 0; c < e; ++c)
-            to_f32(params_.type_v, v_[li].data() + v_trans_index(row, c) * esz, &out[c], 1);
+            to_f32(params_.type_v, v_[li] + v_trans_index(row, c) * esz, &out[c], 1);
     }
 
     tensor_view view(kv_part part, uint32_t li, uint32_t s0, uint32_t ns, uint32_t n_kv) override {
@@ -252,20 +304,25 @@ public:
         v.nb[1] = kv * l.n_embd_head_v * esz;
         v.nb[2] = kv * esz;
         v.nb[3] = kv * e_vmax_ * esz;
-        v.data = v_[li].data() + v_trans_index(first, 0) * esz;
+        v.data = v_[li] + v_trans_index(first, 0) * esz;
         return v;
     }
 
 private:
+    bool elastic() const { return params_.allocator == nullptr; }
+    size_t offset(const std::byte* p) const { return static_cast<size_t>(p - mem_.data()); }
+
     // Row-major rows only (K, or V not transposed).
     std::byte* row_ptr(kv_part part, uint32_t li, uint64_t row) {
-        return part == kv_part::k ? k_[li].data() + row * k_row_[li] : v_[li].data() + row * v_row_[li];
+        return part == kv_part::k ? k_[li] + row * k_row_[li] : v_[li] + row * v_row_[li];
     }
     const std::byte* row_ptr(kv_part part, uint32_t li, uint64_t row) const {
         return const_cast<host_kv_storage*>(this)->row_ptr(part, li, row);
     }
 
-    std::vector<buffer> k_, v_;  // per layer
+    detail::reserved_memory mem_;    // host memory: every tensor
+    std::vector<buffer> buffers_;    // an engine's allocator: one per tensor
+    std::vector<std::byte*> k_, v_;  // per layer: where its K and V start
 };
 
 }  // namespace

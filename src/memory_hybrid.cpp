@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 #include <kvcache/batch.h>
+#include <kvcache/memory_budget.h>
 #include <kvcache/memory_hybrid.h>
 
 namespace kvc {
@@ -13,15 +14,26 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
         throw error(errc::invalid_argument,
                     fmt::format("memory_hybrid: the attention part has n_seq_max {}, the recurrent part {}",
                                 params_.attn.n_seq_max, params_.recr.n_seq_max));
-    if (params_.iswa)
-        attn_ = std::make_unique<kv_cache_iswa>(
-            kv_cache_iswa_params{.kv = params_.attn, .sizing = *params_.iswa});
+    const std::optional<kv_cache_iswa_params> iswa =
+        params_.iswa ? std::optional(kv_cache_iswa_params{.kv = params_.attn, .sizing = *params_.iswa})
+                     : std::nullopt;
+    const uint64_t attn = iswa ? kv_cache_iswa::reserve_bytes(*iswa) : kv_cache::reserve_bytes(params_.attn);
+    check_memory_budget("memory_hybrid", add_sat(attn, memory_recurrent::reserve_bytes(params_.recr)),
+                        params_.memory_budget, "an attention part and a recurrent part");
+    if (iswa)
+        attn_ = std::make_unique<kv_cache_iswa>(*iswa);
     else
         attn_ = std::make_unique<kv_cache>(params_.attn);
     recr_ = std::make_unique<memory_recurrent>(params_.recr);
 }
 
 memory_hybrid::~memory_hybrid() = default;
+
+memory_breakdown memory_hybrid::get_memory_breakdown() const {
+    memory_breakdown b = attn_->get_memory_breakdown();
+    b += recr_->get_memory_breakdown();
+    return b;
+}
 
 // -- batches --
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include <fmt/format.h>
+#include <kvcache/memory_budget.h>
 #include <kvcache/memory_recurrent.h>
 
 #include "detail/memory_recurrent_impl.h"
@@ -66,6 +67,10 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
         layers_.push_back(std::move(l));
     }
     if (layers_.empty()) bad("no layer has a state row (or the filter keeps none)");
+    uint64_t need = 0;  // every plane of every cell, computed without overflowing
+    for (const layer& l : layers_) need = add_sat(need, mul_sat(l.row_r + l.row_s, planes * size_));
+    check_memory_budget("memory_recurrent", need, p.memory_budget,
+                        fmt::format("{} layers x {} cells x {} planes", layers_.size(), size_, planes));
     for (layer& l : layers_) {  // zeroed: a fresh state reads zeros, and so do never-written planes
         if (l.row_r) l.r = buffer(l.row_r * size_ * planes, true, alloc);
         if (l.row_s) l.s = buffer(l.row_s * size_ * planes, true, alloc);
@@ -77,6 +82,30 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
 }
 
 memory_recurrent::~memory_recurrent() = default;
+
+uint64_t memory_recurrent::reserve_bytes(const recurrent_params& p) {
+    const auto bytes = [](dtype t, uint32_t n) {
+        return n && is_valid(t) ? mul_sat(n / block_size(t), type_size(t)) : uint64_t{0};
+    };
+    uint64_t cell = 0;  // one cell's rows over every layer, one plane
+    for (uint32_t il = 0; il < p.layers.size(); ++il) {
+        if (p.filter && !p.filter(il)) continue;
+        cell = add_sat(
+            cell, add_sat(bytes(p.type_r, p.layers[il].n_embd_r), bytes(p.type_s, p.layers[il].n_embd_s)));
+    }
+    return mul_sat(cell, mul_sat(p.n_seq_max, uint64_t{p.n_rs_seq} + 1));
+}
+
+memory_breakdown memory_recurrent::get_memory_breakdown() const {
+    const uint64_t cell = size_bytes() / size_;  // every plane of one cell
+    memory_breakdown b;
+    b.reserved = b.committed = size_bytes();
+    for (const cell_rec& c : cells_) b.used += c.n_seq > 0 ? cell : 0;
+    b.free = b.committed - b.used;
+    b.seq.assign(params_.n_seq_max, 0);
+    for (uint32_t q = 0; q < params_.n_seq_max; ++q) b.seq[q] = tail_[q] >= 0 ? cell : 0;
+    return b;
+}
 
 // -- shape, sizes, data --
 

@@ -42,6 +42,7 @@ public:
     void state_commit(state_stage_i&) override {}
     bool state_fits(const state_stage_i&) override { return true; }
     std::string state_layout() const override { return {}; }
+    memory_breakdown get_memory_breakdown() const override { return {}; }
 };
 
 // A batch described by value; view() points a kvc::batch at it.

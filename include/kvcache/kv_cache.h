@@ -77,7 +77,12 @@ struct kv_cache_params {
     /// Compaction (design D12): init_update(false) also compacts once the empty cells below the last
     /// used one exceed this fraction of it (0: only when asked with init_update(true)).
     float compact_threshold = 0.0f;
-    buffer_allocator* allocator = nullptr;  ///< null: host memory
+    /// null: host memory, reserved for every cell and committed as cells are used (kv_storage.h); else
+    /// the engine's allocator, every byte allocated at creation.
+    buffer_allocator* allocator = nullptr;
+    /// The most bytes the K/V of every cell may take (memory_budget.h): creation refuses more, before
+    /// allocating anything. 0: the machine's physical memory.
+    uint64_t memory_budget = 0;
     /// Runs the K-shift's pieces in parallel (e.g. a thread_pool's parallel_for); empty: one thread.
     executor exec;
     /// Keep computed prompt prefixes for other sequences (kvcache/prefix_cache.h, docs/prefix-cache.md).
@@ -136,6 +141,11 @@ public:
     bool state_fits(const state_stage_i& stage) override;
     /// "kv streams=1 v_trans=1 n_pos=1 rotation=none layers=0-31:k=f16x1024,v=f16x1024"
     std::string state_layout() const override;
+    memory_breakdown get_memory_breakdown() const override;
+
+    /// K/V bytes a cache made from p would reserve (every cell of every stream), saturating at UINT64_MAX;
+    /// p need not be valid. What creation checks against p.memory_budget.
+    static uint64_t reserve_bytes(const kv_cache_params& p);
 
     // -- shape --
     const kv_cache_params& params() const { return params_; }  ///< the configuration
@@ -241,6 +251,11 @@ private:
     bool find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vector<uint32_t>& out) const;
     uint64_t row(uint32_t stream, uint32_t cell) const { return uint64_t{stream} * params_.kv_size + cell; }
     void k_shift();
+    // commit mark of a stream = its used extent rounded up to the storage's granule: grows before rows are
+    // written, gives memory back when the extent shrinks
+    void fit_storage(uint32_t stream);
+    void fit_storage_of(seq_id_t seq_id);              // the streams seq_id (seq_all: any) lives in
+    void remove(seq_id_t seq_id, pos_t p0, pos_t p1);  // seq_rm without giving memory back
 
     // -- prefix cache hooks (no-ops without one) --
     static void check_prefix_params(const kv_cache_params& p, uint32_t n_stream);
@@ -270,6 +285,8 @@ private:
     std::unique_ptr<kv_storage> storage_;   // every K/V byte
     std::vector<kv_cells> streams_;         // [n_stream]
     std::vector<uint32_t> heads_;           // [n_stream] where the next search starts
+    std::vector<uint32_t> committed_;       // [n_stream] cells below the commit mark
+    uint32_t granule_ = 0;                  // the storage's commit granule (0: all committed)
     std::unique_ptr<prefix_state> prefix_;  // null without a prefix cache
 };
 

@@ -93,6 +93,10 @@ public:
     bool state_fits(const state_stage_i& stage) override;
     /// "iswa base={base layout} swa={SWA layout}".
     std::string state_layout() const override;
+    memory_breakdown get_memory_breakdown() const override;  ///< both caches' bytes
+
+    /// K/V bytes both caches made from p would reserve, saturating; p need not be valid.
+    static uint64_t reserve_bytes(const kv_cache_iswa_params& p);
 
     // -- parts --
     kv_cache& get_base() { return *base_; }                         ///< the full-attention layers' cache

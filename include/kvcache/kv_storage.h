@@ -89,8 +89,18 @@ public:
     /// Re-rotates the keys of every layer with RoPE by each shift's delta (shifts sorted by delta, so rows
     /// moved together share one rotation table); pieces run on ex.
     virtual void shift_k(std::span<const row_shift> shifts, const executor& ex) = 0;
-    /// Zeroes every byte.
+    /// Zeroes every byte (elastic storage: returns every page to the system).
     virtual void clear() = 0;
+
+    // -- memory on demand --
+    /// Cells per stream that memory is committed in: set_committed gets multiples of it (or kv_size).
+    /// kv_size when the storage's memory is not elastic.
+    virtual uint32_t commit_granule() const = 0;
+    /// Only cells [0, n_cells) of stream hold data now: the memory of the cells above may go back to
+    /// the system, and they read as zeros when written again. Growth needs no call before it (elastic
+    /// memory arrives when a row is first written), but the cache makes one, so storage that tracks
+    /// growth (an engine's) learns of it before rows are written.
+    virtual void set_committed(uint32_t stream, uint32_t n_cells) = 0;
 
     // -- state I/O (llama.cpp's payload order) --
     /// Writes layer li's K rows in order; a row with a non-zero delta (deltas empty: none) is written
@@ -120,8 +130,9 @@ protected:
     uint32_t e_vmax_ = 0;        ///< the widest V row, in values
 };
 
-/// Storage in host memory (or the params' allocator): today's layout, one buffer per layer and part,
-/// zeroed at creation.
+/// Storage in host memory, elastic: address space for every cell is reserved at creation, and memory
+/// arrives as rows are first written and goes back to the system with set_committed (views never move).
+/// With the params' allocator instead: one buffer per layer and part, allocated and zeroed at creation.
 std::unique_ptr<kv_storage> make_host_kv_storage(kv_storage_params params);
 
 }  // namespace kvc

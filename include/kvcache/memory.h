@@ -31,6 +31,7 @@
 
 #include <kvcache/dtype.h>
 #include <kvcache/io.h>
+#include <kvcache/memory_budget.h>
 #include <kvcache/types.h>
 
 namespace kvc {
@@ -155,6 +156,9 @@ public:
     /// per token, rotation, layers with K/V types and widths; not capacity). Session files store it.
     virtual std::string state_layout() const = 0;
     /// @}
+
+    /// Where its bytes are (memory_breakdown). Counts every cell: for reports, not for every step.
+    virtual memory_breakdown get_memory_breakdown() const = 0;
 };
 
 using memory_ptr = std::unique_ptr<memory_i>;  ///< an owned memory

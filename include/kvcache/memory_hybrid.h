@@ -38,6 +38,9 @@ struct memory_hybrid_params {
     recurrent_params recr;  ///< the recurrent part (same n_seq_max as attn)
     /// set: the attention part is a kv_cache_iswa sized so (its SWA rule: attn.n_swa, attn.swa)
     std::optional<iswa_sizing> iswa;
+    /// The most bytes both parts together may take (memory_budget.h; each part also checks its own).
+    /// 0: the machine's physical memory.
+    uint64_t memory_budget = 0;
 };
 
 /// An attention cache and a recurrent memory as one memory. See the file comment.
@@ -83,6 +86,7 @@ public:
     bool state_fits(const state_stage_i& stage) override;
     /// "hybrid attn={attention layout} recr={recurrent layout}".
     std::string state_layout() const override;
+    memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
 
     // -- parts --
     memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)

@@ -74,6 +74,9 @@ struct recurrent_params {
     uint32_t n_seq_max = 1;                    ///< sequence ids [0, n_seq_max); also the number of cells
     uint32_t n_rs_seq = 0;                     ///< rollback depth k in tokens (0: no rollback)
     buffer_allocator* allocator = nullptr;     ///< where buffers live (null: host memory)
+    /// The most bytes every state row may take (memory_budget.h): creation refuses more, before
+    /// allocating anything. 0: the machine's physical memory.
+    uint64_t memory_budget = 0;
 };
 
 /// A row move the engine performs for one ubatch (rows of the [n_embd, size * (1 + n_rs_seq)] layout).
@@ -160,6 +163,12 @@ public:
     /// "recurrent n_layer=4 layers=0-3:r=f32x1536,s=f32x4096": what a state must match (not the number of
     /// cells, nor the rollback depth, which the format does not hold).
     std::string state_layout() const override;
+    /// Every row is committed at creation: committed == reserved; a cell's bytes count its history planes.
+    memory_breakdown get_memory_breakdown() const override;
+
+    /// State bytes a memory made from p would hold (every row of every plane), saturating at UINT64_MAX;
+    /// p need not be valid. What creation checks against p.memory_budget.
+    static uint64_t reserve_bytes(const recurrent_params& p);
 
     // -- shape --
     /// The parameters the memory was built with.

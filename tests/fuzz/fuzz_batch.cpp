@@ -61,6 +61,7 @@ public:
     void state_commit(kvc::state_stage_i&) override {}
     bool state_fits(const kvc::state_stage_i&) override { return true; }
     std::string state_layout() const override { return {}; }
+    kvc::memory_breakdown get_memory_breakdown() const override { return {}; }
 };
 
 void check(bool ok) {

@@ -19,6 +19,10 @@ uint32_t replay_part::used() const {
 
 namespace {
 
+// Layers a script may declare: far above any model's, and few enough that their descriptions cost little
+// (what the layers' K/V would need is the memory budget's to refuse).
+constexpr uint32_t max_layers = 65536;
+
 // A constructor's refusal of the configuration is a script error.
 template <class T, class... Args>
 std::unique_ptr<T> build(Args&&... args) {
@@ -173,6 +177,8 @@ void make_recurrent(replay_memory& r, const words& w) {
     p.n_seq_max = count("n_seq_max", 1, 1);
     p.n_rs_seq = count("n_rs_seq", 0, 0);
     const uint32_t n_layer = count("n_layer", 2, 1);
+    if (n_layer > max_layers)
+        fail(fmt::format("memory: n_layer={} is over the limit of {}", n_layer, max_layers));
     const recurrent_layer_desc d{.n_embd_r = count("n_embd_r", 8, 0), .n_embd_s = count("n_embd_s", 16, 0)};
     p.layers.assign(n_layer, d);
     r.n_layer = n_layer;
@@ -225,6 +231,8 @@ replay_memory make_replay_memory(const words& w) {
     };
     const uint32_t n_ctx = positive("n_ctx", 256), n_seq_max = positive("n_seq_max", 1);
     const uint32_t n_layer = positive("n_layer", 2), n_head_kv = positive("n_head_kv", 2);
+    if (n_layer > max_layers)
+        fail(fmt::format("memory: n_layer={} is over the limit of {}", n_layer, max_layers));
     const uint32_t n_embd_k = positive("n_embd_k", 32), n_embd_v = positive("n_embd_v", 32);
     r.n_ubatch = positive("n_ubatch", 512);
     if (n_embd_k % n_head_kv || n_embd_v % n_head_kv)
