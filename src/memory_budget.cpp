@@ -48,7 +48,7 @@ std::string human(uint64_t bytes) {
         v /= 1024.0;
         ++u;
     }
-    return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {} ({} bytes)", v, units[u], bytes);
+    return u == 0 ? fmt::format("{} bytes", bytes) : fmt::format("{:.2f} {} ({} bytes)", v, units[u], bytes);
 }
 
 }  // namespace
