@@ -756,6 +756,36 @@ static void test_errors_per_thread(void) {
     CHECK(strcmp(kvc_last_error(), "kvc_memory_seq_keep: mem is NULL") == 0);
 }
 
+/* A budget refuses a cache that could outgrow it; the breakdown counts what cells hold. */
+static void test_memory_budget_and_breakdown(void) {
+    CHECK(kvc_kv_cache_default_params().memory_budget == 0);
+    kvc_kv_cache_params p = small_params(64, 2); /* a cell: 2 layers x (K 32 + V 32 bytes) */
+    p.memory_budget = 64 * 128 - 1;
+    kvc_memory* mem = NULL;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_OUT_OF_MEMORY, "(8192 bytes), over the memory budget");
+    CHECK_MSG("(8191 bytes)");
+    CHECK(mem == NULL);
+    p.memory_budget = 64 * 128;
+    CHECK_OK(kvc_kv_cache_create(&p, &mem));
+    kvc_batch* b = seq_batch(1, 0, 10);
+    decode(mem, b, 16);
+    kvc_batch_free(b);
+    kvc_memory_breakdown bd;
+    uint64_t seq[3] = {9, 9, 9};
+    CHECK_OK(kvc_memory_get_breakdown(mem, &bd, seq, 3));
+    /* transposed V commits a page of each channel: the granule is the whole stream here */
+    CHECK(bd.reserved == 8192 && bd.committed == 8192 && bd.used == 1280 && bd.cached == 0 && bd.pinned == 0);
+    CHECK(bd.free == 8192 - 1280);
+    CHECK(seq[0] == 0 && seq[1] == 1280 && seq[2] == 0);
+    CHECK_OK(kvc_memory_seq_rm(mem, 1, -1, -1, NULL));
+    CHECK_OK(kvc_memory_get_breakdown(mem, &bd, NULL, 0));
+    CHECK(bd.committed == 0 && bd.used == 0 && bd.free == 0);
+    CHECK_ERR(kvc_memory_get_breakdown(NULL, &bd, NULL, 0), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    CHECK_ERR(kvc_memory_get_breakdown(mem, NULL, NULL, 0), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
+    CHECK_ERR(kvc_memory_get_breakdown(mem, &bd, NULL, 2), KVC_ERR_INVALID_ARGUMENT, "seq_bytes is NULL");
+    kvc_memory_free(mem);
+}
+
 int main(void) {
     test_errors_and_version();
     test_types();
@@ -770,5 +800,6 @@ int main(void) {
     test_null_contexts();
     test_log_callback();
     test_errors_per_thread();
+    test_memory_budget_and_breakdown();
     return capi_report("capi");
 }

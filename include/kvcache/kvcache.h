@@ -269,6 +269,9 @@ typedef struct kvc_kv_cache_params {
     uint32_t n_pos;                ///< positions per token (4 for M-RoPE)
     float compact_threshold;  ///< compact on update once this fraction of cells are holes (0: on request)
     kvc_prefix_cache_params prefix;  ///< the prefix cache (off by default)
+    /// the most bytes the K/V of every cell may take: creation refuses more, before allocating anything
+    /// (0: the machine's physical memory)
+    uint64_t memory_budget;
 } kvc_kv_cache_params;
 
 /// @brief The defaults of a layer: 1 KV head, has_kv, normal RoPE with base 10000; head sizes 0 (set them).
@@ -280,11 +283,13 @@ KVC_API kvc_layer_desc kvc_layer_desc_default(void) KVC_NOEXCEPT;
 /// @return The defaults (the C++ kvc::kv_cache_params defaults).
 KVC_API kvc_kv_cache_params kvc_kv_cache_default_params(void) KVC_NOEXCEPT;
 
-/// @brief Creates an attention KV cache (all of its storage is allocated and zeroed now).
+/// @brief Creates an attention KV cache. Host memory is reserved for every cell now and committed as cells
+/// are used (docs/memory.md); with an engine allocator, all of it is allocated now.
 /// @param params The configuration; read during the call only.
 /// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (the message
-/// names the field), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
+/// names the field), #KVC_ERR_OUT_OF_MEMORY when every cell's K/V would exceed memory_budget (the message
+/// names both sizes) or the storage cannot be reserved.
 KVC_API kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** out) KVC_NOEXCEPT;
 
 /// @brief How the sliding-window cache of an iSWA pair is sized (kvc_iswa_params, kvc_hybrid_params).
@@ -352,6 +357,9 @@ typedef struct kvc_recurrent_params {
     /// rollback depth in tokens: kvc_memory_seq_rm() can remove up to this many last tokens of a
     /// sequence (0: no rollback; removing a suffix then reports removed == false)
     uint32_t n_rs_seq;
+    /// the most bytes every state row may take: creation refuses more, before allocating anything (0: the
+    /// machine's physical memory)
+    uint64_t memory_budget;
 } kvc_recurrent_params;
 
 /// @brief The defaults of a recurrent memory: f32 r and s rows, one sequence, no rollback; no layers (set
@@ -364,7 +372,7 @@ KVC_API kvc_recurrent_params kvc_recurrent_default_params(void) KVC_NOEXCEPT;
 /// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (no layers,
 /// no layer with a state row kept, n_seq_max 0, a type other than f32, f16 or bf16; the message names
-/// it), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
+/// it), #KVC_ERR_OUT_OF_MEMORY over memory_budget or when the storage cannot be allocated.
 KVC_API kvc_status kvc_recurrent_create(const kvc_recurrent_params* params, kvc_memory** out) KVC_NOEXCEPT;
 
 /// @brief Everything a hybrid memory (attention and recurrent layers: Jamba, Falcon-H1, Granite 4, LFM2,
@@ -381,6 +389,7 @@ typedef struct kvc_hybrid_params {
     /// the attention part is an iSWA pair of caches (kvc_iswa_params), split by kvc_layer_desc::is_swa
     bool iswa;
     kvc_iswa_sizing sizing;  ///< with iswa: how its sliding-window cache is sized
+    uint64_t memory_budget;  ///< the most both parts may take together (0: the machine's physical memory)
 } kvc_hybrid_params;
 
 /// @brief The defaults of a hybrid memory: kvc_kv_cache_default_params(), kvc_recurrent_default_params(),
@@ -388,7 +397,7 @@ typedef struct kvc_hybrid_params {
 /// @return The defaults (the C++ kvc::memory_hybrid_params defaults).
 KVC_API kvc_hybrid_params kvc_hybrid_default_params(void) KVC_NOEXCEPT;
 
-/// @brief Creates a hybrid memory (all of its storage is allocated and zeroed now).
+/// @brief Creates a hybrid memory (its parts' storage as kvc_kv_cache_create() and kvc_recurrent_create()).
 ///
 /// Batches are split once, in equal-length ubatches, and placed in both parts or in neither. Removing
 /// tokens is all or nothing: when the recurrent part cannot remove them (no rollback left),
@@ -397,7 +406,8 @@ KVC_API kvc_hybrid_params kvc_hybrid_default_params(void) KVC_NOEXCEPT;
 /// @param params The configuration; read during the call only.
 /// @param out Receives the memory (free it with kvc_memory_free()); NULL on failure.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for a NULL pointer or an invalid configuration (what either
-/// part refuses, or different n_seq_max), #KVC_ERR_OUT_OF_MEMORY when the storage cannot be allocated.
+/// part refuses, or different n_seq_max), #KVC_ERR_OUT_OF_MEMORY over a memory budget or when the storage
+/// cannot be allocated.
 KVC_API kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) KVC_NOEXCEPT;
 
 /// @brief The kind of a memory.
@@ -405,6 +415,28 @@ KVC_API kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory
 /// @param out Receives its kind.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
 KVC_API kvc_status kvc_memory_get_kind(const kvc_memory* mem, kvc_memory_kind* out) KVC_NOEXCEPT;
+
+/// @brief Where a memory's bytes are (K/V and state rows): committed = used + cached + free, reserved >=
+/// committed (docs/memory.md).
+typedef struct kvc_memory_breakdown {
+    uint64_t reserved;   ///< every cell's bytes: the most it can hold (address space, not memory)
+    uint64_t committed;  ///< bytes backed by memory: the cells below each stream's commit mark
+    uint64_t used;       ///< cells some sequence holds
+    uint64_t cached;     ///< cells only the prefix cache holds (evictable)
+    uint64_t pinned;     ///< cells of pinned prefix blocks (within used or cached; not evictable)
+    uint64_t free;       ///< committed cells that hold nothing
+} kvc_memory_breakdown;
+
+/// @brief Where a memory's bytes are, and the bytes of the cells each sequence holds. It counts every
+/// cell: for reports, not for every step.
+/// @param mem The memory.
+/// @param out Receives the totals.
+/// @param seq_bytes NULL, or [n_seq] receiving the bytes of sequences 0..n_seq-1 (a cell several share
+/// counts for each; 0 past n_seq_max).
+/// @param n_seq Entries of seq_bytes.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL mem or out, or NULL seq_bytes with n_seq > 0.
+KVC_API kvc_status kvc_memory_get_breakdown(const kvc_memory* mem, kvc_memory_breakdown* out,
+                                            uint64_t* seq_bytes, size_t n_seq) KVC_NOEXCEPT;
 
 /// @brief Frees a memory and its storage. Free its contexts first.
 /// @param mem The memory; NULL is harmless.

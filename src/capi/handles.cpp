@@ -171,6 +171,7 @@ kv_cache_params to_cpp(const kvc_kv_cache_params& c, const char* name) {
     p.n_pos = c.n_pos;
     p.compact_threshold = c.compact_threshold;
     p.prefix = prefix_to_cpp(c.prefix, name);
+    p.memory_budget = c.memory_budget;
     return p;
 }
 
@@ -185,6 +186,7 @@ recurrent_params to_cpp(const kvc_recurrent_params& c, const char* name) {
     p.type_s = to_dtype(c.type_s, fmt::format("{}.type_s", name).c_str());
     p.n_seq_max = c.n_seq_max;
     p.n_rs_seq = c.n_rs_seq;
+    p.memory_budget = c.memory_budget;
     return p;
 }
 
@@ -220,6 +222,7 @@ kvc_recurrent_params to_c(const recurrent_params& p) {
     c.type_s = static_cast<kvc_type>(p.type_s);
     c.n_seq_max = p.n_seq_max;
     c.n_rs_seq = p.n_rs_seq;
+    c.memory_budget = p.memory_budget;
     return c;
 }
 
@@ -418,6 +421,7 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
                 .n_vocab = p.prefix.n_vocab,
                 .on_event = nullptr,
                 .on_event_user_data = nullptr};
+    c.memory_budget = p.memory_budget;
     return c;
 }
 
@@ -439,5 +443,6 @@ kvc_hybrid_params kvc_hybrid_default_params(void) noexcept {
     c.recr = to_c(p.recr);
     c.iswa = p.iswa.has_value();
     c.sizing = kvc::capi::to_c(p.iswa.value_or(kvc::iswa_sizing{}));
+    c.memory_budget = p.memory_budget;
     return c;
 }

@@ -78,6 +78,7 @@ kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) 
         p.attn = to_cpp(c.attn, "params.attn");
         p.recr = to_cpp(c.recr, "params.recr");
         if (c.iswa) p.iswa = to_cpp(c.sizing);
+        p.memory_budget = c.memory_budget;
         auto hybrid = std::make_unique<kvc::memory_hybrid>(std::move(p));
         const kvc::kv_cache_params& attn = hybrid->params().attn;
         *out = new_memory(std::move(hybrid), c.iswa ? KVC_MEMORY_KIND_HYBRID_ISWA : KVC_MEMORY_KIND_HYBRID,
@@ -92,6 +93,23 @@ kvc_status kvc_memory_get_kind(const kvc_memory* mem, kvc_memory_kind* out) noex
     return guarded(__func__, [&] {
         const kvc_memory& m = need(mem, "mem");
         need(out, "out") = m.kind;
+    });
+}
+
+kvc_status kvc_memory_get_breakdown(const kvc_memory* mem, kvc_memory_breakdown* out, uint64_t* seq_bytes,
+                                    size_t n_seq) noexcept {
+    return guarded(__func__, [&] {
+        const kvc_memory& m = need(mem, "mem");
+        kvc_memory_breakdown& o = need(out, "out");
+        if (n_seq > 0) need(seq_bytes, "seq_bytes");
+        const kvc::memory_breakdown b = m.mem->get_memory_breakdown();
+        o = {.reserved = b.reserved,
+             .committed = b.committed,
+             .used = b.used,
+             .cached = b.cached,
+             .pinned = b.pinned,
+             .free = b.free};
+        for (size_t s = 0; s < n_seq; ++s) seq_bytes[s] = s < b.seq.size() ? b.seq[s] : 0;
     });
 }
 

@@ -218,6 +218,16 @@ void op_show(replay_memory& m, const words&) {
     fmt::print("{}\n", line);
 }
 
+// bytes: where the memory's bytes are (memory_breakdown), then each sequence that holds any, as SEQ:BYTES
+void op_bytes(replay_memory& m, const words&) {
+    const memory_breakdown b = m.mem->get_memory_breakdown();
+    std::string line = fmt::format("bytes reserved={} committed={} used={} cached={} pinned={} free={}",
+                                   b.reserved, b.committed, b.used, b.cached, b.pinned, b.free);
+    for (size_t s = 0; s < b.seq.size(); ++s)
+        if (b.seq[s] > 0) line += fmt::format(" {}:{}", s, b.seq[s]);
+    fmt::print("{}\n", line);
+}
+
 // cells of a recurrent memory: `<idx> pos=<p> seqs=<a+b> hist=<states kept> rollback=<pending plane>`
 void recurrent_cells(const words& w, const memory_recurrent& rec) {
     if (w.size() != 1) fail("cells: a recurrent memory has one stream");
@@ -290,6 +300,7 @@ const op ops[] = {
     {"clear", "clear [data=0|1]", 1, any, op_clear},
     {"update", "update", 1, 1, op_update},
     {"show", "show", 1, 1, op_show},
+    {"bytes", "bytes", 1, 1, op_bytes},
     {"cells", "cells [STREAM] [part=base|swa|kv|rs]", 1, any, op_cells},
     {"size", "size SEQ [partial=0|1]", 2, 3, op_size},
     {"save", "save SEQ FILE [format=buffer|session|zstd|ggsq] [partial=0|1]", 3, 5, op_save},

@@ -23,6 +23,13 @@ namespace {
 // (what the layers' K/V would need is the memory budget's to refuse).
 constexpr uint32_t max_layers = 65536;
 
+// budget=BYTES: the most the memory may grow to (0, the default: the machine's physical memory).
+uint64_t memory_budget(const keys& k) {
+    const int64_t v = k.get_int("budget", 0);
+    if (v < 0) fail(fmt::format("memory: budget={} must be at least 0", v));
+    return static_cast<uint64_t>(v);
+}
+
 // A constructor's refusal of the configuration is a script error.
 template <class T, class... Args>
 std::unique_ptr<T> build(Args&&... args) {
@@ -48,6 +55,7 @@ void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
     const int64_t rs = k.get_int("n_rs_seq", 0);
     if (rs < 0 || rs > (1 << 24)) fail("memory: n_rs_seq out of range");
     rp.n_rs_seq = static_cast<uint32_t>(rs);
+    rp.memory_budget = p.memory_budget;
     const runtime_params rtp{.n_ubatch = r.n_ubatch};
     if (r.mdl->memory_kind() == model_memory::recurrent) {
         auto rec = std::make_unique<memory_recurrent>(std::move(rp));
@@ -58,6 +66,7 @@ void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
         return;
     }
     memory_hybrid_params h;
+    h.memory_budget = p.memory_budget;
     h.attn = std::move(p);
     h.recr = std::move(rp);
     auto hyb = std::make_unique<memory_hybrid>(std::move(h));
@@ -151,6 +160,7 @@ void make_hybrid(replay_memory& r, const keys& k, kv_cache_params p) {
                                      : recurrent_layer_desc{.n_embd_r = static_cast<uint32_t>(re),
                                                             .n_embd_s = static_cast<uint32_t>(se)});
     }
+    h.memory_budget = p.memory_budget;
     h.attn = std::move(p);
     auto hyb = build<memory_hybrid>(std::move(h));
     // replay's hybrid has a plain KV cache as its attention part (no iswa key)
@@ -166,7 +176,8 @@ void make_hybrid(replay_memory& r, const keys& k, kv_cache_params p) {
 // memory type=recurrent: n_layer layers, each with an r row of n_embd_r and an s row of n_embd_s f32
 // values; one cell per sequence; n_rs_seq rollback planes.
 void make_recurrent(replay_memory& r, const words& w) {
-    const keys k(w, 1, {"type", "n_seq_max", "n_ubatch", "n_layer", "n_embd_r", "n_embd_s", "n_rs_seq"},
+    const keys k(w, 1,
+                 {"type", "n_seq_max", "n_ubatch", "n_layer", "n_embd_r", "n_embd_s", "n_rs_seq", "budget"},
                  "memory");
     const auto count = [&](const char* name, int64_t def, int64_t lo) {
         const int64_t v = k.get_int(name, def);
@@ -181,6 +192,7 @@ void make_recurrent(replay_memory& r, const words& w) {
         fail(fmt::format("memory: n_layer={} is over the limit of {}", n_layer, max_layers));
     const recurrent_layer_desc d{.n_embd_r = count("n_embd_r", 8, 0), .n_embd_s = count("n_embd_s", 16, 0)};
     p.layers.assign(n_layer, d);
+    p.memory_budget = memory_budget(k);
     r.n_layer = n_layer;
     r.n_ubatch = count("n_ubatch", 512, 1);
     auto rec = build<memory_recurrent>(p);
@@ -217,9 +229,9 @@ replay_memory make_replay_memory(const words& w) {
         }
     if (type != "kv" && type != "iswa" && type != "hybrid")
         fail(fmt::format("memory: unknown type '{}'", type));
-    std::vector<const char*> allowed = {"type",    "n_ctx",    "n_seq_max", "unified",  "n_ubatch",
-                                        "type_k",  "type_v",   "v_trans",   "swa_type", "n_swa",
-                                        "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv"};
+    std::vector<const char*> allowed = {"type",    "n_ctx",    "n_seq_max", "unified",   "n_ubatch",
+                                        "type_k",  "type_v",   "v_trans",   "swa_type",  "n_swa",
+                                        "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv", "budget"};
     if (type == "kv") allowed.insert(allowed.end(), {"model", "n_rs_seq", "prefix", "evict"});
     if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
     if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
@@ -262,6 +274,7 @@ replay_memory make_replay_memory(const words& w) {
                                         .n_embd_head_k = head_k,
                                         .n_embd_head_v = n_embd_v / n_head_kv,
                                         .rope = rope});
+    p.memory_budget = memory_budget(k);
     r.n_seq_max = n_seq_max;
     r.n_layer = static_cast<uint32_t>(p.layers.size());
     if (type == "iswa")
