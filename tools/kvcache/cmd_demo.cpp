@@ -28,6 +28,7 @@
 
 #include "commands.h"
 #include "demo_recurrent.h"
+#include "rss.h"
 #include "svg.h"
 
 namespace kvc::cli {
@@ -41,7 +42,7 @@ struct demo_options {
     uint32_t seqs = 4;
     uint32_t ctx = 1024;
     uint32_t threads = 0;
-    bool v_trans = true;
+    bool v_trans = false;  // llama.cpp's default with flash attention; commits memory in small granules
     bool unified = true;
     uint32_t swa = 0;  // > 0: every other layer slides a window of this many positions (iSWA memory)
     std::string plot;
@@ -99,6 +100,9 @@ public:
                    c.get_size(), o_.unified ? "" : fmt::format(" x {} streams", c.get_n_stream()), o_.type_k,
                    o_.type_v, o_.v_trans ? " (transposed)" : "", o_.seqs,
                    static_cast<double>(kv_bytes) / 1024, rt_->pool().size());
+        fmt::print(
+            "memory  {:.1f} KiB reserved, committed as cells are used in granules of {} cells per stream\n",
+            static_cast<double>(mem_->get_memory_breakdown().reserved) / 1024, granule_cells());
         if (iswa_)
             fmt::print(
                 "iSWA    layers 0, 2, ... see a window of {} positions through a cache of {} cells per "
@@ -184,7 +188,10 @@ public:
             "\n{} tokens decoded through the cache in {:.2f} s; worst difference {:.2e} (limit {:.0e}): {}\n",
             n_decoded_, seconds_, worst_, limit_, worst_ <= limit_ ? "cache == recompute" : "MISMATCH");
         if (!o_.plot.empty()) fmt::print("cell pictures in {}\n", o_.plot);
-        return worst_ <= limit_ ? 0 : 1;
+        const rss r = read_rss();
+        fmt::print("process memory: {:.1f} MiB resident, {:.1f} MiB at the peak (model, reference, cache)\n",
+                   static_cast<double>(r.now) / (1 << 20), static_cast<double>(r.peak) / (1 << 20));
+        return worst_ <= limit_ && committed_ok_ ? 0 : 1;
     }
 
 private:
@@ -363,7 +370,33 @@ private:
             fmt::print("   swa   {:>5}/{:<5} {}\n", used(iswa_->get_swa()),
                        iswa_->get_swa().get_size() * iswa_->get_swa().get_n_stream(),
                        occupancy(iswa_->get_swa()));
+        // memory follows what the cells hold: at most one commit granule per stream above it
+        const memory_breakdown b = mem_->get_memory_breakdown();
+        const bool within = b.committed <= b.used + b.cached + granule_bytes();
+        committed_ok_ = committed_ok_ && within;
+        const auto kib = [](uint64_t n) { return static_cast<double>(n) / 1024; };
+        fmt::print("   bytes {:.1f} KiB committed: {:.1f} used, {:.1f} cached, {:.1f} free  {}\n",
+                   kib(b.committed), kib(b.used), kib(b.cached), kib(b.free),
+                   within ? "<= held + a granule per stream" : "OVER");
         if (!o_.plot.empty()) plot(name);
+    }
+
+    // The KV caches of the memory (base and SWA of an iSWA memory).
+    std::vector<const kv_cache*> caches() const {
+        if (iswa_) return {&iswa_->get_base(), &iswa_->get_swa()};
+        return {cache_.get()};
+    }
+
+    uint32_t granule_cells() const { return base().storage().commit_granule(); }
+
+    // Bytes of one commit granule in every stream of every cache.
+    uint64_t granule_bytes() const {
+        uint64_t n = 0;
+        for (const kv_cache* c : caches()) {
+            const uint64_t cell = c->size_bytes() / (uint64_t{c->get_size()} * c->get_n_stream());
+            n += uint64_t{c->storage().commit_granule()} * cell * c->get_n_stream();
+        }
+        return n;
     }
 
     // The memory's KV cache (the base cache of an iSWA memory).
@@ -443,6 +476,7 @@ private:
     reference_memory ref_;
     uint64_t rng_state_;
     double limit_ = 0, worst_ = 0, phase_worst_ = 0, seconds_ = 0;
+    bool committed_ok_ = true;  // every phase ended with memory committed <= held + a granule per stream
     size_t n_decoded_ = 0;
     int n_phase_ = 0;
 };
