@@ -35,6 +35,7 @@
 namespace kvc {
 
 struct kv_cache_test_access;
+class kv_storage_engine;
 
 /// Sliding-window attention rule: which past keys a query may see.
 enum class swa_type : uint8_t {
@@ -78,6 +79,9 @@ struct kv_cache_params {
     /// used one exceed this fraction of it (0: only when asked with init_update(true)).
     float compact_threshold = 0.0f;
     buffer_allocator* allocator = nullptr;  ///< null: host memory
+    /// Non-null: the engine owns the K/V tensors and runs the row operations kvcache hands it
+    /// (kv_storage_engine.h, docs/engine-owned-storage.md); no allocator then. Borrowed: outlives the cache.
+    kv_storage_engine* engine = nullptr;
     /// Runs the K-shift's pieces in parallel (e.g. a thread_pool's parallel_for); empty: one thread.
     executor exec;
     /// Keep computed prompt prefixes for other sequences (kvcache/prefix_cache.h, docs/prefix-cache.md).
