@@ -248,6 +248,9 @@ typedef struct kvc_prefix_cache_params {
     void* on_event_user_data;      ///< passed to on_event
 } kvc_prefix_cache_params;
 
+/// @brief An engine that owns the K/V tensors (kvcache_engine.h).
+typedef struct kvc_storage_engine kvc_storage_engine;
+
 /// @brief Everything a KV cache is made from. Start from kvc_kv_cache_default_params() and set the
 /// fields you need; `layers` must be set.
 typedef struct kvc_kv_cache_params {
@@ -269,6 +272,9 @@ typedef struct kvc_kv_cache_params {
     uint32_t n_pos;                ///< positions per token (4 for M-RoPE)
     float compact_threshold;  ///< compact on update once this fraction of cells are holes (0: on request)
     kvc_prefix_cache_params prefix;  ///< the prefix cache (off by default)
+    /// NULL (the default): kvcache owns the K/V storage. Else the engine owns the tensors and runs the row
+    /// operations kvcache hands it (kvcache_engine.h, docs/engine-owned-storage.md); read at creation.
+    const kvc_storage_engine* engine;
 } kvc_kv_cache_params;
 
 /// @brief The defaults of a layer: 1 KV head, has_kv, normal RoPE with base 10000; head sizes 0 (set them).
@@ -843,5 +849,7 @@ KVC_API kvc_status kvc_memory_get_s(kvc_memory_context* ctx, uint32_t il, kvc_te
 #include <kvcache/kvcache_state.h>
 // The prefix cache.
 #include <kvcache/kvcache_prefix.h>
+// Engine-owned storage.
+#include <kvcache/kvcache_engine.h>
 
 #endif  // KVCACHE_KVCACHE_H

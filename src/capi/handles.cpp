@@ -418,6 +418,7 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
                 .n_vocab = p.prefix.n_vocab,
                 .on_event = nullptr,
                 .on_event_user_data = nullptr};
+    c.engine = nullptr;
     return c;
 }
 
