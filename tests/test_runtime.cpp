@@ -340,6 +340,9 @@ TEST_P(prefix_equals_recompute, hits_from_live_and_ended_sequences) {
     const prefix_stats st = r.cache().get_prefix_stats();
     EXPECT_EQ(st.hit_tokens, 24u);
     EXPECT_GT(st.published_blocks, 3u);
+    if (GetParam().engine && !GetParam().unified) {
+        EXPECT_GT(r.tensors().n_ops(kv_op_kind::copy), 0u) << "attaches copied rows across streams";
+    }
     EXPECT_CLOSE(r);
 }
 

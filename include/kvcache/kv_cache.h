@@ -306,6 +306,8 @@ public:
     ///   K, V:        [n_embd_head, n_head_kv, n_kv, ns]
     ///   V transposed: [n_kv, n_head_kv, n_embd_head_v, ns] (cells fastest)
     /// @endverbatim
+    /// With engine-owned storage (kv_cache_params::engine) there is nothing to view: throws
+    /// kvc::error(unsupported), as cpy_k and cpy_v do (the engine writes at k_idxs / v_idxs).
     tensor_view get_k(uint32_t il);
     tensor_view get_v(uint32_t il);  ///< the V view (see get_k)
     /// Writes the ubatch's K (or V) rows of layer il: src is [E, n_tokens] (or [head_dim, n_head,

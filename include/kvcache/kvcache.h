@@ -686,7 +686,8 @@ typedef struct kvc_tensor_view {
 /// @param n_tokens Rows in src: the current ubatch's token count.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n_tokens;
 /// #KVC_ERR_OUT_OF_RANGE for a layer without K/V in this memory; #KVC_ERR_INVALID_STATE when the ubatch is
-/// not applied (or the context has none); #KVC_ERR_UNSUPPORTED for a memory without K/V (recurrent).
+/// not applied (or the context has none); #KVC_ERR_UNSUPPORTED for a memory without K/V (recurrent) or
+/// whose engine owns the K/V tensors (kvcache_engine.h: the engine writes at kvc_memory_k_idxs()).
 KVC_API kvc_status kvc_memory_cpy_k(kvc_memory_context* ctx, uint32_t il, const float* src,
                                     size_t n_tokens) KVC_NOEXCEPT;
 
@@ -707,7 +708,7 @@ KVC_API kvc_status kvc_memory_cpy_v(kvc_memory_context* ctx, uint32_t il, const 
 /// @param out Receives the view; valid while the memory lives (its contents change with the memory).
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a layer without
 /// K/V; #KVC_ERR_INVALID_STATE before apply or for a context without a slot; #KVC_ERR_UNSUPPORTED for a
-/// memory without K/V (recurrent).
+/// memory without K/V (recurrent) or whose engine owns the K/V tensors (kvcache_engine.h).
 KVC_API kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
 
 /// @brief A view of the values of layer il: [n_embd_head_v, n_head_kv, n_kv, n_stream], or with v_trans
