@@ -264,6 +264,20 @@ static void test_bad_engines_are_refused(void) {
     kvc_memory_free(mem);
     g_layers[0].is_swa = false;
     engine_free(&g);
+    /* and a hybrid memory once, for its attention part */
+    engine h = {0};
+    cb.user_data = &h;
+    kvc_recurrent_layer_desc recr[2] = {{0, 0}, {4, 4}};
+    kvc_hybrid_params hp = kvc_hybrid_default_params();
+    hp.attn = small_params(16, 2);
+    hp.attn.engine = &cb;
+    hp.recr.layers = recr;
+    hp.recr.n_layers = 2;
+    hp.recr.n_seq_max = 2;
+    CHECK_OK(kvc_hybrid_create(&hp, &mem));
+    CHECK(h.allocations == 1 && h.n_stream == 1);
+    kvc_memory_free(mem);
+    engine_free(&h);
 }
 
 int main(void) {

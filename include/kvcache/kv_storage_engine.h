@@ -61,7 +61,9 @@ public:
     /// `storage` is layers[li]) live in the engine's tensors, shaped as `storage` says (kv_storage.h:
     /// bytes(part, li), k_row_bytes(li), v_row_bytes(li), e_vmax(), params()) and zeroed, because attention
     /// reads never-written cells (masked) and must not meet NaNs. The engine may have allocated them
-    /// before; this tells it the shape kvcache assumes. May throw (the cache is then not made).
+    /// before; this tells it the shape kvcache assumes. May throw (the cache is then not made). kvcache
+    /// never frees anything: the engine frees its tensors after the memory is destroyed, or when the
+    /// memory's creation fails after an allocate (an iSWA memory whose second cache is refused).
     virtual void allocate(const kv_storage& storage, std::span<const uint32_t> layers) = 0;
     /// Runs one operation on the tensors (kv_op_kind). An engine may queue it on its device stream, as
     /// long as later operations, ubatch writes and read_rows see its result.

@@ -88,7 +88,9 @@ typedef struct kvc_storage_shape {
 /// user_data must outlive the memory.
 struct kvc_storage_engine {
     /// A KV cache of the memory is being made: allocate (or check) zeroed tensors of this shape for its
-    /// layers. Return false to refuse: the creation fails with #KVC_ERR_OUT_OF_MEMORY.
+    /// layers. Return false to refuse: the creation fails with #KVC_ERR_OUT_OF_MEMORY. kvcache never
+    /// frees anything: free the tensors after kvc_memory_free(), or when the creation fails after an
+    /// allocate (an iSWA memory whose second cache is refused).
     bool (*allocate)(const kvc_storage_shape* shape, void* user_data);
     /// Run one operation (::kvc_storage_op_kind), or queue it on the device stream so that later
     /// operations, ubatch writes and read_rows see it. Must not fail: the cells are already edited.
