@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/memory_budget.h>
+#include <kvcache/kv_storage_engine.h>
 
 #include "detail/kv_cache_layer.h"
 #include "detail/kv_cache_prefix.h"
@@ -111,6 +112,7 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
                         to_string(p.type_v)));
     if (p.swa == swa_type::chunked && p.n_swa == 0) bad("chunked SWA needs n_swa > 0");
     if (p.layers.empty()) bad("no layers");
+    if (p.engine && p.allocator) bad("an engine that owns the storage (engine) takes no allocator");
     if (!p.unified && p.n_seq_max > 65536) bad("one stream per sequence allows at most 65536 sequences");
 
     const uint32_t n_stream = p.unified ? 1 : p.n_seq_max;
@@ -155,7 +157,8 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     sp.kv_size = p.kv_size;
     sp.n_stream = n_stream;
     sp.allocator = p.allocator;
-    storage_ = make_host_kv_storage(std::move(sp));
+    storage_ = p.engine ? make_engine_kv_storage(std::move(sp), layer_ids_, *p.engine)
+                        : make_host_kv_storage(std::move(sp));
     granule_ = storage_->commit_granule();
     streams_.reserve(n_stream);
     for (uint32_t s = 0; s < n_stream; ++s) streams_.emplace_back(p.kv_size, p.n_seq_max);

@@ -129,11 +129,15 @@ std::vector<int64_t> kv_cache_context::v_idxs(uint32_t il) const {
     cache_->own_layer(il);
     const kv_storage& st = *cache_->storage_;
     if (!st.params().v_trans) return {rows_.begin(), rows_.end()};
-    std::vector<int64_t> idx;
-    idx.reserve(rows_.size() * st.e_vmax());
-    for (uint64_t r : rows_)
-        for (uint32_t e = 0; e < st.e_vmax(); ++e)
-            idx.push_back(static_cast<int64_t>(st.v_trans_index(r, e)));
+    // channel e of a row is e * kv_size elements after its channel 0
+    const uint32_t e_vmax = st.e_vmax();
+    const auto kv = static_cast<int64_t>(cache_->params_.kv_size);
+    std::vector<int64_t> idx(rows_.size() * e_vmax);
+    int64_t* out = idx.data();
+    for (uint64_t r : rows_) {
+        const auto base = static_cast<int64_t>(st.v_trans_index(r, 0));
+        for (uint32_t e = 0; e < e_vmax; ++e) *out++ = base + e * kv;
+    }
     return idx;
 }
 

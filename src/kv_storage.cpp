@@ -96,7 +96,7 @@ public:
     }
 
     uint32_t commit_granule() const override {
-        if (!elastic()) return params_.kv_size;
+        if (!elastic()) return 0;
         // the fewest cells whose bytes fill whole pages in every tensor (a transposed V commits channel
         // by channel: a page holds page / element-size cells of one channel)
         const size_t page = detail::reserved_memory::page_size();

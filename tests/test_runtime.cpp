@@ -47,9 +47,10 @@ struct setup {
     swa_type swa = swa_type::none;
     uint32_t n_ubatch = 512;
     bool prefix = false;  // a prefix cache of 4-token blocks
+    bool engine = false;  // the runtime owns the K/V tensors (engine-owned storage) and runs the cache's ops
     std::string name() const {
-        return fmt::format("k={} v={} v_trans={} unified={} swa={} prefix={}", to_string(type_k),
-                           to_string(type_v), v_trans, unified, n_swa, prefix);
+        return fmt::format("k={} v={} v_trans={} unified={} swa={} prefix={} engine={}", to_string(type_k),
+                           to_string(type_v), v_trans, unified, n_swa, prefix, engine);
     }
 };
 
@@ -66,8 +67,12 @@ public:
         p.n_swa = s.n_swa;
         p.swa = s.swa;
         p.prefix = {.enabled = s.prefix, .block_size = 4};
+        if (s.engine) p.engine = &tensors_;
         cache_ = std::make_unique<kv_cache>(p);
-        rt_ = std::make_unique<runtime>(*m_, *cache_, runtime_params{.n_threads = 2, .n_ubatch = s.n_ubatch});
+        rt_ = std::make_unique<runtime>(
+            *m_, *cache_,
+            runtime_params{
+                .n_threads = 2, .n_ubatch = s.n_ubatch, .tensors = s.engine ? &tensors_ : nullptr});
         ref_.set_swa(s.n_swa, s.swa);
     }
 
@@ -124,10 +129,12 @@ public:
     kv_cache& cache() { return *cache_; }
     reference_memory& ref() { return ref_; }
     runtime& rt() { return *rt_; }
+    kv_tensors& tensors() { return tensors_; }
 
 private:
     setup s_;
     const model* m_;
+    kv_tensors tensors_;  // the engine's K/V when s_.engine (declared before the cache: it outlives it)
     std::unique_ptr<kv_cache> cache_;
     std::unique_ptr<runtime> rt_;
     reference_memory ref_;
@@ -146,9 +153,14 @@ std::vector<setup> every_setup() {
                 s.type_v = t;
                 s.v_trans = v_trans;
                 s.unified = unified;
-                out.push_back(s);
-                s.prefix = true;  // every test again with a prefix cache, which must change nothing seen
-                out.push_back(s);
+                // every test again with a prefix cache, which must change nothing seen, and each of the
+                // two with the runtime owning the K/V tensors (engine-owned storage)
+                for (const bool prefix : {false, true})
+                    for (const bool engine : {false, true}) {
+                        s.prefix = prefix;
+                        s.engine = engine;
+                        out.push_back(s);
+                    }
             }
     return out;
 }
@@ -193,6 +205,9 @@ TEST_P(cache_equals_recompute, shared_prefix_through_seq_cp_and_multi_sequence_t
     r.decode(
         {{{0}, -1, r.tokens(2)}, {{1}, -1, r.tokens(3)}, {{2}, -1, r.tokens(2)}, {{3}, -1, r.tokens(2)}});
     if (GetParam().unified) r.decode({{{2, 3}, -1, r.tokens(2)}});  // tokens in two sequences at once
+    if (GetParam().engine && !GetParam().unified) {
+        EXPECT_GT(r.tensors().n_ops(kv_op_kind::copy), 0u) << "stream copies reached the engine";
+    }
     EXPECT_CLOSE(r);
 }
 
@@ -219,6 +234,9 @@ TEST_P(cache_equals_recompute, context_shift_seq_rm_and_seq_add_with_k_shift) {
     EXPECT_TRUE(r.cache().get_has_shift());
     r.decode({{{0}, -1, r.tokens(4)}, {{1}, -1, r.tokens(1)}});
     EXPECT_FALSE(r.cache().get_has_shift());
+    if (GetParam().engine) {
+        EXPECT_GT(r.tensors().n_ops(kv_op_kind::shift), 0u) << "the K-shift reached the engine";
+    }
     EXPECT_CLOSE(r);
 }
 
@@ -256,6 +274,9 @@ TEST_P(cache_equals_recompute, state_and_session_files_restore_into_other_sequen
     o.compress = true;
     save_file(r.cache(), path, seq_all, o);
     r.cache().clear(true);
+    if (GetParam().engine) {
+        EXPECT_EQ(r.tensors().n_ops(kv_op_kind::zero), 1u) << "clear(true) zeroed the engine's tensors";
+    }
     load_file(r.cache(), path, seq_all);
     // one sequence through a plain session file, into another sequence
     save_file(r.cache(), path, 1);
@@ -276,6 +297,9 @@ TEST_P(cache_equals_recompute, compaction_changes_nothing_a_sequence_sees) {
     const uint32_t moved = r.cache().compact();
     if (GetParam().unified) {
         EXPECT_GT(moved, 0u);
+        if (GetParam().engine) {
+            EXPECT_GT(r.tensors().n_ops(kv_op_kind::copy), 0u) << "the engine moved rows";
+        }
     }
     r.decode({{{0}, -1, r.tokens(2)}, {{2}, -1, r.tokens(2)}});
     EXPECT_CLOSE(r);
@@ -316,6 +340,9 @@ TEST_P(prefix_equals_recompute, hits_from_live_and_ended_sequences) {
     const prefix_stats st = r.cache().get_prefix_stats();
     EXPECT_EQ(st.hit_tokens, 24u);
     EXPECT_GT(st.published_blocks, 3u);
+    if (GetParam().engine && !GetParam().unified) {
+        EXPECT_GT(r.tensors().n_ops(kv_op_kind::copy), 0u) << "attaches copied rows across streams";
+    }
     EXPECT_CLOSE(r);
 }
 
@@ -417,8 +444,9 @@ TEST_P(prefix_equals_recompute, a_pinned_prefix_survives_churn) {
 }
 
 std::string setup_name(const ::testing::TestParamInfo<setup>& i) {
-    return fmt::format("{}_{}_{}{}", to_string(i.param.type_k), i.param.v_trans ? "vt" : "v",
-                       i.param.unified ? "unified" : "split", i.param.prefix ? "_prefix" : "");
+    return fmt::format("{}_{}_{}{}{}", to_string(i.param.type_k), i.param.v_trans ? "vt" : "v",
+                       i.param.unified ? "unified" : "split", i.param.prefix ? "_prefix" : "",
+                       i.param.engine ? "_engine" : "");
 }
 
 std::vector<setup> prefix_setups() {
@@ -432,15 +460,17 @@ INSTANTIATE_TEST_SUITE_P(types, cache_equals_recompute, ::testing::ValuesIn(ever
 INSTANTIATE_TEST_SUITE_P(types, prefix_equals_recompute, ::testing::ValuesIn(prefix_setups()), setup_name);
 
 TEST(cache_equals_recompute_swa, a_sliding_window_sees_the_same_keys) {
-    for (const swa_type t : {swa_type::standard, swa_type::chunked}) {
-        setup s;
-        s.n_swa = 4;
-        s.swa = t;
-        pair_run r(s, 2, 64);
-        r.decode({{{0}, 0, r.tokens(9)}});
-        for (int i = 0; i < 20; ++i) r.decode({{{0}, -1, r.tokens(1)}, {{1}, i, r.tokens(1)}});
-        EXPECT_LE(r.worst(), r.limit()) << to_string(t);
-    }
+    for (const swa_type t : {swa_type::standard, swa_type::chunked})
+        for (const bool engine : {false, true}) {
+            setup s;
+            s.n_swa = 4;
+            s.swa = t;
+            s.engine = engine;
+            pair_run r(s, 2, 64);
+            r.decode({{{0}, 0, r.tokens(9)}});
+            for (int i = 0; i < 20; ++i) r.decode({{{0}, -1, r.tokens(1)}, {{1}, i, r.tokens(1)}});
+            EXPECT_LE(r.worst(), r.limit()) << s.name();
+        }
 }
 
 // iSWA: layer 0 slides a window through a 256-cell SWA cache that wraps around (keys that left every
@@ -449,55 +479,78 @@ TEST(cache_equals_recompute_swa, a_sliding_window_sees_the_same_keys) {
 TEST(cache_equals_recompute_iswa, window_layers_and_full_layers_see_the_same_keys) {
     const model& m = tiny(false);
     for (const swa_type t : {swa_type::standard, swa_type::chunked})
-        for (const bool unified : {true, false}) {
-            kv_cache_iswa_params p;
-            p.kv = m.cache_params(1024, 2);
-            p.kv.layers[0].is_swa = true;
-            p.kv.unified = unified;
-            p.kv.n_swa = 8;
-            p.kv.swa = t;
-            p.sizing = {.swa_full = false, .n_ubatch = 32};
-            kv_cache_iswa mem(p);
-            ASSERT_EQ(mem.get_swa().get_size(), 256u);
-            runtime rt(m, mem, runtime_params{.n_threads = 2, .n_ubatch = 32});
-            reference_memory ref(m, 2, 2);
-            ref.set_swa(8, t, {true, false});
-            std::mt19937 rng(7);
-            double worst = 0;
-            const auto step = [&](uint32_t n0, uint32_t n1) {
-                batch_storage b = batch::init(static_cast<int32_t>(n0 + n1), 0, 1);
-                for (const auto& [s, n] : {std::pair<seq_id_t, uint32_t>{0, n0}, {1, n1}}) {
-                    const seq_id_t ids[] = {s};
-                    pos_t pos = mem.seq_pos_max(s) + 1;
-                    for (uint32_t i = 0; i < n; ++i)
-                        b.add(static_cast<token_t>(rng() % m.hparams().n_vocab), pos++, ids, true);
-                }
-                const decode_result a = rt.decode(b.view()), r = ref.decode(b.view());
-                ASSERT_EQ(a.status, memory_status::success);
-                ASSERT_EQ(a.logits.size(), r.logits.size());
-                float scale = 0;
-                for (float x : r.logits) scale = std::max(scale, std::fabs(x));
-                worst = std::max(worst, double{max_abs_diff(a.logits, r.logits)} / scale);
-            };
-            // more than 256 tokens per stream: the SWA cache wraps
-            for (int i = 0; i < (unified ? 7 : 14); ++i) step(20, 20);
-            EXPECT_GT(mem.seq_pos_min(0), 0) << "the window slid";
-            EXPECT_EQ(mem.get_base().seq_pos_min(0), 0);
-            // within the window, removing the last tokens and decoding again sees the same keys
-            const pos_t cut = mem.seq_pos_max(0) - 2;
-            EXPECT_TRUE(mem.seq_rm(0, cut, -1));
-            EXPECT_TRUE(ref.seq_rm(0, cut, -1));
-            for (int i = 0; i < 3; ++i) step(1, 1);
-            EXPECT_LE(worst, logits_tolerance(dtype::f16)) << to_string(t) << " unified " << unified;
-        }
+        for (const bool unified : {true, false})
+            for (const bool engine : {false, true}) {
+                kv_tensors tensors;  // engine: the runtime owns both caches' K/V tensors
+                kv_cache_iswa_params p;
+                p.kv = m.cache_params(1024, 2);
+                p.kv.layers[0].is_swa = true;
+                p.kv.unified = unified;
+                p.kv.n_swa = 8;
+                p.kv.swa = t;
+                p.sizing = {.swa_full = false, .n_ubatch = 32};
+                if (engine) p.kv.engine = &tensors;
+                kv_cache_iswa mem(p);
+                ASSERT_EQ(mem.get_swa().get_size(), 256u);
+                runtime rt(
+                    m, mem,
+                    runtime_params{.n_threads = 2, .n_ubatch = 32, .tensors = engine ? &tensors : nullptr});
+                reference_memory ref(m, 2, 2);
+                ref.set_swa(8, t, {true, false});
+                std::mt19937 rng(7);
+                double worst = 0;
+                const auto step = [&](uint32_t n0, uint32_t n1) {
+                    batch_storage b = batch::init(static_cast<int32_t>(n0 + n1), 0, 1);
+                    for (const auto& [s, n] : {std::pair<seq_id_t, uint32_t>{0, n0}, {1, n1}}) {
+                        const seq_id_t ids[] = {s};
+                        pos_t pos = mem.seq_pos_max(s) + 1;
+                        for (uint32_t i = 0; i < n; ++i)
+                            b.add(static_cast<token_t>(rng() % m.hparams().n_vocab), pos++, ids, true);
+                    }
+                    const decode_result a = rt.decode(b.view()), r = ref.decode(b.view());
+                    ASSERT_EQ(a.status, memory_status::success);
+                    ASSERT_EQ(a.logits.size(), r.logits.size());
+                    float scale = 0;
+                    for (float x : r.logits) scale = std::max(scale, std::fabs(x));
+                    worst = std::max(worst, double{max_abs_diff(a.logits, r.logits)} / scale);
+                };
+                // more than 256 tokens per stream: the SWA cache wraps
+                for (int i = 0; i < (unified ? 7 : 14); ++i) step(20, 20);
+                EXPECT_GT(mem.seq_pos_min(0), 0) << "the window slid";
+                EXPECT_EQ(mem.get_base().seq_pos_min(0), 0);
+                // within the window, removing the last tokens and decoding again sees the same keys
+                const pos_t cut = mem.seq_pos_max(0) - 2;
+                EXPECT_TRUE(mem.seq_rm(0, cut, -1));
+                EXPECT_TRUE(ref.seq_rm(0, cut, -1));
+                for (int i = 0; i < 3; ++i) step(1, 1);
+                EXPECT_LE(worst, logits_tolerance(dtype::f16))
+                    << to_string(t) << " unified " << unified << " engine " << engine;
+            }
 }
 
 // The tolerances are not vacuous: a cache that loses a key differs from the reference by far more.
 TEST(cache_equals_recompute_oracle, a_missing_key_is_detected) {
-    pair_run r(setup{});
-    r.decode({{{0}, 0, r.tokens(8)}});
-    r.cache().seq_rm(0, 3, 4);  // only the cache forgets position 3
-    EXPECT_GT(r.decode({{{0}, 8, r.tokens(2)}}), 10 * logits_tolerance(dtype::f16));
+    for (const bool engine : {false, true}) {
+        pair_run r(setup{.engine = engine});
+        r.decode({{{0}, 0, r.tokens(8)}});
+        r.cache().seq_rm(0, 3, 4);  // only the cache forgets position 3
+        EXPECT_GT(r.decode({{{0}, 8, r.tokens(2)}}), 10 * logits_tolerance(dtype::f16))
+            << "engine " << engine;
+    }
+}
+
+// So is an engine whose tensors lose rows the cache handed it (here: a stream copy, zeroed behind the
+// cache's back).
+TEST(cache_equals_recompute_oracle, an_engine_that_loses_rows_is_detected) {
+    pair_run r(setup{.unified = false, .engine = true});
+    r.decode({{{0}, 0, r.tokens(12)}});
+    r.both([](auto& c, auto& f) {
+        c.seq_cp(0, 1, -1, -1);  // into another stream: a copy op
+        f.seq_cp(0, 1, -1, -1);
+    });
+    EXPECT_EQ(r.tensors().n_ops(kv_op_kind::copy), 1u);
+    r.tensors().run({.kind = kv_op_kind::zero, .layers = r.cache().layer_ids(), .copies = {}, .shifts = {}});
+    EXPECT_GT(r.decode({{{1}, -1, r.tokens(2)}}), 10 * logits_tolerance(dtype::f16));
 }
 
 TEST(runtime, rejects_a_cache_of_another_shape_and_invalid_batches) {

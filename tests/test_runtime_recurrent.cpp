@@ -51,10 +51,11 @@ struct setup {
     bool unified = true;      // jamba's KV cache: one stream (split_equal not sequential) or one per seq
     dtype type_rs = dtype::f32;
     dtype type_kv = dtype::f32;
+    bool engine = false;  // jamba: the runtime owns the K/V tensors (engine-owned storage)
     std::string name() const {
-        return fmt::format("{}_rs{}_ub{}_{}_{}_{}_{}", arch == tiny_arch::mamba ? "mamba" : "jamba", n_rs_seq,
-                           n_ubatch, embd_all ? "seq" : "equal", unified ? "unified" : "streams",
-                           to_string(type_rs), to_string(type_kv));
+        return fmt::format("{}_rs{}_ub{}_{}_{}_{}_{}{}", arch == tiny_arch::mamba ? "mamba" : "jamba",
+                           n_rs_seq, n_ubatch, embd_all ? "seq" : "equal", unified ? "unified" : "streams",
+                           to_string(type_rs), to_string(type_kv), engine ? "_engine" : "");
     }
     double limit() const { return std::max({logits_tolerance(type_rs), logits_tolerance(type_kv)}); }
 };
@@ -63,8 +64,9 @@ void PrintTo(const setup& s, std::ostream* os) {
     *os << s.name();
 }
 
-// A memory for the model of s (recurrent or hybrid, as the model needs).
-std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max) {
+// A memory for the model of s (recurrent or hybrid, as the model needs); with s.engine its K/V tensors are
+// `tensors`.
+std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max, kv_tensors& tensors) {
     const model& m = tiny(s.arch);
     if (m.memory_kind() == model_memory::recurrent) {
         recurrent_params p = m.recr_params(n_seq_max);
@@ -75,13 +77,17 @@ std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max) {
     memory_hybrid_params p = m.hybrid_params(256, n_seq_max);
     p.attn.type_k = p.attn.type_v = s.type_kv;
     p.attn.unified = s.unified;
+    if (s.engine) p.attn.engine = &tensors;
     p.recr.n_rs_seq = s.n_rs_seq;
     p.recr.type_r = p.recr.type_s = s.type_rs;
     return std::make_unique<memory_hybrid>(p);
 }
 
-std::unique_ptr<runtime> make_runtime(const setup& s, memory_i& mem) {
-    const runtime_params rp{.n_threads = 2, .n_ubatch = s.n_ubatch, .embd_all = s.embd_all};
+std::unique_ptr<runtime> make_runtime(const setup& s, memory_i& mem, kv_tensors& tensors) {
+    const runtime_params rp{.n_threads = 2,
+                            .n_ubatch = s.n_ubatch,
+                            .embd_all = s.embd_all,
+                            .tensors = s.engine ? &tensors : nullptr};
     if (auto* h = dynamic_cast<memory_hybrid*>(&mem)) return std::make_unique<runtime>(tiny(s.arch), *h, rp);
     return std::make_unique<runtime>(tiny(s.arch), dynamic_cast<memory_recurrent&>(mem), rp);
 }
@@ -92,8 +98,9 @@ public:
     explicit pair_run(const setup& s, uint32_t n_seq_max = 4)
         : s_(s),
           m_(&tiny(s.arch)),
-          mem_(make_memory(s, n_seq_max)),
-          rt_(make_runtime(s, *mem_)),
+          tensors_(std::make_unique<kv_tensors>()),
+          mem_(make_memory(s, n_seq_max, *tensors_)),
+          rt_(make_runtime(s, *mem_, *tensors_)),
           ref_(*m_, n_seq_max) {}
 
     struct group {
@@ -130,8 +137,10 @@ public:
     // Drops the runtime and the memory and decodes from now on through a fresh pair built alike.
     void renew(uint32_t n_seq_max = 4) {
         rt_.reset();
-        mem_ = make_memory(s_, n_seq_max);
-        rt_ = make_runtime(s_, *mem_);
+        mem_.reset();
+        tensors_ = std::make_unique<kv_tensors>();
+        mem_ = make_memory(s_, n_seq_max, *tensors_);
+        rt_ = make_runtime(s_, *mem_, *tensors_);
     }
     double worst() const { return worst_; }
     double limit() const { return s_.limit(); }
@@ -143,6 +152,7 @@ public:
 private:
     setup s_;
     const model* m_;
+    std::unique_ptr<kv_tensors> tensors_;  // the engine's K/V (used with s_.engine); outlives mem_
     std::unique_ptr<memory_i> mem_;
     std::unique_ptr<runtime> rt_;
     reference_recurrent ref_;
@@ -272,6 +282,13 @@ std::vector<setup> every_setup() {
     }
     out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = 2, .n_ubatch = 3, .unified = false});
     out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = 1, .type_kv = dtype::f16});
+    // every hybrid setup again with the runtime owning the attention part's K/V tensors
+    for (size_t i = 0, n = out.size(); i < n; ++i)
+        if (out[i].arch == tiny_arch::jamba) {
+            setup e = out[i];
+            e.engine = true;
+            out.push_back(e);
+        }
     return out;
 }
 
@@ -285,20 +302,22 @@ INSTANTIATE_TEST_SUITE_P(models, recurrent_equals_recompute, ::testing::ValuesIn
 // restored after the attention part has dropped what came later, the sequence continues as if the
 // later tokens had never been decoded.
 TEST(recurrent_equals_recompute_hybrid, partial_only_state_is_a_checkpoint_of_the_recurrent_part) {
-    pair_run r({.arch = tiny_arch::jamba});
-    r.decode({{{0}, 0, r.tokens(10)}, {{1}, 0, r.tokens(3)}});
-    const auto checkpoint = state_seq_get_data(r.mem(), 0, state_seq_flag_partial_only);
-    EXPECT_LT(checkpoint.size(), state_seq_get_size(r.mem(), 0));
-    r.decode({{{0}, -1, r.tokens(4)}});
-    // without rollback planes the hybrid refuses the suffix; the attention part alone drops it
-    auto& hyb = dynamic_cast<memory_hybrid&>(r.mem());
-    EXPECT_FALSE(hyb.seq_rm(0, 10, -1));
-    EXPECT_TRUE(hyb.get_attn().seq_rm(0, 10, -1));
-    state_seq_set_data(r.mem(), checkpoint, 0, state_seq_flag_partial_only);
-    r.ref().seq_rm(0, 10, -1);
-    EXPECT_EQ(r.mem().seq_pos_max(0), 9);
-    r.decode({{{0}, -1, r.tokens(3)}, {{1}, -1, r.tokens(1)}});
-    EXPECT_CLOSE(r);
+    for (const bool engine : {false, true}) {
+        pair_run r({.arch = tiny_arch::jamba, .engine = engine});
+        r.decode({{{0}, 0, r.tokens(10)}, {{1}, 0, r.tokens(3)}});
+        const auto checkpoint = state_seq_get_data(r.mem(), 0, state_seq_flag_partial_only);
+        EXPECT_LT(checkpoint.size(), state_seq_get_size(r.mem(), 0));
+        r.decode({{{0}, -1, r.tokens(4)}});
+        // without rollback planes the hybrid refuses the suffix; the attention part alone drops it
+        auto& hyb = dynamic_cast<memory_hybrid&>(r.mem());
+        EXPECT_FALSE(hyb.seq_rm(0, 10, -1));
+        EXPECT_TRUE(hyb.get_attn().seq_rm(0, 10, -1));
+        state_seq_set_data(r.mem(), checkpoint, 0, state_seq_flag_partial_only);
+        r.ref().seq_rm(0, 10, -1);
+        EXPECT_EQ(r.mem().seq_pos_max(0), 9);
+        r.decode({{{0}, -1, r.tokens(3)}, {{1}, -1, r.tokens(1)}});
+        EXPECT_CLOSE(r) << "engine " << engine;
+    }
 }
 
 // The oracle is not the cache: a state left out of the comparison would be seen.

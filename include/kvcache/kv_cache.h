@@ -35,6 +35,7 @@
 namespace kvc {
 
 struct kv_cache_test_access;
+class kv_storage_engine;
 
 /// Sliding-window attention rule: which past keys a query may see.
 enum class swa_type : uint8_t {
@@ -83,6 +84,9 @@ struct kv_cache_params {
     /// The most bytes the K/V of every cell may take (memory_budget.h): creation refuses more, before
     /// allocating anything. 0: the machine's physical memory.
     uint64_t memory_budget = 0;
+    /// Non-null: the engine owns the K/V tensors and runs the row operations kvcache hands it
+    /// (kv_storage_engine.h, docs/engine-owned-storage.md); no allocator then. Borrowed: outlives the cache.
+    kv_storage_engine* engine = nullptr;
     /// Runs the K-shift's pieces in parallel (e.g. a thread_pool's parallel_for); empty: one thread.
     executor exec;
     /// Keep computed prompt prefixes for other sequences (kvcache/prefix_cache.h, docs/prefix-cache.md).
@@ -319,6 +323,8 @@ public:
     ///   K, V:        [n_embd_head, n_head_kv, n_kv, ns]
     ///   V transposed: [n_kv, n_head_kv, n_embd_head_v, ns] (cells fastest)
     /// @endverbatim
+    /// With engine-owned storage (kv_cache_params::engine) there is nothing to view: throws
+    /// kvc::error(unsupported), as cpy_k and cpy_v do (the engine writes at k_idxs / v_idxs).
     tensor_view get_k(uint32_t il);
     tensor_view get_v(uint32_t il);  ///< the V view (see get_k)
     /// Writes the ubatch's K (or V) rows of layer il: src is [E, n_tokens] (or [head_dim, n_head,

@@ -41,8 +41,9 @@ struct iswa_sizing {
 /// Everything a kv_cache_iswa is made from.
 struct kv_cache_iswa_params {
     /// Shared by both caches: the layers (is_swa decides the cache), filter, types, V layout, streams,
-    /// padding, positions per token, allocator. kv_size sizes the base cache; n_swa and swa are the rule
-    /// of the SWA layers (swa must not be none).
+    /// padding, positions per token, allocator, engine (its operations name their model layers, so one
+    /// engine serves both). kv_size sizes the base cache; n_swa and swa are the rule of the SWA layers (swa
+    /// must not be none).
     kv_cache_params kv;
     iswa_sizing sizing;  ///< how the SWA cache is sized
 };

@@ -94,7 +94,7 @@ public:
 
     // -- memory on demand --
     /// Cells per stream that memory is committed in: set_committed gets multiples of it (or kv_size).
-    /// kv_size when the storage's memory is not elastic.
+    /// 0 when the storage's memory is not elastic (all of it allocated at creation).
     virtual uint32_t commit_granule() const = 0;
     /// Only cells [0, n_cells) of stream hold data now: the memory of the cells above may go back to
     /// the system, and they read as zeros when written again. Growth needs no call before it (elastic

@@ -248,6 +248,9 @@ typedef struct kvc_prefix_cache_params {
     void* on_event_user_data;      ///< passed to on_event
 } kvc_prefix_cache_params;
 
+/// @brief An engine that owns the K/V tensors (kvcache_engine.h).
+typedef struct kvc_storage_engine kvc_storage_engine;
+
 /// @brief Everything a KV cache is made from. Start from kvc_kv_cache_default_params() and set the
 /// fields you need; `layers` must be set.
 typedef struct kvc_kv_cache_params {
@@ -272,6 +275,9 @@ typedef struct kvc_kv_cache_params {
     /// the most bytes the K/V of every cell may take: creation refuses more, before allocating anything
     /// (0: the machine's physical memory)
     uint64_t memory_budget;
+    /// NULL (the default): kvcache owns the K/V storage. Else the engine owns the tensors and runs the row
+    /// operations kvcache hands it (kvcache_engine.h, docs/engine-owned-storage.md); read at creation.
+    const kvc_storage_engine* engine;
 } kvc_kv_cache_params;
 
 /// @brief The defaults of a layer: 1 KV head, has_kv, normal RoPE with base 10000; head sizes 0 (set them).
@@ -712,7 +718,8 @@ typedef struct kvc_tensor_view {
 /// @param n_tokens Rows in src: the current ubatch's token count.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a wrong n_tokens;
 /// #KVC_ERR_OUT_OF_RANGE for a layer without K/V in this memory; #KVC_ERR_INVALID_STATE when the ubatch is
-/// not applied (or the context has none); #KVC_ERR_UNSUPPORTED for a memory without K/V (recurrent).
+/// not applied (or the context has none); #KVC_ERR_UNSUPPORTED for a memory without K/V (recurrent) or
+/// whose engine owns the K/V tensors (kvcache_engine.h: the engine writes at kvc_memory_k_idxs()).
 KVC_API kvc_status kvc_memory_cpy_k(kvc_memory_context* ctx, uint32_t il, const float* src,
                                     size_t n_tokens) KVC_NOEXCEPT;
 
@@ -733,7 +740,7 @@ KVC_API kvc_status kvc_memory_cpy_v(kvc_memory_context* ctx, uint32_t il, const 
 /// @param out Receives the view; valid while the memory lives (its contents change with the memory).
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_OUT_OF_RANGE for a layer without
 /// K/V; #KVC_ERR_INVALID_STATE before apply or for a context without a slot; #KVC_ERR_UNSUPPORTED for a
-/// memory without K/V (recurrent).
+/// memory without K/V (recurrent) or whose engine owns the K/V tensors (kvcache_engine.h).
 KVC_API kvc_status kvc_memory_get_k(kvc_memory_context* ctx, uint32_t il, kvc_tensor_view* out) KVC_NOEXCEPT;
 
 /// @brief A view of the values of layer il: [n_embd_head_v, n_head_kv, n_kv, n_stream], or with v_trans
@@ -875,5 +882,7 @@ KVC_API kvc_status kvc_memory_get_s(kvc_memory_context* ctx, uint32_t il, kvc_te
 #include <kvcache/kvcache_state.h>
 // The prefix cache.
 #include <kvcache/kvcache_prefix.h>
+// Engine-owned storage.
+#include <kvcache/kvcache_engine.h>
 
 #endif  // KVCACHE_KVCACHE_H

@@ -27,6 +27,7 @@
 #include <kvcache/dtype.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
+#include <kvcache/kv_storage_engine.h>
 #include <kvcache/memory.h>
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
@@ -36,6 +37,7 @@
 
 /// A memory and typed pointers to its parts (owned by mem; null when it has none of that kind).
 struct kvc_memory {
+    std::unique_ptr<kvc::kv_storage_engine> engine;  // a C engine's adapter (declared first: outlives mem)
     kvc::memory_ptr mem;
     kvc_memory_kind kind = KVC_MEMORY_KIND_KV_CACHE;
     kvc::kv_cache* kv = nullptr;            // a KV cache
@@ -132,6 +134,8 @@ recurrent_params to_cpp(const kvc_recurrent_params& c, const char* name);
 kvc_rope_params to_c(const rope_params& r);
 kvc_recurrent_params to_c(const recurrent_params& p);
 iswa_sizing to_cpp(const kvc_iswa_sizing& c);
+/// The adapter of a C engine (storage_engine.cpp), null for NULL; invalid_argument for a missing callback.
+std::unique_ptr<kv_storage_engine> to_cpp(const kvc_storage_engine* c, const char* name);
 kvc_iswa_sizing to_c(const iswa_sizing& s);
 void to_c(const tensor_view& v, kvc_tensor_view& out);
 

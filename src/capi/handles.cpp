@@ -422,6 +422,7 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
                 .on_event = nullptr,
                 .on_event_user_data = nullptr};
     c.memory_budget = p.memory_budget;
+    c.engine = nullptr;
     return c;
 }
 

@@ -35,10 +35,14 @@ kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** o
     return guarded(__func__, [&] {
         const kvc_kv_cache_params& c = need(params, "params");
         need(out, "out");
-        auto cache = std::make_unique<kvc::kv_cache>(to_cpp(c, "params"));
+        auto engine = to_cpp(c.engine, "params.engine");
+        kvc::kv_cache_params kp = to_cpp(c, "params");
+        kp.engine = engine.get();
+        auto cache = std::make_unique<kvc::kv_cache>(std::move(kp));
         const kvc::kv_cache_params& p = cache->params();
         *out = new_memory(std::move(cache), KVC_MEMORY_KIND_KV_CACHE, p.n_seq_max, p.n_pos,
                           [](kvc_memory& m, kvc::kv_cache& kv) { m.kv = &kv; });
+        (*out)->engine = std::move(engine);
     });
 }
 
@@ -47,13 +51,16 @@ kvc_status kvc_iswa_create(const kvc_iswa_params* params, kvc_memory** out) noex
     return guarded(__func__, [&] {
         const kvc_iswa_params& c = need(params, "params");
         need(out, "out");
+        auto engine = to_cpp(c.kv.engine, "params.kv.engine");
         kvc::kv_cache_iswa_params p;
         p.kv = to_cpp(c.kv, "params.kv");
+        p.kv.engine = engine.get();
         p.sizing = to_cpp(c.sizing);
         auto iswa = std::make_unique<kvc::kv_cache_iswa>(std::move(p));
         const kvc::kv_cache_params& kv = iswa->params().kv;
         *out = new_memory(std::move(iswa), KVC_MEMORY_KIND_ISWA, kv.n_seq_max, kv.n_pos,
                           [](kvc_memory& m, kvc::kv_cache_iswa& is) { m.iswa = &is; });
+        (*out)->engine = std::move(engine);
     });
 }
 
@@ -74,8 +81,10 @@ kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) 
     return guarded(__func__, [&] {
         const kvc_hybrid_params& c = need(params, "params");
         need(out, "out");
+        auto engine = to_cpp(c.attn.engine, "params.attn.engine");
         kvc::memory_hybrid_params p;
         p.attn = to_cpp(c.attn, "params.attn");
+        p.attn.engine = engine.get();
         p.recr = to_cpp(c.recr, "params.recr");
         if (c.iswa) p.iswa = to_cpp(c.sizing);
         p.memory_budget = c.memory_budget;
@@ -86,6 +95,7 @@ kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) 
                               m.hybrid = &h;
                               m.recr = &h.get_recr();
                           });
+        (*out)->engine = std::move(engine);
     });
 }
 

@@ -222,6 +222,13 @@ void runtime::check_layers() {
         if (!c || !c->has_layer(il))
             throw error(errc::invalid_argument,
                         fmt::format("runtime: the memory keeps no K/V for layer {}", il));
+        if (c->params().engine != params_.tensors || (params_.tensors && !params_.tensors->has_layer(il)))
+            throw error(
+                errc::invalid_argument,
+                fmt::format("runtime: layer {}'s cache {} while the runtime {} (runtime_params::tensors "
+                            "must be the cache's kv_cache_params::engine)",
+                            il, c->params().engine ? "has an engine-owned storage" : "owns its storage",
+                            params_.tensors ? "owns the K/V tensors" : "does not"));
         const layer_desc& d = c->params().layers[il];
         if (d.n_head_kv != hp.n_head_kv || d.n_embd_head_k != hp.n_embd_head ||
             d.n_embd_head_v != hp.n_embd_head)
@@ -259,14 +266,19 @@ decode_result runtime::decode(const batch& b) {
     // the context of the cache holding each attention layer (iSWA: two caches), and one mask per cache
     std::vector<kv_cache_context*> layer_ctx(hp.n_layer);
     std::vector<kv_cache_context*> children;
+    std::vector<uint32_t> child_layer;  // a layer of each child (its v_idxs)
     for (uint32_t il = 0; il < hp.n_layer; ++il) {
         if (!layer_cache_[il]) continue;
         layer_ctx[il] = ctx->get_attn(il);
         if (!layer_ctx[il])
             throw error(errc::invalid_state, fmt::format("runtime: no attention context for layer {}", il));
-        if (std::find(children.begin(), children.end(), layer_ctx[il]) == children.end())
+        if (std::find(children.begin(), children.end(), layer_ctx[il]) == children.end()) {
             children.push_back(layer_ctx[il]);
+            child_layer.push_back(il);
+        }
     }
+    kv_tensors* const own = params_.tensors;
+    std::vector<std::vector<int64_t>> k_idxs(children.size()), v_idxs(children.size());
     const size_t e_kv = size_t{hp.n_head_kv} * hp.n_embd_head;
     const bool v_trans = base_ && base_->params().v_trans;
 
@@ -282,6 +294,10 @@ decode_result runtime::decode(const batch& b) {
             masks[c].resize(children[c]->kq_mask_elements());
             children[c]->set_input_kq_mask(tensor_view::contiguous(
                 dtype::f32, reinterpret_cast<std::byte*>(masks[c].data()), children[c]->get_n_kv(), n));
+            if (own) {  // where this ubatch's rows go in the runtime's own tensors (the same for every layer)
+                k_idxs[c] = children[c]->k_idxs();
+                v_idxs[c] = children[c]->v_idxs(child_layer[c]);
+            }
         }
         // index of each token's stream in the views (both caches map sequences to streams alike)
         std::vector<uint32_t> stream_of(n);
@@ -295,6 +311,16 @@ decode_result runtime::decode(const batch& b) {
             kv_cache_context& kc = *layer_ctx[il];
             const auto c =
                 static_cast<size_t>(std::find(children.begin(), children.end(), &kc) - children.begin());
+            if (own) {  // the engine's way: set_rows at the context's indices, attention over its tensors
+                own->set_rows(il, kv_part::k, std::span(k, n * e_kv), k_idxs[c]);
+                own->set_rows(il, kv_part::v, std::span(v, n * e_kv), v_idxs[c]);
+                const slot_info& si = kc.get_sinfo();
+                const uint32_t ns = si.s1 - si.s0 + 1;
+                attend_cache(pool_, hp, own->view(il, kv_part::k, si.s0, ns, kc.get_n_kv()),
+                             own->view(il, kv_part::v, si.s0, ns, kc.get_n_kv()), v_trans, n, kc.get_n_kv(),
+                             stream_of, masks[c].data(), q, out);
+                return;
+            }
             kc.cpy_k(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(k),
                                                        e_kv, n));
             kc.cpy_v(il, const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(v),

@@ -33,6 +33,7 @@
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/ops.h>
+#include <kvcache/runtime/kv_tensors.h>
 #include <kvcache/runtime/thread_pool.h>
 #include <kvcache/types.h>
 
@@ -132,6 +133,10 @@ struct runtime_params {
     /// init_batch's embd_all: a recurrent or hybrid memory then splits by sequence (split_seq) instead of
     /// in equal blocks (split_equal), as llama.cpp does when every token is an output
     bool embd_all = false;
+    /// Non-null: the runtime owns the K/V tensors (engine-owned storage): the memory's caches were made with
+    /// kv_cache_params::engine = tensors; it writes each ubatch's rows at k_idxs / v_idxs and attends over
+    /// them. Null: the caches own their storage. Borrowed.
+    kv_tensors* tensors = nullptr;
 };
 
 /// Decodes batches through a kv_cache or a kv_cache_iswa, as an engine's llama_decode does: applies the
