@@ -107,5 +107,31 @@ TEST(kv_storage, each_stream_commits_its_own_cells) {
     EXPECT_EQ(c.get_memory_breakdown().committed, 16 * 8192u);
 }
 
+// An engine's allocator gets every byte at creation: nothing to commit or give back later.
+TEST(kv_storage, an_allocator_gets_every_byte_up_front) {
+    struct counting final : buffer_allocator {
+        size_t bytes = 0;
+        void* allocate(size_t size, size_t alignment) override {
+            bytes += size;
+            return buffer_allocator::host().allocate(size, alignment);
+        }
+        void deallocate(void* p, size_t size, size_t alignment) noexcept override {
+            buffer_allocator::host().deallocate(p, size, alignment);
+        }
+        const char* name() const override { return "counting"; }
+        bool is_host() const override { return true; }
+    } alloc;
+    kv_cache_params p = page_rows(64);
+    p.allocator = &alloc;
+    kv_cache c(p);
+    EXPECT_EQ(alloc.bytes, c.size_bytes());
+    EXPECT_EQ(c.storage().commit_granule(), 0u);
+    decode(c, 3);
+    c.seq_rm(0, -1, -1);
+    const memory_breakdown b = c.get_memory_breakdown();
+    EXPECT_EQ(b.committed, b.reserved);
+    EXPECT_EQ(b.free, b.reserved);
+}
+
 }  // namespace
 }  // namespace kvc
