@@ -6,8 +6,8 @@
 
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
-#include <kvcache/memory_budget.h>
 #include <kvcache/kv_storage_engine.h>
+#include <kvcache/memory_budget.h>
 
 #include "detail/kv_cache_layer.h"
 #include "detail/kv_cache_prefix.h"
@@ -176,6 +176,12 @@ uint64_t kv_cache::reserve_bytes(const kv_cache_params& p) {
     return reserve_bytes_of(p, kept);
 }
 
+uint64_t kv_cache::committed_bytes() const {
+    uint64_t cells = 0;
+    for (uint32_t n : committed_) cells += n;
+    return cells * cell_bytes();
+}
+
 memory_breakdown kv_cache::get_memory_breakdown() const {
     const uint64_t cell = cell_bytes();
     memory_breakdown b;
@@ -184,7 +190,6 @@ memory_breakdown kv_cache::get_memory_breakdown() const {
     for (uint32_t s = 0; s < streams_.size(); ++s) {
         const kv_cells& c = streams_[s];
         b.reserved += uint64_t{params_.kv_size} * cell;
-        b.committed += uint64_t{committed_[s]} * cell;
         used.clear();
         c.used_cells(used);
         for (uint32_t i : used) {
@@ -193,6 +198,7 @@ memory_breakdown kv_cache::get_memory_breakdown() const {
         }
         if (prefix_) b.pinned += uint64_t{prefix_->index.pinned_blocks(s)} * prefix_->bs() * cell;
     }
+    b.committed = committed_bytes();
     assert(b.committed >= b.used + b.cached);  // every placement moves the commit mark first
     b.free = b.committed - b.used - b.cached;
     return b;

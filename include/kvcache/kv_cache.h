@@ -168,6 +168,8 @@ public:
     size_t size_k_bytes() const;                                           ///< K storage of every layer
     size_t size_v_bytes() const;                                           ///< V storage of every layer
     size_t size_bytes() const { return size_k_bytes() + size_v_bytes(); }  ///< K and V storage
+    /// K/V bytes backed by memory now (memory_breakdown::committed), in O(streams): cheap enough per step.
+    uint64_t committed_bytes() const;
     size_t layer_k_bytes(uint32_t il) const;  ///< K storage of model layer il (throws if not own)
     size_t layer_v_bytes(uint32_t il) const;  ///< V storage of model layer il (throws if not own)
 

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "rss.h"
 #include "sim_engine.h"
 #include "sim_generate.h"
 #include "sim_plot.h"
@@ -70,20 +71,25 @@ std::string pct(double x) {
 }
 
 void print_table(const std::vector<sim_result>& rs) {
-    fmt::print("{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>11} {:>7} {:>12} {:>10} {:>9} {:>7}\n",
-               "policy", "hit", "hit tok", "prefill tok", "evicted", "peak cells", "live cells",
-               "live mean/max", "queued", "wait mean/max", "copied", "ns/tok", "wall s");
+    fmt::print(
+        "{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>15} {:>11} {:>7} {:>12} {:>10} {:>9} {:>7}\n",
+        "policy", "hit", "hit tok", "prefill tok", "evicted", "peak cells", "live cells", "committed pk/end",
+        "live mean/max", "queued", "wait mean/max", "copied", "ns/tok", "wall s");
     for (const sim_result& r : rs) {
         const std::string live = r.has_serving ? fmt::format("{:.1f}/{}", r.mean_live, r.max_live) : "-";
         const std::string wait =
             r.has_serving ? fmt::format("{:.1f}/{}", r.requests ? double(r.wait_steps) / r.requests : 0.0,
                                         r.max_wait_steps)
                           : "-";
+        const bool real = r.policy == sim_policy::kvcache || r.policy == sim_policy::none;  // the real cache
+        const std::string committed =
+            real ? fmt::format("{}/{}", r.peak_committed_cells, r.final_committed_cells) : "-";
         fmt::print(
-            "{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>13} {:>7} {:>12} {:>10} {:>9.1f} {:>7.2f}\n",
+            "{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>15} {:>13} {:>7} {:>12} {:>10} {:>9.1f} "
+            "{:>7.2f}\n",
             to_string(r.policy), pct(r.hit_rate()), r.hit_tokens, r.prefill_tokens, r.evicted_tokens,
             r.has_serving ? std::to_string(r.peak_cells) : "-",
-            r.has_serving ? std::to_string(r.peak_live_cells) : "-", live,
+            r.has_serving ? std::to_string(r.peak_live_cells) : "-", committed, live,
             r.has_serving ? std::to_string(r.queued) : "-", wait,
             r.policy == sim_policy::kvcache || r.policy == sim_policy::none
                 ? fmt::format("{} B", r.bytes_copied)
@@ -121,6 +127,10 @@ nlohmann::ordered_json to_json(const sim_result& r) {
     }
     j["bookkeeping_ns_per_token"] = r.ns_per_token();
     j["wall_seconds"] = r.wall_seconds;
+    if (r.policy == sim_policy::kvcache || r.policy == sim_policy::none) {
+        j["peak_committed_cells"] = r.peak_committed_cells;
+        j["final_committed_cells"] = r.final_committed_cells;
+    }
     if (r.policy == sim_policy::kvcache) {
         j["cache_hit_tokens"] = r.cache_hit_tokens;  // the prefix cache's own counter
         j["probe_hit_tokens"] = r.probe_hit_tokens;
@@ -216,6 +226,10 @@ void run(sim_cli_options o) {
         }
         all.insert(all.end(), rs.begin(), rs.end());
     }
+    const rss mem = read_rss();
+    if (!o.json)
+        fmt::print("\nprocess memory: {:.1f} MiB resident at the end, {:.1f} MiB at the peak\n",
+                   static_cast<double>(mem.now) / (1 << 20), static_cast<double>(mem.peak) / (1 << 20));
     if (o.json) {
         nlohmann::ordered_json j;
         j["trace"] = {{"requests", ts.requests},
@@ -226,6 +240,8 @@ void run(sim_cli_options o) {
                       {"ideal_hit_rate", ideal}};
         j["concurrency"] = o.sim.concurrency;
         j["evict"] = o.evict;
+        j["rss_bytes"] = mem.now;
+        j["peak_rss_bytes"] = mem.peak;
         auto& arr = j["results"] = nlohmann::ordered_json::array();
         for (const sim_result& r : all) arr.push_back(to_json(r));
         fmt::print("{}\n", j.dump(2));

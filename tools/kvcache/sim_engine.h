@@ -64,8 +64,12 @@ struct sim_result {
     uint64_t bytes_copied = 0;     ///< kvcache: prefix_stats::bytes_copied
     uint64_t peak_cells = 0;       ///< most cells in use at once (kvcache: cached cells included)
     uint64_t peak_live_cells = 0;  ///< most cells held by live requests at once
-    uint64_t steps = 0;            ///< decode steps
-    double mean_live = 0;          ///< live requests per step, averaged over steps
+    /// kvcache, none: cells whose memory is committed (the real cache's elastic storage), at the peak and
+    /// at the end of the run
+    uint64_t peak_committed_cells = 0;
+    uint64_t final_committed_cells = 0;
+    uint64_t steps = 0;    ///< decode steps
+    double mean_live = 0;  ///< live requests per step, averaged over steps
     uint64_t max_live = 0;
     uint64_t queued = 0;      ///< requests that waited at least one step for room or a slot
     uint64_t wait_steps = 0;  ///< steps waited, summed over requests

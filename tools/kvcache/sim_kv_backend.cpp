@@ -54,6 +54,7 @@ public:
         while (ctx->next());
         held_ += n;  // new cells belong to their sequence only
         peak_ = std::max<uint64_t>(peak_, cache_.cells(0).get_used());
+        peak_committed_ = std::max(peak_committed_, cache_.committed_bytes());
     }
 
     void finish(seq_id_t seq) override {
@@ -71,6 +72,9 @@ public:
         r.bytes_copied = st.bytes_copied;
         r.probe_hit_tokens = probe_hits_;
         r.peak_cells = peak_;
+        const uint64_t cell = cache_.size_bytes() / cache_.get_size();
+        r.peak_committed_cells = peak_committed_ / cell;
+        r.final_committed_cells = cache_.committed_bytes() / cell;
         r.cache_hit_tokens = st.hit_tokens;
     }
 
@@ -102,6 +106,7 @@ private:
     uint32_t n_ubatch_;
     uint64_t held_ = 0;  // cells held by at least one live sequence
     uint64_t peak_ = 0;
+    uint64_t peak_committed_ = 0;  // bytes
     uint64_t probe_hits_ = 0;
 };
 
