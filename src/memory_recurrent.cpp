@@ -48,7 +48,6 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
     size_ = p.n_seq_max;
     const uint64_t planes = uint64_t{p.n_rs_seq} + 1;
 
-    buffer_allocator& alloc = p.allocator ? *p.allocator : buffer_allocator::host();
     layer_map_.assign(p.layers.size(), -1);
     for (uint32_t il = 0; il < p.layers.size(); ++il) {
         const recurrent_layer_desc& d = p.layers[il];
@@ -71,9 +70,9 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
     for (const layer& l : layers_) need = add_sat(need, mul_sat(l.row_r + l.row_s, planes * size_));
     check_memory_budget("memory_recurrent", need, p.memory_budget,
                         fmt::format("{} layers x {} cells x {} planes", layers_.size(), size_, planes));
-    for (layer& l : layers_) {  // zeroed: a fresh state reads zeros, and so do never-written planes
-        if (l.row_r) l.r = buffer(l.row_r * size_ * planes, true, alloc);
-        if (l.row_s) l.s = buffer(l.row_s * size_ * planes, true, alloc);
+    for (layer& l : layers_) {  // zeros: a fresh state reads zeros, and so do never-written planes
+        if (l.row_r) l.r = state_rows(l.row_r * size_ * planes, p.allocator);
+        if (l.row_s) l.s = state_rows(l.row_s * size_ * planes, p.allocator);
     }
     cells_.assign(size_, cell_rec{});
     tail_.assign(size_, -1);
@@ -99,7 +98,10 @@ uint64_t memory_recurrent::reserve_bytes(const recurrent_params& p) {
 memory_breakdown memory_recurrent::get_memory_breakdown() const {
     const uint64_t cell = size_bytes() / size_;  // every plane of one cell
     memory_breakdown b;
-    b.reserved = b.committed = size_bytes();
+    b.reserved = size_bytes();
+    const layer& l0 = layers_[0];
+    const bool elastic = (l0.row_r ? l0.r : l0.s).elastic();
+    b.committed = elastic ? uint64_t{mark_} * cell : b.reserved;
     for (const cell_rec& c : cells_) b.used += c.n_seq > 0 ? cell : 0;
     b.free = b.committed - b.used;
     b.seq.assign(params_.n_seq_max, 0);
@@ -148,7 +150,7 @@ tensor_view memory_recurrent::get_r(uint32_t il) {
     const layer& l = own_layer(il);
     if (!l.row_r)
         throw error(errc::out_of_range, fmt::format("memory_recurrent: layer {} has no r tensor", il));
-    return tensor_view::contiguous(params_.type_r, const_cast<std::byte*>(l.r.data()), l.n_embd_r, size_,
+    return tensor_view::contiguous(params_.type_r, l.r.data(), l.n_embd_r, size_,
                                    int64_t{params_.n_rs_seq} + 1);
 }
 
@@ -160,7 +162,7 @@ tensor_view memory_recurrent::get_s(uint32_t il) {
     const layer& l = own_layer(il);
     if (!l.row_s)
         throw error(errc::out_of_range, fmt::format("memory_recurrent: layer {} has no s tensor", il));
-    return tensor_view::contiguous(params_.type_s, const_cast<std::byte*>(l.s.data()), l.n_embd_s, size_,
+    return tensor_view::contiguous(params_.type_s, l.s.data(), l.n_embd_s, size_,
                                    int64_t{params_.n_rs_seq} + 1);
 }
 
@@ -452,9 +454,24 @@ void memory_recurrent::clear(bool data) {
     used_ = 0;
     if (data)
         for (layer& l : layers_) {
-            l.r.clear_bytes();
-            l.s.clear_bytes();
+            l.r.clear();
+            l.s.clear();
         }
+    fit_rows();
+}
+
+void memory_recurrent::fit_rows() {
+    uint32_t top = size_;
+    while (top > 0 && cells_[top - 1].n_seq == 0) --top;
+    // Between ubatches every used cell's state is in its own row: rows of the free cells above the last
+    // used one hold nothing needed
+    if (top < mark_)
+        for (layer& l : layers_)
+            for (uint64_t p = 0; p <= params_.n_rs_seq; ++p) {
+                l.r.release((p * size_ + top) * l.row_r, size_t{mark_ - top} * l.row_r);
+                l.s.release((p * size_ + top) * l.row_s, size_t{mark_ - top} * l.row_s);
+            }
+    mark_ = top;
 }
 
 bool memory_recurrent::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
@@ -474,6 +491,7 @@ bool memory_recurrent::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     if (range.lo <= 0) {                      // the whole state goes
         unlink(c, seq_id);
         if (free_if_empty(c)) head_ = std::min(head_, c);
+        fit_rows();
         return true;
     }
     // 0 < p0 <= P < p1: only a rollback can remove the last r tokens
@@ -496,6 +514,7 @@ void memory_recurrent::seq_cp(seq_id_t src, seq_id_t dst, pos_t /*p0*/, pos_t /*
     }
     const int32_t s = tail_[static_cast<size_t>(src)];
     if (s >= 0) link(static_cast<uint32_t>(s), dst);
+    fit_rows();
 }
 
 void memory_recurrent::seq_keep(seq_id_t seq_id) {
@@ -506,6 +525,7 @@ void memory_recurrent::seq_keep(seq_id_t seq_id) {
         unlink(static_cast<uint32_t>(c), static_cast<seq_id_t>(s));
         if (free_if_empty(static_cast<uint32_t>(c))) head_ = std::min(head_, static_cast<uint32_t>(c));
     }
+    fit_rows();
 }
 
 void memory_recurrent::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
@@ -651,6 +671,8 @@ void memory_recurrent_context::apply() {
         throw error(errc::invalid_state,
                     fmt::format("memory context: ubatch {} was already applied", i_cur_));
     slot_ = mem_->find_slot(ubatches_[i_cur_]);
+    // the rows the engine writes now are below the mark (its sources, used cells, were already)
+    mem_->mark_ = std::max(mem_->mark_, slot_->head + slot_->n);
     n_applied_ = i_cur_ + 1;
 }
 

@@ -43,7 +43,7 @@ void memory_recurrent::state_write(io_write_i& io, seq_id_t seq_id,
     put<uint32_t>(io, 0);  // s_trans
     put<uint32_t>(io, static_cast<uint32_t>(params_.layers.size()));
     // the logical state of each cell: plane rs_idx when a rollback is pending (between ubatches src == c)
-    const auto rows = [&](const buffer& b, size_t row) {
+    const auto rows = [&](const state_rows& b, size_t row) {
         for (uint32_t c : cells) io.write(b.data() + (size_t{cells_[c].rs_idx} * size_ + c) * row, row);
     };
     for (const layer& l : layers_) {
@@ -173,7 +173,10 @@ void memory_recurrent::state_commit(state_stage_i& stage) {
             if (free_if_empty(static_cast<uint32_t>(old)))
                 head_ = std::min(head_, static_cast<uint32_t>(old));
         }
-        if (n == 0) return;
+        if (n == 0) {
+            fit_rows();
+            return;
+        }
         const int32_t c = next_free(head_);  // exists: seq_id holds no cell now
         first = static_cast<uint32_t>(c);
         cells_[first] = cell_rec{};
@@ -182,12 +185,16 @@ void memory_recurrent::state_commit(state_stage_i& stage) {
         link(first, seq_id);
         head_ = first;
     }
-    if (n == 0) return;
+    if (n == 0) {
+        fit_rows();
+        return;
+    }
     for (size_t li = 0; li < layers_.size(); ++li) {
         layer& l = layers_[li];
         if (l.row_r) std::memcpy(l.r.data() + size_t{first} * l.row_r, st.r[li].data(), st.r[li].size());
         if (l.row_s) std::memcpy(l.s.data() + size_t{first} * l.row_s, st.s[li].data(), st.s[li].size());
     }
+    fit_rows();  // the cells it filled, and those the destination left
 }
 
 }  // namespace kvc

@@ -170,10 +170,12 @@ TEST(memory_breakdown, recurrent_cells_count_every_plane) {
     const memory_breakdown b = m.get_memory_breakdown();
     const uint64_t cell = 2 * 32;  // (r + s) rows of 16 bytes, 2 planes
     EXPECT_EQ(b.reserved, 4 * cell);
-    EXPECT_EQ(b.committed, 4 * cell);
+    EXPECT_EQ(b.committed, cell);  // rows up to the last used cell (cell 0)
     EXPECT_EQ(b.used, cell);
-    EXPECT_EQ(b.free, 3 * cell);
+    EXPECT_EQ(b.free, 0u);
     EXPECT_EQ(b.seq, (std::vector<uint64_t>{0, 0, cell, 0}));
+    m.seq_rm(2, -1, -1);
+    EXPECT_EQ(m.get_memory_breakdown().committed, 0u);
 }
 
 }  // namespace

@@ -89,8 +89,7 @@ TEST(memory_recurrent, buffers_start_zeroed_and_clear_data_zeroes_them) {
     EXPECT_TRUE(zero());
     ASSERT_EQ(decode(m, run(0, 0, 5)), 1);
     EXPECT_FALSE(zero());
-    m.clear(false);
-    EXPECT_FALSE(zero());
+    m.clear(false);  // the rows are left to the storage (host memory may give their pages back)
     EXPECT_EQ(m.get_used(), 0u);
     m.clear(true);
     EXPECT_TRUE(zero());

@@ -40,7 +40,8 @@ TEST(memory_recurrent_property, sequences_own_their_states_like_the_oracle_says)
         recurrent_params p;
         p.layers = {{.n_embd_r = static_cast<uint32_t>(2 + rng() % 3),
                      .n_embd_s = static_cast<uint32_t>(2 + rng() % 5)},
-                    {.n_embd_r = 0, .n_embd_s = 3}};
+                    // every third memory: s rows of a page, so that emptied cells give memory back
+                    {.n_embd_r = 0, .n_embd_s = iter % 3 == 0 ? 1024u : 3u}};
         p.n_seq_max = n_seq;
         p.n_rs_seq = k;
         memory_recurrent m(p);

@@ -163,7 +163,9 @@ public:
     /// "recurrent n_layer=4 layers=0-3:r=f32x1536,s=f32x4096": what a state must match (not the number of
     /// cells, nor the rollback depth, which the format does not hold).
     std::string state_layout() const override;
-    /// Every row is committed at creation: committed == reserved; a cell's bytes count its history planes.
+    /// Host rows are committed up to the last used cell (their pages arrive when written, and go back
+    /// when the cells above empty); an allocator's rows are all committed. A cell's bytes count its
+    /// history planes.
     memory_breakdown get_memory_breakdown() const override;
 
     /// State bytes a memory made from p would hold (every row of every plane), saturating at UINT64_MAX;
@@ -250,6 +252,8 @@ private:
     void link(uint32_t c, seq_id_t s);
     void unlink(uint32_t c, seq_id_t s);
     bool free_if_empty(uint32_t c);  // resets a cell without members; true if it did
+    // after sequence operations: the rows of the free cells above the last used one go back to the system
+    void fit_rows();
     void swap_cells(uint32_t a, uint32_t b);
     int32_t next_free(uint32_t from) const;  // first free cell from `from`, ring-wise; -1 if none
     std::vector<seq_id_t> members(uint32_t c) const;
@@ -265,6 +269,7 @@ private:
     std::vector<seq_id_t> next_;   // [size] per sequence: next member of the same cell, -1 = last
     uint32_t head_ = 0;
     uint32_t used_ = 0;
+    uint32_t mark_ = 0;  // rows of cells [0, mark_) may hold memory: those above went back (fit_rows)
     std::vector<uint32_t> refs_;         // scratch: sources referencing each row
     std::vector<cell_rec> saved_cells_;  // scratch of prepare: the cells before the dry run
     std::vector<int32_t> saved_tail_;

@@ -3,6 +3,8 @@
 
 #include <kvcache/memory_recurrent.h>
 
+#include "detail/reserved_memory.h"
+
 namespace kvc {
 
 // One storage cell (index = physical row of every tensor). Its sequences form a singly linked list
@@ -17,14 +19,44 @@ struct memory_recurrent::cell_rec {
     seq_id_t first = -1;  // first member
 };
 
+// The rows of one state tensor: host memory reserved up front whose pages arrive when rows are first
+// written and leave with release() (docs/memory.md), or all of an engine allocator's buffer at once.
+class state_rows {
+public:
+    state_rows() = default;
+    state_rows(size_t size, buffer_allocator* alloc) {
+        if (alloc)
+            buf_ = buffer(size, true, *alloc);  // zeroed: a fresh state reads zeros
+        else
+            mem_ = detail::reserved_memory(size);  // reads zeros until written
+    }
+    std::byte* data() const { return buf_.empty() ? mem_.data() : const_cast<std::byte*>(buf_.data()); }
+    size_t size() const { return buf_.empty() ? mem_.size() : buf_.size(); }
+    bool elastic() const { return buf_.empty(); }
+    void clear() {
+        if (elastic())
+            mem_.release(0, mem_.size());
+        else
+            buf_.clear_bytes();
+    }
+    // Bytes [offset, offset + n) hold nothing needed: their whole pages go back (reads see zeros).
+    void release(size_t offset, size_t n) {
+        if (elastic()) mem_.release(offset, n);
+    }
+
+private:
+    buffer buf_;
+    detail::reserved_memory mem_;
+};
+
 struct memory_recurrent::layer {
     uint32_t il = 0;        // model layer index
     uint32_t n_embd_r = 0;  // 0: no r tensor
     uint32_t n_embd_s = 0;  // 0: no s tensor
     size_t row_r = 0;       // bytes of one r row
     size_t row_s = 0;
-    buffer r;  // [row_r * size * (1 + n_rs_seq)]: row of cell c in plane p at p * size + c
-    buffer s;  // [row_s * size * (1 + n_rs_seq)]
+    state_rows r;  // [row_r * size * (1 + n_rs_seq)]: row of cell c in plane p at p * size + c
+    state_rows s;  // [row_s * size * (1 + n_rs_seq)]
 };
 
 }  // namespace kvc

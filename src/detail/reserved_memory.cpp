@@ -40,7 +40,9 @@ reserved_memory::~reserved_memory() {
 void reserved_memory::release(size_t offset, size_t n) noexcept {
     const size_t page = page_size();
     const size_t begin = (offset + page - 1) / page * page;
-    const size_t end = std::min(offset + n, size_) / page * page;
+    // the mapping's last page is ours whole: a range reaching the end may take it
+    const size_t stop = std::min(offset + n, size_);
+    const size_t end = stop == size_ ? (stop + page - 1) / page * page : stop / page * page;
     // MADV_DONTNEED on private anonymous memory drops the pages: the next read sees zeros
     if (begin < end) ::madvise(data_ + begin, end - begin, MADV_DONTNEED);
 }
