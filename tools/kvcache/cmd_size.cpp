@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 #include <kvcache/dtype.h>
+#include <kvcache/memory_budget.h>
 #include <kvcache/types.h>
 
 #include "commands.h"
@@ -62,6 +63,10 @@ void run_size(const size_options& o) {
                human(k_tok + v_tok));
     fmt::print("  whole cache: K {:>11}  V {:>12}  total {:>12}\n", human(k_tok * n), human(v_tok * n),
                human((k_tok + v_tok) * n));
+    // host memory is reserved for the whole cache and committed as cells are used (docs/memory.md)
+    const double ram = static_cast<double>(physical_memory_bytes());
+    fmt::print("  memory: committed as cells are used; the default budget (this machine's {} of RAM) {}\n",
+               human(ram), (k_tok + v_tok) * n <= ram ? "allows it" : "refuses it: set memory_budget");
 }
 
 }  // namespace
