@@ -430,7 +430,6 @@ private:
 
     // An SVG of every stream's cells: a square per cell, coloured by sequence (grey stripes: shared).
     void plot(const char* name) const {
-        fs::create_directories(o_.plot);
         const uint32_t cols = 64, px = 10;
         // the legend: a swatch per kind of cell, then one per sequence
         std::string body;
@@ -446,21 +445,31 @@ private:
         for (seq_id_t s = 0; s < static_cast<seq_id_t>(std::min<uint32_t>(o_.seqs, 6)); ++s)
             swatch(colour(s), fmt::format("seq {}", s));
         uint32_t y = 44;
-        for (uint32_t st = 0; st < base().get_n_stream(); ++st) {
-            const kv_cells& c = base().cells(st);
-            body += svg_text(4, y + 10, 11, fmt::format("stream {}", st));
-            y += 16;
-            for (uint32_t i = 0; i < c.size(); ++i) {
-                const uint32_t x0 = 4 + (i % cols) * px, y0 = y + (i / cols) * px;
-                const char* fill = "#eeeeee";
-                if (!c.is_empty(i))
-                    fill = c.seq_count(i) == 0  ? "#9ecae1"
-                           : c.seq_count(i) > 1 ? "#555555"
-                                                : colour(c.seq_get(i));
-                body += svg_rect(x0, y0, px, px, fill, "stroke='white'");
+        for (const kv_cache* cache : caches()) {
+            const char* part = !iswa_ ? "" : cache == &iswa_->get_swa() ? "SWA cache, " : "base cache, ";
+            for (uint32_t st = 0; st < cache->get_n_stream(); ++st) {
+                const kv_cells& c = cache->cells(st);
+                body += svg_text(4, y + 10, 11, fmt::format("{}stream {}", part, st));
+                y += 16;
+                for (uint32_t i = 0; i < c.size(); ++i) {
+                    const uint32_t x0 = 4 + (i % cols) * px, y0 = y + (i / cols) * px;
+                    const char* fill = "#eeeeee";
+                    if (!c.is_empty(i))
+                        fill = c.seq_count(i) == 0  ? "#9ecae1"
+                               : c.seq_count(i) > 1 ? "#555555"
+                                                    : colour(c.seq_get(i));
+                    body += svg_rect(x0, y0, px, px, fill, "stroke='white'");
+                }
+                y += (c.size() + cols - 1) / cols * px + 10;
             }
-            y += (c.size() + cols - 1) / cols * px + 10;
         }
+        const memory_breakdown b = mem_->get_memory_breakdown();
+        body += svg_text(
+            4, y + 10, 11,
+            fmt::format("memory: {:.1f} KiB committed of {:.1f} KiB reserved ({:.1f} KiB held)",
+                        static_cast<double>(b.committed) / 1024, static_cast<double>(b.reserved) / 1024,
+                        static_cast<double>(b.used + b.cached) / 1024));
+        y += 16;
         body = svg_text(4, 18, 13, fmt::format("phase {}: {}", n_phase_, name)) + body;
         const std::string svg = svg_document(std::max(8 + cols * px, lx), y + 4, body);
         std::string file = fmt::format("{}/phase-{}.svg", o_.plot, n_phase_);
@@ -514,6 +523,16 @@ int run_demo(const demo_options& o) {
                                       .type_v = parse_dtype(o.type_v),
                                       .v_trans = o.v_trans,
                                       .unified = o.unified});
+    }
+    if (!o.plot.empty()) {  // before any work: a bad directory is an error now, not after phase 1
+        std::error_code ec;
+        if (fs::exists(o.plot, ec) && !fs::is_directory(o.plot, ec))
+            throw error(errc::invalid_argument,
+                        fmt::format("--plot {}: exists and is not a directory", o.plot));
+        fs::create_directories(o.plot, ec);
+        if (ec)
+            throw error(errc::io,
+                        fmt::format("--plot {}: cannot create the directory: {}", o.plot, ec.message()));
     }
     demo d(o, m);
     return d.run();
