@@ -528,6 +528,7 @@ memory_context_ptr kv_cache::init_batch(batch_allocr& balloc, uint32_t n_ubatch,
 }
 
 memory_context_ptr kv_cache::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
+    if (params_.auto_update) update();  // no-op without pending shifts
     std::vector<slot_info> sinfos = prepare(ubatches);
     if (sinfos.empty())
         return memory_context_ptr(

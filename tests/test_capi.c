@@ -759,6 +759,7 @@ static void test_errors_per_thread(void) {
 /* A budget refuses a cache that could outgrow it; the breakdown counts what cells hold. */
 static void test_memory_budget_and_breakdown(void) {
     CHECK(kvc_kv_cache_default_params().memory_budget == 0);
+    CHECK(kvc_kv_cache_default_params().auto_update); /* a decode after seq_add applies the K-shift */
     kvc_kv_cache_params p = small_params(64, 2); /* a cell: 2 layers x (K 32 + V 32 bytes) */
     p.memory_budget = 64 * 128 - 1;
     kvc_memory* mem = NULL;
@@ -777,6 +778,14 @@ static void test_memory_budget_and_breakdown(void) {
     CHECK(bd.reserved == 8192 && bd.committed == 8192 && bd.used == 1280 && bd.cached == 0 && bd.pinned == 0);
     CHECK(bd.free == 8192 - 1280);
     CHECK(seq[0] == 0 && seq[1] == 1280 && seq[2] == 0);
+    /* auto_update (default): the decode after seq_add ran the K-shift, nothing is left pending */
+    CHECK_OK(kvc_memory_seq_add(mem, 1, 0, -1, 3));
+    b = seq_batch(1, 13, 14);
+    decode(mem, b, 16);
+    kvc_batch_free(b);
+    bool pending = true;
+    CHECK_OK(kvc_memory_update(mem, false, &pending));
+    CHECK(!pending);
     CHECK_OK(kvc_memory_seq_rm(mem, 1, -1, -1, NULL));
     CHECK_OK(kvc_memory_get_breakdown(mem, &bd, NULL, 0));
     CHECK(bd.committed == 0 && bd.used == 0 && bd.free == 0);

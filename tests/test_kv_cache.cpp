@@ -548,6 +548,32 @@ TEST(kv_cache, seq_div_moves_whole_cells_and_keeps_the_head) {
 
 // The K-shift's rows split into pieces on an executor (two threads, pieces of 3 rows, out of order)
 // leave exactly the bytes of one thread, for several deltas at once (seq_add and seq_div).
+// auto_update: init_batch runs the pending K-shift first (as llama.cpp's decode), with the bytes of an
+// explicit update; without it the shift stays pending (regression, issue 20).
+TEST(kv_cache, auto_update_applies_pending_shifts_before_a_batch) {
+    for (const bool automatic : {false, true}) {
+        kv_cache_params p = small_params(16);
+        p.auto_update = automatic;
+        kv_cache c(p), want(small_params(16));
+        std::vector<float> key(8);
+        std::iota(key.begin(), key.end(), 1.0f);
+        const auto src =
+            const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(key.data()), 8);
+        for (kv_cache* k : {&c, &want}) {
+            peer::placed(*k, slot({0}), make_ub({0}, {0}))->get_attn(0)->cpy_k(0, src);
+            k->seq_add(0, -1, -1, 5);
+        }
+        want.update();
+        auto ctx = c.init_ubatches({make_ub({6}, {0})}, {});
+        ASSERT_EQ(ctx->get_status(), memory_status::success);
+        EXPECT_EQ(c.get_has_shift(), !automatic);
+        std::vector<float> got(8), expect(8);
+        c.read_k_row(0, 0, 0, got);
+        want.read_k_row(0, 0, 0, expect);
+        EXPECT_EQ(got == expect, automatic);
+    }
+}
+
 TEST(kv_cache, k_shift_on_an_executor_gives_the_bytes_of_one_thread) {
     for (dtype t : {dtype::f16, dtype::q8_0}) {
         kv_cache_params p;

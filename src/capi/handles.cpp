@@ -170,6 +170,7 @@ kv_cache_params to_cpp(const kvc_kv_cache_params& c, const char* name) {
     p.swa = static_cast<swa_type>(swa);
     p.n_pos = c.n_pos;
     p.compact_threshold = c.compact_threshold;
+    p.auto_update = c.auto_update;
     p.prefix = prefix_to_cpp(c.prefix, name);
     p.memory_budget = c.memory_budget;
     return p;
@@ -413,6 +414,7 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
     c.swa_type = static_cast<kvc_swa_type>(p.swa);
     c.n_pos = p.n_pos;
     c.compact_threshold = p.compact_threshold;
+    c.auto_update = true;  // the C API's convenience: a decode after seq_add meets rotated keys
     c.prefix = {.enabled = p.prefix.enabled,
                 .block_size = p.prefix.block_size,
                 .policy = static_cast<kvc_evict_policy>(p.prefix.policy),
