@@ -318,6 +318,20 @@ void kv_cache::check_ubatch(const ubatch& ub) const {
 void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j) {
     // prepare checked the ubatch (check_ubatch) and found the slot (find_slot) for it
     assert(!sinfo.empty() && sinfo.n_stream() * sinfo.size() == ub.n_tokens);
+    if (!j) {  // for real: all or nothing, as an allocation may fail half-way (issue 21)
+        journal own;
+        const std::vector<uint32_t> saved_heads = heads_;
+        try {
+            apply_ubatch(sinfo, ub, &own);
+            prefix_record(sinfo, ub);  // all or nothing too
+        } catch (...) {
+            for (auto e = own.entries.rbegin(); e != own.entries.rend(); ++e)
+                streams_[e->stream].set(e->idxs, e->snap);
+            heads_ = saved_heads;
+            throw;
+        }
+        return;
+    }
     if (j)
         for (size_t k = 0; k < sinfo.n_stream(); ++k)
             j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k])});
@@ -359,7 +373,6 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
         seq_rm(q, pmin, m + 1);
     }
     for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
-    if (!j) prefix_record(sinfo, ub);
 }
 
 std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {

@@ -346,22 +346,37 @@ void kv_cache::state_commit(state_stage_i& stage) {
         }
     };
 
+    // An allocation may fail while the cells change (issue 21): they are put back then. K/V rows are written
+    // last, by calls that allocate nothing, so a failure never leaves rows of the state in old cells.
+    size_t most = 0;  // cells of the largest part: room for rows and cells is made before anything changes
+    for (const auto& part : st.parts) most = std::max(most, part.pos.size());
+    rows.reserve(most);
+
     if (seq_id == seq_all) {
-        prefix_reset();
-        for (kv_cells& c : streams_) c.reset();  // design D2: every stream is replaced
-        std::fill(heads_.begin(), heads_.end(), 0);
-        std::vector<uint32_t> cells;  // a part's cells are 0..n-1 of its stream
-        for (const auto& part : st.parts) {
-            kv_cells& c = streams_[part.stream];
-            cells.clear();
-            for (uint32_t j = 0; j < part.pos.size(); ++j) {
-                c.pos_set(j, part.pos[j]);
-                if (!part.ext.empty()) c.ext_set(j, part.ext[j]);  // else (0, 0), as reset left it
-                for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
-                cells.push_back(j);
+        std::vector<kv_cells> saved = streams_;  // design D2: every stream is replaced
+        const std::vector<uint32_t> saved_heads = heads_;
+        std::vector<std::vector<uint32_t>> cells(st.parts.size());  // a part's cells are 0..n-1 of its stream
+        try {
+            prefix_reset();
+            for (kv_cells& c : streams_) c.reset();
+            std::fill(heads_.begin(), heads_.end(), 0);
+            for (size_t k = 0; k < st.parts.size(); ++k) {
+                const auto& part = st.parts[k];
+                kv_cells& c = streams_[part.stream];
+                cells[k].reserve(part.pos.size());
+                for (uint32_t j = 0; j < part.pos.size(); ++j) {
+                    c.pos_set(j, part.pos[j]);
+                    if (!part.ext.empty()) c.ext_set(j, part.ext[j]);  // else (0, 0), as reset left it
+                    for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
+                    cells[k].push_back(j);
+                }
             }
-            copy_rows(part, part.stream, cells);
+        } catch (...) {
+            streams_ = std::move(saved);
+            heads_ = saved_heads;
+            throw;
         }
+        for (size_t k = 0; k < st.parts.size(); ++k) copy_rows(st.parts[k], st.parts[k].stream, cells[k]);
         prefix_forget(seq_all);  // the restored sequences' tokens are unknown: none publishes
         prefix_sync(seq_all);
         return;
@@ -377,6 +392,16 @@ void kv_cache::state_commit(state_stage_i& stage) {
                                  n, seq_id));
     };
     std::vector<uint32_t> cells;  // where the state's cells go, in the state's order
+    cells.reserve(n);
+    // the destination's cells, to put back when an allocation fails once they changed
+    std::vector<uint32_t> old;
+    c.seq_cells(seq_id, -1, -1, old);
+    const cells_snapshot saved = c.cp(old);
+    const std::vector<uint32_t> saved_heads = heads_;
+    const auto put_back = [&] {
+        c.set(old, saved);
+        heads_ = saved_heads;
+    };
     if (params_.swa == swa_type::none) {
         // Only empty cells take the state's cells, so whether they fit is known before anything changes:
         // the empty cells and those the destination alone holds (it leaves them) must number at least n.
@@ -389,36 +414,37 @@ void kv_cache::state_commit(state_stage_i& stage) {
             if (n > params_.kv_size - (c.get_used() - freed) && !prefix_make_room(s, n - freed))
                 throw no_room();
         }
-        seq_rm(seq_id, -1, -1);
-        if (n > 0) {
-            // find_slot for the cells of one sequence: one group in its stream, from the stream's head
-            cells.reserve(n);
-            if (!find_slot_group(s, n, false, cells))
-                throw error(errc::invalid_state,
-                            "state_read: internal error: free cells counted but not found");
-            // apply_ubatch into empty cells
-            c.fill(cells, part->pos, params_.n_pos >= 3 ? std::span(part->ext) : std::span<const cell_ext>{},
-                   seq_id);
-            heads_[s] = cells.back() + 1;
+        try {
+            seq_rm(seq_id, -1, -1);
+            if (n > 0) {
+                // find_slot for the cells of one sequence: one group in its stream, from the stream's head
+                if (!find_slot_group(s, n, false, cells))
+                    throw error(errc::invalid_state,
+                                "state_read: internal error: free cells counted but not found");
+                // apply_ubatch into empty cells (all or nothing)
+                c.fill(cells, part->pos,
+                       params_.n_pos >= 3 ? std::span(part->ext) : std::span<const cell_ext>{}, seq_id);
+                heads_[s] = cells.back() + 1;
+            }
+        } catch (...) {
+            put_back();
+            throw;
         }
     } else {
         // An SWA cache may also reuse cells that go out of its window: place the cells as a ubatch, on the
         // memory without the destination, and put the destination back when they do not fit.
-        std::vector<uint32_t> old;
-        c.seq_cells(seq_id, -1, -1, old);
-        const cells_snapshot saved = c.cp(old);
-        const std::vector<uint32_t> saved_heads = heads_;
-        seq_rm(seq_id, -1, -1);
-        if (n > 0) {
-            const ubatch ub = restore_ubatch(part->pos, part->ext, seq_id, params_.n_pos);
-            slot_info si = find_slot(ub);
-            if (si.empty()) {
-                c.set(old, saved);
-                heads_ = saved_heads;
-                throw no_room();
+        try {
+            seq_rm(seq_id, -1, -1);
+            if (n > 0) {
+                const ubatch ub = restore_ubatch(part->pos, part->ext, seq_id, params_.n_pos);
+                slot_info si = find_slot(ub);
+                if (si.empty()) throw no_room();
+                apply_ubatch(si, ub);  // all or nothing
+                cells = std::move(si.idxs[0]);
             }
-            apply_ubatch(si, ub);
-            cells = std::move(si.idxs[0]);
+        } catch (...) {
+            put_back();
+            throw;
         }
     }
     if (part) copy_rows(*part, s, cells);
