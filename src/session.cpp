@@ -389,6 +389,12 @@ std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path,
         const std::vector<uint8_t> file = read_file_bytes(path);
         const std::span<const uint8_t> b(file);
         const uint32_t n_tokens = check_llama_header(b, b.size());
+        // No checksum: what can be checked is structure. A token is a vocabulary index, never negative.
+        for (uint32_t i = 0; i < n_tokens; ++i)
+            if (const auto t = load_at<int32_t>(b, 12 + size_t{i} * 4); t < 0)
+                bad_file(
+                    errc::corrupt_data,
+                    fmt::format("token {} of {} is {}, not a token id: the file is damaged", i, n_tokens, t));
         const auto payload = b.subspan(12 + size_t{n_tokens} * 4);
         if (n_tokens > max_tokens) {  // no checksum: the state's own checks tell a damaged file first
             io_span_reader r(payload, true);
