@@ -324,6 +324,15 @@ TEST_F(session, forged_files_are_refused_without_allocating_what_they_declare) {
     }
     put_bytes(path("x"), forge(good, stored, field(good, 32, 8), 0xffffffff));
     expect_load_fails(b, path("x"), seq_all, "unknown state flags 0xffffffff");
+    // regression (fuzz_session_forged): a frame of 0 bytes was "more than the 0 bytes the header says";
+    // it decodes, and the empty payload is what is refused
+    std::vector<uint8_t> empty(ZSTD_compressBound(0));
+    empty.resize(ZSTD_compress(empty.data(), empty.size(), nullptr, 0, 1));
+    put_bytes(path("x"), forge(good, empty, 0, 0));
+    expect_load_fails(b, path("x"), seq_all, "state: truncated at byte 0");
+    // a frame holding more than declared
+    put_bytes(path("x"), forge(good, stored, field(good, 32, 8) - 1, 0));
+    expect_load_fails(b, path("x"), seq_all, "the zstd frame holds");
 }
 
 // Every single-byte corruption of a session file is caught by its checksums, before the memory changes.
