@@ -1,6 +1,7 @@
 // kv_cache: state payloads in llama.cpp's layout (design/kv-cache.md §7.1-7.3), read transactionally.
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
@@ -327,7 +328,38 @@ state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_
     return stage;
 }
 
+struct kv_cache::commit_undo {
+    std::vector<uint32_t> streams;  // the streams the commit changed
+    std::vector<kv_cells> cells;    // [streams] as they were
+    std::vector<uint32_t> heads;    // every stream's head, as it was
+    struct rows_backup {
+        std::vector<uint64_t> rows;
+        std::vector<std::vector<uint8_t>> k, v;  // [layer] the rows' bytes as they were, as load takes them
+    };
+    std::vector<rows_backup> data;  // the rows the commit overwrote
+};
+
 void kv_cache::state_commit(state_stage_i& stage) {
+    state_commit(stage, nullptr);
+}
+
+std::shared_ptr<kv_cache::commit_undo> kv_cache::state_commit_undoable(state_stage_i& stage) {
+    auto undo = std::make_shared<commit_undo>();
+    state_commit(stage, undo.get());
+    return undo;
+}
+
+void kv_cache::state_undo(commit_undo& undo) {
+    for (size_t k = 0; k < undo.streams.size(); ++k) streams_[undo.streams[k]] = std::move(undo.cells[k]);
+    for (const auto& d : undo.data)
+        for (uint32_t li = 0; li < layers_.size(); ++li) {
+            storage_->load(kv_part::k, li, d.rows, reinterpret_cast<const std::byte*>(d.k[li].data()));
+            storage_->load(kv_part::v, li, d.rows, reinterpret_cast<const std::byte*>(d.v[li].data()));
+        }
+    std::copy(undo.heads.begin(), undo.heads.end(), heads_.begin());
+}
+
+void kv_cache::state_commit(state_stage_i& stage, commit_undo* undo) {
     auto* staged = dynamic_cast<staged_state*>(&stage);
     if (staged == nullptr || staged->owner != this)
         throw error(errc::invalid_argument, "state_commit: the stage was made by another memory");
@@ -345,6 +377,23 @@ void kv_cache::state_commit(state_stage_i& stage) {
             storage_->load(kv_part::v, li, rows, part.v[li].data());
         }
     };
+    // an undoable commit keeps the rows it will overwrite (before any is written)
+    const auto back_up_rows = [&](uint32_t stream, std::span<const uint32_t> cells) {
+        commit_undo::rows_backup& d = undo->data.emplace_back();
+        for (uint32_t c : cells) d.rows.push_back(row(stream, c));
+        for (uint32_t li = 0; li < layers_.size(); ++li) {
+            io_vector_writer k(d.k.emplace_back()), v(d.v.emplace_back());
+            storage_->save_k(k, li, d.rows, {});
+            storage_->save_v(v, li, d.rows);
+        }
+    };
+    if (undo) {
+        undo->heads = heads_;
+        if (seq_id != seq_all) {
+            undo->streams = {seq_to_stream(seq_id)};
+            undo->cells = {streams_[seq_to_stream(seq_id)]};
+        }
+    }
 
     // An allocation may fail while the cells change (issue 21): they are put back then. K/V rows are written
     // last, by calls that allocate nothing, so a failure never leaves rows of the state in old cells.
@@ -356,6 +405,15 @@ void kv_cache::state_commit(state_stage_i& stage) {
         std::vector<kv_cells> saved = streams_;  // design D2: every stream is replaced
         const std::vector<uint32_t> saved_heads = heads_;
         std::vector<std::vector<uint32_t>> cells(st.parts.size());  // a part's cells are 0..n-1 of its stream
+        if (undo) {
+            for (const auto& part : st.parts) {
+                std::vector<uint32_t> first(part.pos.size());
+                std::iota(first.begin(), first.end(), 0u);
+                back_up_rows(part.stream, first);
+            }
+            for (uint32_t s = 0; s < streams_.size(); ++s) undo->streams.push_back(s);
+            undo->cells = saved;
+        }
         try {
             prefix_reset();
             for (kv_cells& c : streams_) c.reset();
@@ -447,6 +505,15 @@ void kv_cache::state_commit(state_stage_i& stage) {
             throw;
         }
     }
+    if (undo && part) {
+        try {
+            back_up_rows(s, cells);
+        } catch (...) {
+            streams_[s] = std::move(undo->cells[0]);
+            heads_ = undo->heads;
+            throw;
+        }
+    }
     if (part) copy_rows(*part, s, cells);
     prefix_forget(seq_id);  // its tokens are unknown: it does not publish
 }
@@ -470,9 +537,16 @@ bool kv_cache::state_fits(const state_stage_i& stage) {
     c.seq_cells(seq_id, -1, -1, old);
     const cells_snapshot saved = c.cp(old);
     const std::vector<uint32_t> saved_heads = heads_;
-    seq_rm(seq_id, -1, -1);
-    const ubatch ub = restore_ubatch(st->parts[0].pos, st->parts[0].ext, seq_id, params_.n_pos);
-    const bool fits = !prepare(std::span(&ub, 1)).empty();
+    bool fits = false;
+    try {  // an allocation may fail on the trial: the destination comes back all the same
+        seq_rm(seq_id, -1, -1);
+        const ubatch ub = restore_ubatch(st->parts[0].pos, st->parts[0].ext, seq_id, params_.n_pos);
+        fits = !prepare(std::span(&ub, 1)).empty();
+    } catch (...) {
+        c.set(old, saved);
+        heads_ = saved_heads;
+        throw;
+    }
     c.set(old, saved);
     heads_ = saved_heads;
     return fits;

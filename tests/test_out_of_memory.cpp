@@ -21,11 +21,15 @@
 #include <gtest/gtest.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/kv_cache_iswa.h>
 #include <kvcache/kvcache.h>
 #include <kvcache/kvcache_state.h>
+#include <kvcache/memory_hybrid.h>
+#include <kvcache/memory_recurrent.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
+#include "memory_test_util.h"
 #include "state_test_util.h"
 
 namespace {
@@ -283,6 +287,103 @@ TEST_F(out_of_memory, every_allocation_of_a_state_load_fails_in_turn_and_the_mem
                                            [&](kv_cache& c) { (void)load_llama_seq_file(c, ggsq, 2); });
     }
     fs::remove_all(dir);
+    EXPECT_GT(injected_, 100u);
+}
+
+// The recurrent, iSWA and hybrid memories: every allocation of a state restore (one sequence, the whole
+// memory, the partial-only part of a composite) fails in turn and leaves the memory as it was (every
+// sequence's positions, the whole state).
+TEST_F(out_of_memory, every_allocation_of_a_restore_into_the_other_memories_fails_in_turn) {
+    constexpr uint32_t n_seq = 3;
+    const auto observe_memory = [](const memory_i& m) {
+        std::string out;
+        for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq); ++q)
+            out += fmt::format("seq {}: [{}, {}]\n", q, m.seq_pos_min(q), m.seq_pos_max(q));
+        const auto state = state_seq_get_data(m, seq_all);
+        out += fmt::format("state: {} bytes, hash {:016x}\n", state.size(),
+                           std::hash<std::string_view>{}(
+                               std::string_view(reinterpret_cast<const char*>(state.data()), state.size())));
+        return out;
+    };
+    kv_cache_params attn;
+    for (uint32_t il = 0; il < 4; ++il)
+        attn.layers.push_back(layer_desc{.n_head_kv = 1,
+                                         .n_embd_head_k = 32,
+                                         .n_embd_head_v = 32,
+                                         .is_swa = il == 3,
+                                         .has_kv = il % 2 == 1});
+    attn.kv_size = 32;
+    attn.n_seq_max = n_seq;
+    attn.v_trans = false;
+    recurrent_params recr;
+    for (uint32_t il = 0; il < 4; ++il)
+        recr.layers.push_back(il % 2 == 0 ? recurrent_layer_desc{.n_embd_r = 4, .n_embd_s = 8}
+                                          : recurrent_layer_desc{});
+    recr.n_seq_max = n_seq;
+    recr.n_rs_seq = 1;
+    kv_cache_iswa_params iswa;
+    iswa.kv = attn;
+    for (auto& l : iswa.kv.layers) l.has_kv = true;
+    iswa.kv.n_swa = 4;
+    iswa.kv.swa = swa_type::standard;
+    iswa.sizing = {.swa_full = false, .n_ubatch = 4};
+    memory_hybrid_params hybrid{.attn = attn, .recr = recr, .iswa = std::nullopt};
+    for (auto& l : hybrid.attn.layers) l.is_swa = false;
+
+    const std::vector<std::pair<std::string, std::function<std::unique_ptr<memory_i>()>>> kinds = {
+        {"recurrent", [&] { return std::make_unique<memory_recurrent>(recr); }},
+        {"iswa", [&] { return std::make_unique<kv_cache_iswa>(iswa); }},
+        {"hybrid", [&] { return std::make_unique<memory_hybrid>(hybrid); }},
+    };
+    // fills through placements (no rows written: the cells are what a partial restore would break)
+    const auto fill = [&](memory_i& m, const std::vector<test::run>& runs) {
+        for (const test::run& r : runs) {
+            const auto ctx = init_runs(m, n_seq, {r}, 4);
+            ASSERT_EQ(ctx->get_status(), memory_status::success);
+            do ctx->apply();
+            while (ctx->next());
+        }
+    };
+    for (const auto& [name, make] : kinds) {
+        auto src = make();
+        fill(*src, {{0, 0, 6}, {1, 0, 3}});
+        const auto dest = [&, make = make] {
+            auto m = make();
+            fill(*m, {{2, 0, 5}, {1, 0, 2}});
+            return m;
+        };
+        for (const state_seq_flags flags : {state_seq_flags{0}, state_seq_flag_partial_only}) {
+            if (flags && name == "recurrent") continue;
+            for (const seq_id_t s : {seq_id_t{0}, seq_all}) {
+                const auto buffer = state_seq_get_data(*src, s, flags);
+                const std::string what =
+                    fmt::format("{} {} {}", name, s == seq_all ? "all" : "seq", flags ? "partial" : "full");
+                uint64_t total = 0;
+                std::string after_success;
+                {
+                    auto m = dest();
+                    {
+                        const oom_at counting(0);
+                        state_seq_set_data(*m, buffer, s == seq_all ? seq_all : 1, flags);
+                        total = oom_at::count();
+                    }
+                    after_success = observe_memory(*m);
+                }
+                for (uint64_t n = 1; n <= total; ++n) {
+                    auto m = dest();
+                    const std::string before = observe_memory(*m);
+                    bool reached = false;
+                    const outcome o = run_failing(
+                        n, [&] { state_seq_set_data(*m, buffer, s == seq_all ? seq_all : 1, flags); },
+                        fmt::format("{}: allocation {} of {}", what, n, total), &reached);
+                    if (!reached) continue;
+                    ++injected_;
+                    EXPECT_EQ(observe_memory(*m), o == outcome::out_of_memory ? before : after_success)
+                        << what << ": allocation " << n << " of " << total;
+                }
+            }
+        }
+    }
     EXPECT_GT(injected_, 100u);
 }
 
