@@ -415,7 +415,6 @@ void kv_cache::state_commit(state_stage_i& stage, commit_undo* undo) {
             undo->cells = saved;
         }
         try {
-            prefix_reset();
             for (kv_cells& c : streams_) c.reset();
             std::fill(heads_.begin(), heads_.end(), 0);
             for (size_t k = 0; k < st.parts.size(); ++k) {
@@ -434,6 +433,7 @@ void kv_cache::state_commit(state_stage_i& stage, commit_undo* undo) {
             heads_ = saved_heads;
             throw;
         }
+        prefix_reset();  // after the cells changed: a failure above keeps the index that matches them
         for (size_t k = 0; k < st.parts.size(); ++k) copy_rows(st.parts[k], st.parts[k].stream, cells[k]);
         prefix_forget(seq_all);  // the restored sequences' tokens are unknown: none publishes
         prefix_sync(seq_all);
