@@ -275,6 +275,18 @@ TEST_F(out_of_memory, every_allocation_of_a_state_load_fails_in_turn_and_the_mem
             return c;
         };
         const std::string u = unified ? "unified" : "split";
+        if (unified) {  // into a cache with the prefix cache on
+            const auto dest_prefix = [] {
+                auto c = std::make_unique<kv_cache>(small(true, true));
+                std::mt19937 rng(9);
+                decode(*c, 3, 0, 5, rng);
+                return c;
+            };
+            injected_ += each_allocation_fails("prefix buffer seq", dest_prefix,
+                                               [&](kv_cache& c) { state_seq_set_data(c, seq1, 2); });
+            injected_ += each_allocation_fails("prefix buffer all", dest_prefix,
+                                               [&](kv_cache& c) { state_seq_set_data(c, all, seq_all); });
+        }
         injected_ += each_allocation_fails(u + " buffer seq", dest,
                                            [&](kv_cache& c) { state_seq_set_data(c, seq1, 2); });
         injected_ += each_allocation_fails(u + " buffer all", dest,
