@@ -347,21 +347,35 @@ TEST_F(out_of_memory, every_allocation_of_a_restore_into_the_other_memories_fail
         {"iswa", [&] { return std::make_unique<kv_cache_iswa>(iswa); }},
         {"hybrid", [&] { return std::make_unique<memory_hybrid>(hybrid); }},
     };
-    // fills through placements (no rows written: the cells are what a partial restore would break)
-    const auto fill = [&](memory_i& m, const std::vector<test::run>& runs) {
+    // fills through placements, K/V rows of every attention layer written (values of the sequence, the
+    // position and `salt`, so that rows left over from a failed restore show)
+    const auto fill = [&](memory_i& m, const std::vector<test::run>& runs, float salt) {
         for (const test::run& r : runs) {
             const auto ctx = init_runs(m, n_seq, {r}, 4);
             ASSERT_EQ(ctx->get_status(), memory_status::success);
-            do ctx->apply();
-            while (ctx->next());
+            do {
+                ctx->apply();
+                const ubatch& ub = ctx->get_ubatch();
+                std::vector<float> rows(size_t{32} * ub.n_tokens);
+                for (uint32_t t = 0; t < ub.n_tokens; ++t)
+                    for (uint32_t d = 0; d < 32; ++d)
+                        rows[t * 32 + d] = salt + static_cast<float>(ub.primary_seq(t) * 100 + ub.pos[t] + d);
+                const auto view = const_tensor_view::contiguous(
+                    dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 32, ub.n_tokens);
+                for (uint32_t il = 0; il < 4; ++il)
+                    if (kv_cache_context* a = ctx->get_attn(il)) {
+                        a->cpy_k(il, view);
+                        a->cpy_v(il, view);
+                    }
+            } while (ctx->next());
         }
     };
     for (const auto& [name, make] : kinds) {
         auto src = make();
-        fill(*src, {{0, 0, 6}, {1, 0, 3}});
+        fill(*src, {{0, 0, 6}, {1, 0, 3}}, 0.5f);
         const auto dest = [&, make = make] {
             auto m = make();
-            fill(*m, {{2, 0, 5}, {1, 0, 2}});
+            fill(*m, {{2, 0, 5}, {1, 0, 2}}, 0.25f);
             return m;
         };
         for (const state_seq_flags flags : {state_seq_flags{0}, state_seq_flag_partial_only}) {
