@@ -341,11 +341,15 @@ TEST_F(out_of_memory, every_allocation_of_a_restore_into_the_other_memories_fail
     iswa.sizing = {.swa_full = false, .n_ubatch = 4};
     memory_hybrid_params hybrid{.attn = attn, .recr = recr, .iswa = std::nullopt};
     for (auto& l : hybrid.attn.layers) l.is_swa = false;
+    memory_hybrid_params hybrid_iswa{.attn = attn, .recr = recr, .iswa = iswa.sizing};
+    hybrid_iswa.attn.n_swa = 4;
+    hybrid_iswa.attn.swa = swa_type::standard;
 
     const std::vector<std::pair<std::string, std::function<std::unique_ptr<memory_i>()>>> kinds = {
         {"recurrent", [&] { return std::make_unique<memory_recurrent>(recr); }},
         {"iswa", [&] { return std::make_unique<kv_cache_iswa>(iswa); }},
         {"hybrid", [&] { return std::make_unique<memory_hybrid>(hybrid); }},
+        {"hybrid iswa", [&] { return std::make_unique<memory_hybrid>(hybrid_iswa); }},
     };
     // fills through placements, K/V rows of every attention layer written (values of the sequence, the
     // position and `salt`, so that rows left over from a failed restore show)
