@@ -211,11 +211,11 @@ public:
         // src is channel-major, [E_v][rows]; channel e of a run is e * kv_size elements after channel 0
         const size_t esz = type_size(params_.type_v);
         const size_t channel = size_t{params_.kv_size} * esz;
-        for (uint32_t e = 0; e < e_v(li); ++e)
-            for_each_run(rows, params_.kv_size, [&](size_t j, size_t n) {
-                std::memcpy(v_[li].data() + v_trans_index(rows[j], 0) * esz + e * channel,
-                            src + (size_t{e} * rows.size() + j) * esz, n * esz);
-            });
+        for_each_run(rows, params_.kv_size, [&](size_t j, size_t n) {  // run by run: the runs are found once
+            std::byte* dst = v_[li].data() + v_trans_index(rows[j], 0) * esz;
+            for (uint32_t e = 0; e < e_v(li); ++e)
+                std::memcpy(dst + e * channel, src + (size_t{e} * rows.size() + j) * esz, n * esz);
+        });
     }
 
     void read_row(kv_part part, uint32_t li, uint64_t row, std::span<float> out) const override {
