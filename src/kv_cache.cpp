@@ -204,12 +204,12 @@ memory_breakdown kv_cache::get_memory_breakdown() const {
     return b;
 }
 
-void kv_cache::fit_storage(uint32_t stream) {
+void kv_cache::fit_storage(uint32_t stream, bool release) {
     if (granule_ == 0) return;
     const uint64_t g = granule_;
     const uint64_t extent = (uint64_t{streams_[stream].used_max_p1()} + g - 1) / g * g;
     const auto mark = static_cast<uint32_t>(std::min<uint64_t>(params_.kv_size, extent));
-    if (mark == committed_[stream]) return;
+    if (mark == committed_[stream] || (!release && mark < committed_[stream])) return;
     committed_[stream] = mark;
     storage_->set_committed(stream, mark);
 }
@@ -416,6 +416,21 @@ void kv_cache::check_ubatch(const ubatch& ub) const {
 void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j) {
     // prepare checked the ubatch (check_ubatch) and found the slot (find_slot) for it
     assert(!sinfo.empty() && sinfo.n_stream() * sinfo.size() == ub.n_tokens);
+    if (!j) {  // for real: all or nothing, as an allocation may fail half-way (issue 21)
+        journal own;
+        const std::vector<uint32_t> saved_heads = heads_;
+        try {
+            apply_ubatch(sinfo, ub, &own);
+            prefix_record(sinfo, ub);  // all or nothing too
+        } catch (...) {
+            for (auto e = own.entries.rbegin(); e != own.entries.rend(); ++e)
+                streams_[e->stream].set(e->idxs, e->snap);
+            heads_ = saved_heads;
+            throw;
+        }
+        for (uint32_t s : sinfo.strm) fit_storage(s);  // before the engine writes the rows
+        return;
+    }
     if (j)
         for (size_t k = 0; k < sinfo.n_stream(); ++k)
             j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k])});
@@ -457,9 +472,6 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
         remove(q, pmin, m + 1);  // a trial placement rolls it back: its memory stays
     }
     for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
-    if (j) return;
-    prefix_record(sinfo, ub);
-    for (uint32_t s : sinfo.strm) fit_storage(s);  // before the engine writes the rows
 }
 
 std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {

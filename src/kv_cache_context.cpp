@@ -68,10 +68,11 @@ void kv_cache_context::apply() {
     if (n_applied_ > i_cur_)
         throw error(errc::invalid_state,
                     fmt::format("memory context: ubatch {} was already applied", i_cur_));
-    cache_->apply_ubatch(sinfos_[i_cur_], ubatches_[i_cur_]);
+    std::vector<uint64_t> rows = cache_->rows_of(sinfos_[i_cur_]);  // allocates: before the memory changes
+    cache_->apply_ubatch(sinfos_[i_cur_], ubatches_[i_cur_]);       // all or nothing
     n_applied_ = i_cur_ + 1;
     n_kv_ = cache_->get_n_kv(sinfos_[i_cur_]);
-    rows_ = cache_->rows_of(sinfos_[i_cur_]);
+    rows_ = std::move(rows);
 }
 
 const ubatch& kv_cache_context::get_ubatch() const {

@@ -216,8 +216,19 @@ void kv_cache_iswa::state_commit(state_stage_i& stage) {
         throw error(errc::invalid_state,
                     "state_read: no room for the state's cells in the base or SWA cache");
     auto& st = static_cast<staged_state&>(stage);
-    if (st.base) base_->state_commit(*st.base);
-    swa_->state_commit(*st.swa);
+    if (!st.base) {
+        swa_->state_commit(*st.swa);
+        return;
+    }
+    // both or neither: the base's commit is taken back when the SWA cache's fails (an allocation, issue 21)
+    const auto undo = base_->state_commit_undoable(*st.base);
+    try {
+        swa_->state_commit(*st.swa);
+    } catch (...) {
+        base_->state_undo(*undo);
+        throw;
+    }
+    base_->fit_storage_of(seq_all);  // an undoable commit gives no memory back until it stands
 }
 
 std::string kv_cache_iswa::state_layout() const {

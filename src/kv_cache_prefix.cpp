@@ -310,6 +310,17 @@ void kv_cache::prefix_record(const slot_info& sinfo, const ubatch& ub) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
     const bool tokens = !ub.token.empty();
+    // room first, so that nothing below allocates: a failed allocation then changes nothing (issue 21)
+    const auto room = [](auto& v, size_t n) {
+        if (v.capacity() - v.size() < n) v.reserve(std::max(v.size() + n, 2 * v.capacity()));
+    };
+    for (seq_id_t s : ub.seq_id_unq) {
+        prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        if (!t.active) continue;
+        room(t.toks, ub.n_tokens);
+        room(t.cells, ub.n_tokens);
+    }
+    room(ps.pending, ub.seq_id_unq.size());
     uint32_t i = 0;
     for (size_t k = 0; k < sinfo.n_stream(); ++k)
         for (uint32_t c : sinfo.idxs[k]) {

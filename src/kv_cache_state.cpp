@@ -1,6 +1,7 @@
 // kv_cache: state payloads in llama.cpp's layout (design/kv-cache.md §7.1-7.3), read transactionally.
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
@@ -327,7 +328,39 @@ state_stage_ptr kv_cache::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_
     return stage;
 }
 
+struct kv_cache::commit_undo {
+    std::vector<uint32_t> streams;  // the streams the commit changed
+    std::vector<kv_cells> cells;    // [streams] as they were
+    std::vector<uint32_t> heads;    // every stream's head, as it was
+    struct rows_backup {
+        std::vector<uint64_t> rows;
+        std::vector<std::vector<uint8_t>> k, v;  // [layer] the rows' bytes as they were, as load takes them
+    };
+    std::vector<rows_backup> data;  // the rows the commit overwrote
+};
+
 void kv_cache::state_commit(state_stage_i& stage) {
+    state_commit(stage, nullptr);
+}
+
+std::shared_ptr<kv_cache::commit_undo> kv_cache::state_commit_undoable(state_stage_i& stage) {
+    auto undo = std::make_shared<commit_undo>();
+    state_commit(stage, undo.get());
+    return undo;
+}
+
+void kv_cache::state_undo(commit_undo& undo) {
+    for (size_t k = 0; k < undo.streams.size(); ++k) streams_[undo.streams[k]] = std::move(undo.cells[k]);
+    for (const auto& d : undo.data)
+        for (uint32_t li = 0; li < layers_.size(); ++li) {
+            storage_->load(kv_part::k, li, d.rows, reinterpret_cast<const std::byte*>(d.k[li].data()));
+            storage_->load(kv_part::v, li, d.rows, reinterpret_cast<const std::byte*>(d.v[li].data()));
+        }
+    std::copy(undo.heads.begin(), undo.heads.end(), heads_.begin());
+    fit_storage_of(seq_all);  // the commit only grew the marks (fit_storage without release)
+}
+
+void kv_cache::state_commit(state_stage_i& stage, commit_undo* undo) {
     auto* staged = dynamic_cast<staged_state*>(&stage);
     if (staged == nullptr || staged->owner != this)
         throw error(errc::invalid_argument, "state_commit: the stage was made by another memory");
@@ -345,25 +378,67 @@ void kv_cache::state_commit(state_stage_i& stage) {
             storage_->load(kv_part::v, li, rows, part.v[li].data());
         }
     };
+    // an undoable commit keeps the rows it will overwrite (before any is written)
+    const auto back_up_rows = [&](uint32_t stream, std::span<const uint32_t> cells) {
+        commit_undo::rows_backup& d = undo->data.emplace_back();
+        for (uint32_t c : cells) d.rows.push_back(row(stream, c));
+        for (uint32_t li = 0; li < layers_.size(); ++li) {
+            io_vector_writer k(d.k.emplace_back()), v(d.v.emplace_back());
+            storage_->save_k(k, li, d.rows, {});
+            storage_->save_v(v, li, d.rows);
+        }
+    };
+    if (undo) {
+        undo->heads = heads_;
+        if (seq_id != seq_all) {
+            undo->streams = {seq_to_stream(seq_id)};
+            undo->cells = {streams_[seq_to_stream(seq_id)]};
+        }
+    }
+
+    // An allocation may fail while the cells change (issue 21): they are put back then. K/V rows are written
+    // last, by calls that allocate nothing, so a failure never leaves rows of the state in old cells.
+    size_t most = 0;  // cells of the largest part: room for rows and cells is made before anything changes
+    for (const auto& part : st.parts) most = std::max(most, part.pos.size());
+    rows.reserve(most);
 
     if (seq_id == seq_all) {
-        prefix_reset();
-        for (kv_cells& c : streams_) c.reset();  // design D2: every stream is replaced
-        std::fill(heads_.begin(), heads_.end(), 0);
-        std::vector<uint32_t> cells;  // a part's cells are 0..n-1 of its stream
-        for (const auto& part : st.parts) {
-            kv_cells& c = streams_[part.stream];
-            cells.clear();
-            for (uint32_t j = 0; j < part.pos.size(); ++j) {
-                c.pos_set(j, part.pos[j]);
-                if (!part.ext.empty()) c.ext_set(j, part.ext[j]);  // else (0, 0), as reset left it
-                for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
-                cells.push_back(j);
+        std::vector<kv_cells> saved = streams_;  // design D2: every stream is replaced
+        const std::vector<uint32_t> saved_heads = heads_;
+        std::vector<std::vector<uint32_t>> cells(st.parts.size());  // a part's cells are 0..n-1 of its stream
+        if (undo) {
+            for (const auto& part : st.parts) {
+                std::vector<uint32_t> first(part.pos.size());
+                std::iota(first.begin(), first.end(), 0u);
+                back_up_rows(part.stream, first);
             }
-            fit_storage(part.stream);
-            copy_rows(part, part.stream, cells);
+            for (uint32_t s = 0; s < streams_.size(); ++s) undo->streams.push_back(s);
+            undo->cells = saved;
         }
-        fit_storage_of(seq_all);  // the streams the state left empty
+        try {
+            for (kv_cells& c : streams_) c.reset();
+            std::fill(heads_.begin(), heads_.end(), 0);
+            for (size_t k = 0; k < st.parts.size(); ++k) {
+                const auto& part = st.parts[k];
+                kv_cells& c = streams_[part.stream];
+                cells[k].reserve(part.pos.size());
+                for (uint32_t j = 0; j < part.pos.size(); ++j) {
+                    c.pos_set(j, part.pos[j]);
+                    if (!part.ext.empty()) c.ext_set(j, part.ext[j]);  // else (0, 0), as reset left it
+                    for (seq_id_t q : part.seqs[j]) c.seq_add(j, q);
+                    cells[k].push_back(j);
+                }
+            }
+        } catch (...) {
+            streams_ = std::move(saved);
+            heads_ = saved_heads;
+            throw;
+        }
+        prefix_reset();  // after the cells changed: a failure above keeps the index that matches them
+        // commit marks of the new cells; the emptied streams give memory back, unless the commit may be
+        // undone (its old rows must stay)
+        for (uint32_t q = 0; q < streams_.size(); ++q) fit_storage(q, undo == nullptr);
+        for (size_t k = 0; k < st.parts.size(); ++k) copy_rows(st.parts[k], st.parts[k].stream, cells[k]);
         prefix_forget(seq_all);  // the restored sequences' tokens are unknown: none publishes
         prefix_sync(seq_all);
         return;
@@ -379,6 +454,16 @@ void kv_cache::state_commit(state_stage_i& stage) {
                                  n, seq_id));
     };
     std::vector<uint32_t> cells;  // where the state's cells go, in the state's order
+    cells.reserve(n);
+    // the destination's cells, to put back when an allocation fails once they changed
+    std::vector<uint32_t> old;
+    c.seq_cells(seq_id, -1, -1, old);
+    const cells_snapshot saved = c.cp(old);
+    const std::vector<uint32_t> saved_heads = heads_;
+    const auto put_back = [&] {
+        c.set(old, saved);
+        heads_ = saved_heads;
+    };
     if (params_.swa == swa_type::none) {
         // Only empty cells take the state's cells, so whether they fit is known before anything changes:
         // the empty cells and those the destination alone holds (it leaves them) must number at least n.
@@ -391,39 +476,49 @@ void kv_cache::state_commit(state_stage_i& stage) {
             if (n > params_.kv_size - (c.get_used() - freed) && !prefix_make_room(s, n - freed))
                 throw no_room();
         }
-        remove(seq_id, -1, -1);
-        if (n > 0) {
-            // find_slot for the cells of one sequence: one group in its stream, from the stream's head
-            cells.reserve(n);
-            if (!find_slot_group(s, n, false, cells))
-                throw error(errc::invalid_state,
-                            "state_read: internal error: free cells counted but not found");
-            // apply_ubatch into empty cells
-            c.fill(cells, part->pos, params_.n_pos >= 3 ? std::span(part->ext) : std::span<const cell_ext>{},
-                   seq_id);
-            heads_[s] = cells.back() + 1;
+        try {
+            remove(seq_id, -1, -1);  // may be put back: its memory stays
+            if (n > 0) {
+                // find_slot for the cells of one sequence: one group in its stream, from the stream's head
+                if (!find_slot_group(s, n, false, cells))
+                    throw error(errc::invalid_state,
+                                "state_read: internal error: free cells counted but not found");
+                // apply_ubatch into empty cells (all or nothing)
+                c.fill(cells, part->pos,
+                       params_.n_pos >= 3 ? std::span(part->ext) : std::span<const cell_ext>{}, seq_id);
+                heads_[s] = cells.back() + 1;
+            }
+        } catch (...) {
+            put_back();
+            throw;
         }
     } else {
         // An SWA cache may also reuse cells that go out of its window: place the cells as a ubatch, on the
         // memory without the destination, and put the destination back when they do not fit.
-        std::vector<uint32_t> old;
-        c.seq_cells(seq_id, -1, -1, old);
-        const cells_snapshot saved = c.cp(old);
-        const std::vector<uint32_t> saved_heads = heads_;
-        remove(seq_id, -1, -1);  // may be put back: its memory stays
-        if (n > 0) {
-            const ubatch ub = restore_ubatch(part->pos, part->ext, seq_id, params_.n_pos);
-            slot_info si = find_slot(ub);
-            if (si.empty()) {
-                c.set(old, saved);
-                heads_ = saved_heads;
-                throw no_room();
+        try {
+            remove(seq_id, -1, -1);  // may be put back: its memory stays
+            if (n > 0) {
+                const ubatch ub = restore_ubatch(part->pos, part->ext, seq_id, params_.n_pos);
+                slot_info si = find_slot(ub);
+                if (si.empty()) throw no_room();
+                apply_ubatch(si, ub);  // all or nothing
+                cells = std::move(si.idxs[0]);
             }
-            apply_ubatch(si, ub);
-            cells = std::move(si.idxs[0]);
+        } catch (...) {
+            put_back();
+            throw;
         }
     }
-    fit_storage(s);
+    if (undo && part) {
+        try {
+            back_up_rows(s, cells);
+        } catch (...) {
+            streams_[s] = std::move(undo->cells[0]);
+            heads_ = undo->heads;
+            throw;
+        }
+    }
+    fit_storage(s, undo == nullptr);
     if (part) copy_rows(*part, s, cells);
     prefix_forget(seq_id);  // its tokens are unknown: it does not publish
 }
@@ -447,9 +542,16 @@ bool kv_cache::state_fits(const state_stage_i& stage) {
     c.seq_cells(seq_id, -1, -1, old);
     const cells_snapshot saved = c.cp(old);
     const std::vector<uint32_t> saved_heads = heads_;
-    remove(seq_id, -1, -1);  // put back below: its memory stays
-    const ubatch ub = restore_ubatch(st->parts[0].pos, st->parts[0].ext, seq_id, params_.n_pos);
-    const bool fits = !prepare(std::span(&ub, 1)).empty();
+    bool fits = false;
+    try {  // an allocation may fail on the trial: the destination comes back all the same
+        remove(seq_id, -1, -1);  // put back below: its memory stays
+        const ubatch ub = restore_ubatch(st->parts[0].pos, st->parts[0].ext, seq_id, params_.n_pos);
+        fits = !prepare(std::span(&ub, 1)).empty();
+    } catch (...) {
+        c.set(old, saved);
+        heads_ = saved_heads;
+        throw;
+    }
     c.set(old, saved);
     heads_ = saved_heads;
     return fits;

@@ -362,8 +362,8 @@ void kv_cells::seq_add(uint32_t i, seq_id_t s) {
     if (seq_[i].contains(s))
         throw error(errc::invalid_state,
                     fmt::format("kv_cells::seq_add: cell {} already holds seq {}", i, s));
+    t_->seq_pos[s].insert({pos_[i], i});  // first: it may allocate, and then the cell must be unchanged
     seq_[i].insert(s);
-    t_->seq_pos[s].insert({pos_[i], i});
 }
 
 void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
@@ -380,6 +380,7 @@ void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
             throw error(errc::invalid_argument, fmt::format("kv_cells::fill: negative position {}", pos[j]));
     }
     t_->scratch.clear();
+    t_->scratch.reserve(cells.size());  // allocations before the first change: a failed fill changes nothing
     for (size_t j = 0; j < cells.size(); ++j) {
         const uint32_t i = cells[j];
         if (pos_[i] != pos_none) {  // given twice: undo the cells filled so far
@@ -394,7 +395,12 @@ void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
     }
     if (!std::is_sorted(t_->scratch.begin(), t_->scratch.end()))
         std::sort(t_->scratch.begin(), t_->scratch.end());
-    t_->seq_pos[s].merge(t_->scratch);
+    try {
+        t_->seq_pos[s].merge(t_->scratch);  // all or nothing
+    } catch (...) {
+        for (uint32_t i : cells) make_empty(i);
+        throw;
+    }
 }
 
 bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {

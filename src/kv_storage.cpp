@@ -54,6 +54,18 @@ std::vector<std::pair<size_t, size_t>> runs_of(std::span<const uint64_t> rows, u
     return runs;
 }
 
+// The same runs, given to fn(j, n) one by one without allocating (restores write rows after the memory's
+// cells changed: nothing may fail there, issue 21).
+template <class F>
+void for_each_run(std::span<const uint64_t> rows, uint64_t kv_size, const F& fn) {
+    for (size_t j = 0; j < rows.size();) {
+        size_t n = 1;
+        while (j + n < rows.size() && rows[j + n] == rows[j] + n && rows[j + n] % kv_size != 0) ++n;
+        fn(j, n);
+        j += n;
+    }
+}
+
 // Rows of E values per token from src: [E, n_tokens] or [head_dim, n_head, n_tokens], f32 or f16, contiguous.
 void check_source(const const_tensor_view& src, uint32_t e, size_t n_tokens, const char* what) {
     if (src.type != dtype::f32 && src.type != dtype::f16)
@@ -241,23 +253,21 @@ public:
     }
 
     void load(kv_part part, uint32_t li, std::span<const uint64_t> rows, const std::byte* src) override {
-        const auto runs = runs_of(rows, params_.kv_size);
         if (part == kv_part::k || !params_.v_trans) {
             const size_t row_bytes = part == kv_part::k ? k_row_[li] : v_row_[li];
-            for (const auto& [j, n] : runs)
+            for_each_run(rows, params_.kv_size, [&](size_t j, size_t n) {
                 detail::copy_bytes(row_ptr(part, li, rows[j]), src + j * row_bytes, n * row_bytes);
+            });
             return;
         }
         // src is channel-major, [E_v][rows]; channel e of a run is e * kv_size elements after channel 0
         const size_t esz = type_size(params_.type_v);
         const size_t channel = size_t{params_.kv_size} * esz;
-        std::vector<std::byte*> dst;
-        dst.reserve(runs.size());
-        for (const auto& [j, n] : runs) dst.push_back(v_[li] + v_trans_index(rows[j], 0) * esz);
-        for (uint32_t e = 0; e < e_v(li); ++e)
-            for (size_t r = 0; r < runs.size(); ++r)
-                std::memcpy(dst[r] + e * channel, src + (size_t{e} * rows.size() + runs[r].first) * esz,
-                            runs[r].second * esz);
+        for_each_run(rows, params_.kv_size, [&](size_t j, size_t n) {  // run by run: the runs are found once
+            std::byte* dst = v_[li] + v_trans_index(rows[j], 0) * esz;
+            for (uint32_t e = 0; e < e_v(li); ++e)
+                std::memcpy(dst + e * channel, src + (size_t{e} * rows.size() + j) * esz, n * esz);
+        });
     }
 
     void read_row(kv_part part, uint32_t li, uint64_t row, std::span<float> out) const override {

@@ -169,12 +169,7 @@ void decompress(std::span<const uint8_t> src, uint64_t declared, std::vector<uin
     size_t have = 0;
     out.clear();
     for (;;) {
-        if (have == out.size()) {  // full: grow, at most to the declared size
-            if (have == declared) {
-                bad_file(
-                    errc::corrupt_data,
-                    fmt::format("the zstd frame holds more than the {} bytes the header says", declared));
-            }
+        if (have == out.size() && have < declared) {  // full: grow, at most to the declared size
             const uint64_t next =
                 std::min<uint64_t>(declared, std::max<uint64_t>(uint64_t{1} << 16, 2 * have));
             try {
@@ -184,12 +179,19 @@ void decompress(std::span<const uint8_t> src, uint64_t declared, std::vector<uin
             }
         }
         ZSTD_outBuffer ob{out.data(), out.size(), have};
+        const size_t in_before = in.pos;
         const size_t ret = ZSTD_decompressStream(ds.get(), &ob, &in);
         if (ZSTD_isError(ret))
             bad_file(errc::corrupt_data,
                      fmt::format("the payload does not decompress: {}", ZSTD_getErrorName(ret)));
+        const bool progress = ob.pos > have || in.pos > in_before;
         have = ob.pos;
         if (ret == 0) break;  // the frame is complete
+        // all the declared bytes are out and the frame can only give more: it holds more than declared
+        // (checked after a call, so that a frame of 0 bytes is decoded too)
+        if (have == declared && !progress)
+            bad_file(errc::corrupt_data,
+                     fmt::format("the zstd frame holds more than the {} bytes the header says", declared));
         if (in.pos == in.size && ob.pos < ob.size)
             bad_file(errc::corrupt_data, "the payload does not decompress: the zstd frame is truncated");
     }
@@ -389,6 +391,12 @@ std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path,
         const std::vector<uint8_t> file = read_file_bytes(path);
         const std::span<const uint8_t> b(file);
         const uint32_t n_tokens = check_llama_header(b, b.size());
+        // No checksum: what can be checked is structure. A token is a vocabulary index, never negative.
+        for (uint32_t i = 0; i < n_tokens; ++i)
+            if (const auto t = load_at<int32_t>(b, 12 + size_t{i} * 4); t < 0)
+                bad_file(
+                    errc::corrupt_data,
+                    fmt::format("token {} of {} is {}, not a token id: the file is damaged", i, n_tokens, t));
         const auto payload = b.subspan(12 + size_t{n_tokens} * 4);
         if (n_tokens > max_tokens) {  // no checksum: the state's own checks tell a damaged file first
             io_span_reader r(payload, true);

@@ -14,8 +14,11 @@
 #include <kvcache/state.h>
 
 #include "detail/copy.h"
+#include "detail/file_ops.h"
 
 namespace kvc {
+
+using detail::file_io;
 
 namespace {
 
@@ -60,20 +63,20 @@ void memory_i::state_check(io_read_i& io, seq_id_t seq_id, state_seq_flags flags
 // -- files --
 
 io_file_writer::io_file_writer(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    fd_ = file_io.open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0) io_fail("cannot create", path_);
     buf_.reserve(file_buffer_size);
 }
 
 io_file_writer::~io_file_writer() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0) file_io.close(fd_);
 }
 
 void io_file_writer::flush() {
     const uint8_t* p = buf_.data();
     size_t left = buf_.size();
     while (left > 0) {
-        const ssize_t w = ::write(fd_, p, left);
+        const ssize_t w = file_io.write(fd_, p, left);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) io_fail("cannot write", path_);
         p += w;
@@ -89,7 +92,7 @@ void io_file_writer::write(const void* src, size_t size) {
         const auto* p = static_cast<const uint8_t*>(src);
         size_t left = size;
         while (left > 0) {
-            const ssize_t w = ::write(fd_, p, left);
+            const ssize_t w = file_io.write(fd_, p, left);
             if (w < 0 && errno == EINTR) continue;
             if (w <= 0) io_fail("cannot write", path_);
             p += w;
@@ -110,7 +113,7 @@ void io_file_writer::write_at(uint64_t offset, const void* src, size_t size) {
     flush();
     const auto* p = static_cast<const uint8_t*>(src);
     while (size > 0) {
-        const ssize_t w = ::pwrite(fd_, p, size, static_cast<off_t>(offset));
+        const ssize_t w = file_io.pwrite(fd_, p, size, static_cast<off_t>(offset));
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) io_fail("cannot write", path_);
         p += w;
@@ -121,7 +124,7 @@ void io_file_writer::write_at(uint64_t offset, const void* src, size_t size) {
 
 void io_file_writer::sync() {
     flush();
-    if (::fsync(fd_) != 0) io_fail("cannot sync", path_);
+    if (file_io.fsync(fd_) != 0) io_fail("cannot sync", path_);
 }
 
 void io_file_writer::close() {
@@ -129,22 +132,22 @@ void io_file_writer::close() {
     flush();
     const int fd = fd_;
     fd_ = -1;
-    if (::close(fd) != 0) io_fail("cannot close", path_);
+    if (file_io.close(fd) != 0) io_fail("cannot close", path_);
 }
 
 io_file_reader::io_file_reader(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    fd_ = file_io.open(path_.c_str(), O_RDONLY | O_CLOEXEC, 0);
     if (fd_ < 0) io_fail("cannot open", path_);
     struct stat st {};
-    if (::fstat(fd_, &st) != 0) {
-        ::close(fd_);
+    if (file_io.fstat(fd_, &st) != 0) {
+        file_io.close(fd_);
         io_fail("cannot stat", path_);
     }
     size_ = static_cast<uint64_t>(st.st_size);
 }
 
 io_file_reader::~io_file_reader() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0) file_io.close(fd_);
 }
 
 void io_file_reader::read(void* dst, size_t size) {
@@ -154,7 +157,7 @@ void io_file_reader::read(void* dst, size_t size) {
     auto* p = static_cast<uint8_t*>(dst);
     size_t left = size;
     while (left > 0) {
-        const ssize_t r = ::read(fd_, p, left);
+        const ssize_t r = file_io.read(fd_, p, left);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) io_fail("cannot read", path_);
         if (r == 0)
@@ -206,23 +209,23 @@ uint64_t write_file_atomically(const std::string& path, const std::function<void
         f.sync();
         const uint64_t bytes = f.n_bytes();
         f.close();
-        if (std::rename(tmp.c_str(), path.c_str()) != 0)
+        if (file_io.rename(tmp.c_str(), path.c_str()) != 0)
             throw error(errc::io,
                         fmt::format("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
         // the rename itself reaches the disk with the directory (a file system that cannot sync a
         // directory, EINVAL, has nothing more to do)
-        const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        const int dfd = file_io.open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
         if (dfd < 0) io_fail("the file is replaced, but cannot open its directory to sync it", dir);
-        const int synced = ::fsync(dfd);
+        const int synced = file_io.fsync(dfd);
         const int sync_errno = errno;
-        ::close(dfd);
+        file_io.close(dfd);
         if (synced != 0 && sync_errno != EINVAL) {
             errno = sync_errno;
             io_fail("the file is replaced, but the rename may not be durable: cannot sync directory", dir);
         }
         return bytes;
     } catch (...) {
-        std::remove(tmp.c_str());
+        file_io.unlink(tmp.c_str());
         throw;
     }
 }

@@ -324,6 +324,15 @@ TEST_F(session, forged_files_are_refused_without_allocating_what_they_declare) {
     }
     put_bytes(path("x"), forge(good, stored, field(good, 32, 8), 0xffffffff));
     expect_load_fails(b, path("x"), seq_all, "unknown state flags 0xffffffff");
+    // regression (fuzz_session_forged): a frame of 0 bytes was "more than the 0 bytes the header says";
+    // it decodes, and the empty payload is what is refused
+    std::vector<uint8_t> empty(ZSTD_compressBound(0));
+    empty.resize(ZSTD_compress(empty.data(), empty.size(), nullptr, 0, 1));
+    put_bytes(path("x"), forge(good, empty, 0, 0));
+    expect_load_fails(b, path("x"), seq_all, "state: truncated at byte 0");
+    // a frame holding more than declared
+    put_bytes(path("x"), forge(good, stored, field(good, 32, 8) - 1, 0));
+    expect_load_fails(b, path("x"), seq_all, "the zstd frame holds");
 }
 
 // Every single-byte corruption of a session file is caught by its checksums, before the memory changes.
@@ -398,6 +407,66 @@ TEST_F(session, llama_seq_files_are_byte_exact_and_load_into_any_sequence) {
         EXPECT_NE(std::string(e.what()).find("a kvcache session file"), std::string::npos) << e.what();
     }
     EXPECT_EQ(whole(b), before);
+}
+
+// 'ggsq' files have no checksum (llama.cpp's format): a damaged byte is caught only where the format has
+// structure. Random single-byte corruptions (seeded) of a sequence's file: those in the header, the counts,
+// ids, types and row sizes are always refused, with the memory unchanged; those in tokens (unless one turns
+// negative), positions and K/V bytes may load as data, and the test counts them (docs/state-format.md).
+TEST_F(session, llama_seq_file_corruptions_are_refused_where_the_format_has_structure) {
+    std::mt19937 rng(8);
+    const auto p = params_for(dtype::f16, dtype::f16, false, true);
+    kv_cache a(p);
+    decode(a, 0, 0, 5, rng);
+    decode(a, 1, 0, 3, rng);
+    const std::vector<token_t> tokens = {11, 12, 13, 14, 15};
+    save_llama_seq_file(a, path("s.ggsq"), 0, tokens);
+    const auto good = bytes_of(path("s.ggsq"));
+    // the bytes that are data: tokens, cell positions, K and V rows (one stream, 5 cells, 2 layers)
+    const size_t n_cells = 5, payload = 12 + 4 * tokens.size();
+    std::vector<bool> data(good.size(), false);
+    for (size_t i = 12; i < payload; ++i) data[i] = true;
+    const size_t cells_at = payload + 8;  // n_stream, cell_count
+    for (size_t c = 0; c < n_cells; ++c)
+        for (size_t k = 0; k < 4; ++k) data[cells_at + 12 * c + k] = true;  // pos (then n_seq_id, seq_id)
+    size_t at = cells_at + 12 * n_cells + 8;                                // v_trans, n_layer
+    for (int kv = 0; kv < 2; ++kv)
+        for (const layer_desc& l : p.layers) {
+            const size_t row = 2 * size_t{l.n_head_kv} * (kv == 0 ? l.n_embd_head_k : l.n_embd_head_v);
+            at += 12;  // type, row size
+            for (size_t i = 0; i < n_cells * row; ++i) data[at + i] = true;
+            at += n_cells * row;
+        }
+    ASSERT_EQ(at, good.size());
+
+    kv_cache b(p);
+    decode(b, 2, 0, 2, rng);
+    const auto before = whole(b);
+    int loaded = 0, loaded_data = 0, negative_tokens = 0;
+    const int n = 2000;
+    for (int i = 0; i < n; ++i) {
+        auto bad = good;
+        const size_t k = std::uniform_int_distribution<size_t>(0, bad.size() - 1)(rng);
+        bad[k] ^= static_cast<uint8_t>(std::uniform_int_distribution<int>(1, 255)(rng));
+        put_bytes(path("bad.ggsq"), bad);
+        try {
+            (void)load_llama_seq_file(b, path("bad.ggsq"), 1);
+        } catch (const error& e) {
+            ASSERT_EQ(whole(b), before) << "byte " << k << ": " << e.what();
+            negative_tokens += std::string(e.what()).find("not a token id") != std::string::npos;
+            continue;
+        }
+        ++loaded;
+        EXPECT_TRUE(data[k]) << "a corruption of structural byte " << k << " loaded";
+        loaded_data += data[k];
+        state_seq_set_data(b, before, seq_all);
+    }
+    std::printf("'ggsq' corruptions: %d of %d loaded as data (%d refused as negative tokens)\n", loaded, n,
+                negative_tokens);
+    RecordProperty("ggsq_corruptions_loaded", loaded);
+    EXPECT_EQ(loaded, loaded_data);
+    EXPECT_GT(negative_tokens, 0);
+    EXPECT_LT(loaded, n);
 }
 
 // read_session_header: the format, version and token count of either kind of file, from its header alone;

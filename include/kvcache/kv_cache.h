@@ -237,10 +237,17 @@ private:
     friend class kv_cache_context;
     // tests only: places ubatches at chosen cells, as the design notes' examples draw them
     friend struct kv_cache_test_access;
+    friend class kv_cache_iswa;  // commits the states of its two caches all or nothing (state_undo)
     struct layer;
     struct journal;       // cell snapshots taken by a trial placement, for its rollback
+    struct commit_undo;   // what a state commit changed (cells, heads, overwritten rows), to take it back
     struct staged_state;  // a parsed, checked state waiting to be applied
     struct prefix_state;  // the prefix cache: index, per-sequence trackers (src/kv_cache_prefix.cpp)
+
+    // -- state commits that can be taken back (src/kv_cache_state.cpp) --
+    void state_commit(state_stage_i& stage, commit_undo* undo);
+    std::shared_ptr<commit_undo> state_commit_undoable(state_stage_i& stage);  // commits; the undo record
+    void state_undo(commit_undo& undo);  // back to before that commit (allocates nothing)
 
     // -- placement: prepare validates each ubatch once; what follows relies on it --
     void check_ubatch(const ubatch& ub) const;                       // throws kvc::error: never placeable
@@ -264,7 +271,7 @@ private:
     void k_shift();
     // commit mark of a stream = its used extent rounded up to the storage's granule: grows before rows are
     // written, gives memory back when the extent shrinks
-    void fit_storage(uint32_t stream);
+    void fit_storage(uint32_t stream, bool release = true);  // release false: only grow
     void fit_storage_of(seq_id_t seq_id);              // the streams seq_id (seq_all: any) lives in
     void remove(seq_id_t seq_id, pos_t p0, pos_t p1);  // seq_rm without giving memory back
 

@@ -20,8 +20,11 @@
 /// - Every failure sets this thread's message (kvc_last_error()). No C++ exception crosses this API.
 /// - Sequence ids are in [0, n_seq_max); #KVC_SEQ_ALL (-1) means every sequence or the whole memory where
 ///   a function says so. Position ranges are [p0, p1): p0 < 0 means 0, p1 < 0 means no upper bound.
-/// - A memory and its contexts are not thread-safe: one thread at a time per memory. Distinct memories
-///   may be used from distinct threads at the same time. Error messages are per thread.
+/// - Threads (the contract, in full: docs/c-api.md, "Threads"): functions taking a `const` handle
+///   (`const kvc_memory*`, `const kvc_memory_context*`) only read and may run on several threads at once
+///   on one memory; every other call on a memory or its contexts is a writer and needs the memory to
+///   itself (one writer at a time, no reader meanwhile); distinct memories are independent. kvcache takes
+///   no locks. Error messages are per thread.
 #ifndef KVCACHE_KVCACHE_H
 #define KVCACHE_KVCACHE_H
 

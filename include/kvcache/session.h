@@ -103,6 +103,8 @@ uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_i
                              std::span<const token_t> tokens);
 /// Restores such a file into dest; returns its tokens. Unlike llama.cpp, trailing bytes are an error; a
 /// file whose state checks out but that holds more than max_tokens tokens is kvc::error(out_of_range).
+/// The format has no checksum: only its structure is checked (header, token count and ids, the payload's
+/// checks), so a changed token, position or K/V byte loads as data. Prefer save_file / load_file.
 std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest,
                                          size_t max_tokens = SIZE_MAX);
 
