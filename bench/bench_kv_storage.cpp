@@ -54,8 +54,8 @@ void write_prompt(kv_cache& c, const std::vector<float>& rows) {
     auto ctx = c.init_ubatches({prompt(0, 0, n_tokens)}, {});
     ctx->apply();
     kv_cache_context& kc = *ctx->get_attn(0);
-    const auto src =
-        const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), e, n_tokens);
+    const auto src = const_tensor_view::contiguous(
+        dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), e, n_tokens);
     for (uint32_t il = 0; il < n_layer; ++il) {
         kc.cpy_k(il, src);
         kc.cpy_v(il, src);
@@ -88,7 +88,8 @@ BENCHMARK(kv_write)->Arg(0)->Arg(1)->ArgName("committed")->Unit(benchmark::kMicr
 void touch(benchmark::State& state) {
     const bool fresh = state.range(0) == 0;
     const size_t bytes = size_t{n_tokens} * n_layer * 2 * e * 2;
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* p =
+        ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     std::memset(p, 1, bytes);
     for (auto _ : state) {
         if (fresh) {
@@ -112,8 +113,7 @@ void refuse(benchmark::State& state) {
         try {
             kv_cache c(p);
             state.SkipWithError("created over the budget");
-        } catch (const error&) {
-        }
+        } catch (const error&) {}
     }
 }
 BENCHMARK(refuse)->Unit(benchmark::kMicrosecond);
