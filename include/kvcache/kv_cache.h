@@ -272,8 +272,8 @@ private:
     // commit mark of a stream = its used extent rounded up to the storage's granule: grows before rows are
     // written, gives memory back when the extent shrinks
     void fit_storage(uint32_t stream, bool release = true);  // release false: only grow
-    void fit_storage_of(seq_id_t seq_id);              // the streams seq_id (seq_all: any) lives in
-    void remove(seq_id_t seq_id, pos_t p0, pos_t p1);  // seq_rm without giving memory back
+    void fit_storage_of(seq_id_t seq_id);                    // the streams seq_id (seq_all: any) lives in
+    void remove(seq_id_t seq_id, pos_t p0, pos_t p1);        // seq_rm without giving memory back
 
     // -- prefix cache hooks (no-ops without one) --
     static void check_prefix_params(const kv_cache_params& p, uint32_t n_stream);
