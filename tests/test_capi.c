@@ -760,7 +760,7 @@ static void test_errors_per_thread(void) {
 static void test_memory_budget_and_breakdown(void) {
     CHECK(kvc_kv_cache_default_params().memory_budget == 0);
     CHECK(kvc_kv_cache_default_params().auto_update); /* a decode after seq_add applies the K-shift */
-    kvc_kv_cache_params p = small_params(64, 2); /* a cell: 2 layers x (K 32 + V 32 bytes) */
+    kvc_kv_cache_params p = small_params(64, 2);      /* a cell: 2 layers x (K 32 + V 32 bytes) */
     p.memory_budget = 64 * 128 - 1;
     kvc_memory* mem = NULL;
     CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_OUT_OF_MEMORY, "(8192 bytes), over the memory budget");

@@ -28,7 +28,8 @@ static void test_prefix_cache(void) {
     CHECK_ERR(kvc_memory_prefix_attach(mem, 0, prompt, 12, 0, 50, &n), KVC_ERR_INVALID_ARGUMENT,
               "seq 0 is not empty");
     CHECK_ERR(kvc_memory_prefix_attach(mem, 7, prompt, 12, 0, 50, &n), KVC_ERR_OUT_OF_RANGE, "seq_id 7");
-    CHECK_ERR(kvc_memory_prefix_attach(mem, 1, NULL, 12, 0, 50, &n), KVC_ERR_INVALID_ARGUMENT, "tokens is NULL");
+    CHECK_ERR(kvc_memory_prefix_attach(mem, 1, NULL, 12, 0, 50, &n), KVC_ERR_INVALID_ARGUMENT,
+              "tokens is NULL");
     CHECK_ERR(kvc_memory_prefix_attach(mem, 1, prompt, 12, 0, 50, NULL), KVC_ERR_INVALID_ARGUMENT, "out");
     CHECK_ERR(kvc_memory_prefix_lookup(NULL, prompt, 12, 0, &n), KVC_ERR_INVALID_ARGUMENT, "mem");
     int32_t pos = 0;
