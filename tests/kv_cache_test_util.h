@@ -80,7 +80,8 @@ inline slot_info slot(std::vector<uint32_t> cells, uint32_t stream = 0) {
 
 // Places tokens of one sequence at the given cells.
 inline void place(kv_cache& c, std::vector<uint32_t> cells, std::vector<pos_t> pos, seq_id_t s = 0) {
-    peer::place(c, slot(std::move(cells)), make_ub(std::move(pos), std::vector<seq_id_t>(pos.size(), s)));
+    std::vector<seq_id_t> seqs(pos.size(), s);  // before pos is moved from
+    peer::place(c, slot(std::move(cells)), make_ub(std::move(pos), std::move(seqs)));
 }
 
 inline std::vector<float> mask_of(const kv_cache& c, const ubatch& ub, uint32_t n_kv, bool causal = true) {
