@@ -6,7 +6,9 @@
 #   <prefix>/<libdir>/libkvcache_runtime.{a,so*}  the runtime library (SONAME libkvcache_runtime.so.<major>)
 #   <prefix>/<libdir>/cmake/kvcache/              find_package(kvcache CONFIG) -> kvcache::kvcache,
 #                                                 kvcache::runtime (which links kvcache::kvcache)
-#   <prefix>/<libdir>/pkgconfig/kvcache.pc        pkg-config kvcache (--static for libkvcache.a)
+#   <prefix>/<libdir>/pkgconfig/kvcache.pc        pkg-config kvcache (its Libs carry a run path to <libdir>, so
+#                                                 a program linked with them runs without LD_LIBRARY_PATH;
+#                                                 --static for libkvcache.a, KVC_BUILD_SHARED=OFF)
 #   <prefix>/<libdir>/pkgconfig/kvcache-runtime.pc  pkg-config kvcache-runtime (requires kvcache)
 #   <prefix>/bin/kvcache                          the CLI (KVC_BUILD_TOOLS)
 include(CMakePackageConfigHelpers)

@@ -1,5 +1,5 @@
 /* kvcache from C, through the C API (<kvcache/kvcache.h>), built with pkg-config (see Makefile):
- *   cc $(pkg-config --cflags kvcache) main.c $(pkg-config --libs --static kvcache)
+ *   cc $(pkg-config --cflags kvcache) main.c $(pkg-config --libs kvcache)
  * A small cache, two sequences decoded through kvc_memory_init_batch / apply with their K/V rows
  * written by kvc_memory_cpy_k / cpy_v, then seq_cp, seq_rm, and a sequence saved with
  * kvc_state_seq_get_data and restored into another. Every step is checked; the exit status is 0 only if

@@ -2,9 +2,10 @@
 # it the way a user would, then runs them (each must exit 0).
 #   examples/cpp  CMake, find_package(kvcache CONFIG) with CMAKE_PREFIX_PATH=<prefix>: kvcache::kvcache
 #                 (main.cpp) and kvcache::runtime (runtime.cpp)
-#   examples/c    cc $(pkg-config --cflags kvcache) main.c $(pkg-config --libs --static kvcache)
+#   examples/c    cc $(pkg-config --cflags kvcache) main.c $(pkg-config --libs kvcache), the plain line
+#                 (--static too when the build is static, SHARED=OFF); run without LD_LIBRARY_PATH
 #   examples/cpp/runtime.cpp  c++ $(pkg-config --cflags kvcache-runtime) ... --libs --static kvcache-runtime
-# Run with cmake -P and -D: BUILD_DIR SOURCE_DIR LIBDIR GENERATOR MAKE_PROGRAM CXX CC PKG_CONFIG, and
+# Run with cmake -P and -D: BUILD_DIR SOURCE_DIR LIBDIR GENERATOR MAKE_PROGRAM CXX CC PKG_CONFIG SHARED, and
 # optionally LINK_FLAGS (e.g. the sanitizer runtime of a KVC_SANITIZE build) and CXX_FLAGS.
 # Works in a fresh directory under BUILD_DIR/package-test, removed afterwards (KEEP=1 keeps it).
 cmake_minimum_required(VERSION 3.25)
@@ -70,14 +71,16 @@ message("${step_output}")
 step("run examples/cpp runtime" "${work}/cpp/kvcache_example_runtime")
 message("${step_output}")
 
-# C: pkg-config, static link flags
+# C: pkg-config, the plain line. The .pc's run path lets the programs find libkvcache.so.0 in the prefix
+# without LD_LIBRARY_PATH; a static build needs --static (fmt, xxHash, zstd, the C++ runtime).
 set(ENV{PKG_CONFIG_PATH} "${prefix}/${LIBDIR}/pkgconfig")
-# Programs linked by hand with pkg-config's flags have no run path: with a shared build (KVC_BUILD_SHARED)
-# they find libkvcache.so.0 in the prefix as a user's would, through the loader's path.
-set(ENV{LD_LIBRARY_PATH} "${prefix}/${LIBDIR}:$ENV{LD_LIBRARY_PATH}")
+set(static "")
+if(NOT SHARED)
+  set(static --static)
+endif()
 step("pkg-config --cflags" "${PKG_CONFIG}" --cflags kvcache)
 separate_arguments(cflags UNIX_COMMAND "${step_output}")
-step("pkg-config --libs --static" "${PKG_CONFIG}" --libs --static kvcache)
+step("pkg-config --libs ${static}" "${PKG_CONFIG}" --libs ${static} kvcache)
 separate_arguments(libs UNIX_COMMAND "${step_output}")
 separate_arguments(c_flags UNIX_COMMAND "${CXX_FLAGS}")  # warning flags apply to C as well
 separate_arguments(link_flags UNIX_COMMAND "${LINK_FLAGS}")
@@ -89,7 +92,7 @@ message("${step_output}")
 # C++ with the runtime: pkg-config kvcache-runtime (which requires kvcache)
 step("pkg-config --cflags kvcache-runtime" "${PKG_CONFIG}" --cflags kvcache-runtime)
 separate_arguments(cflags UNIX_COMMAND "${step_output}")
-step("pkg-config --libs --static kvcache-runtime" "${PKG_CONFIG}" --libs --static kvcache-runtime)
+step("pkg-config --libs ${static} kvcache-runtime" "${PKG_CONFIG}" --libs ${static} kvcache-runtime)
 separate_arguments(libs UNIX_COMMAND "${step_output}")
 separate_arguments(cxx_flags UNIX_COMMAND "${CXX_FLAGS}")
 step("build examples/cpp/runtime.cpp (pkg-config)" "${CXX}" -std=c++20 -O2 ${cxx_flags} ${cflags}
