@@ -164,7 +164,7 @@ void kv_cache::state_write(io_write_i& io, seq_id_t seq_id,
 }
 
 std::string kv_cache::state_layout() const {
-    std::string out = fmt::format("kv streams={} v_trans={} n_pos={} rotation=none layers=", streams_.size(),
+    std::string out = fmt::format("kv streams={} v_trans={} n_pos={} hadamard=none layers=", streams_.size(),
                                   params_.v_trans ? 1 : 0, params_.n_pos);
     const auto shape = [&](const layer& l) {
         return fmt::format("k={}x{},v={}x{}", to_string(params_.type_k),

@@ -354,6 +354,18 @@ void check_room(size_t n_tokens, size_t max_tokens) {
                     fmt::format("the file holds {} tokens, room for {}", n_tokens, max_tokens));
 }
 
+namespace {
+
+// A layout line as this version writes it: files written before the rename say "rotation=none" for what
+// is now "hadamard=none" (no Hadamard rotation of quantised K/V; "rotation" read as "no RoPE").
+std::string current_layout(std::string layout) {
+    for (size_t at = 0; (at = layout.find(" rotation=none ", at)) != std::string::npos;)
+        layout.replace(at, 15, " hadamard=none ");
+    return layout;
+}
+
+}  // namespace
+
 session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens) {
     return about_file("load_file", path, [&] {
         const std::vector<uint8_t> file = read_file_bytes(path);
@@ -361,7 +373,7 @@ session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, si
         parsed_session p = parse(file, true, storage);
         check_room(p.info.tokens.size(), max_tokens);
         const std::string layout = mem.state_layout();
-        if (p.info.layout != layout)
+        if (current_layout(p.info.layout) != layout)
             throw error(errc::invalid_state,
                         fmt::format("session: layout mismatch: the file's is \"{}\", this memory's is \"{}\"",
                                     p.info.layout, layout));

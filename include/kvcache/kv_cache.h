@@ -148,7 +148,7 @@ public:
     state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
     void state_commit(state_stage_i& stage) override;
     bool state_fits(const state_stage_i& stage) override;
-    /// "kv streams=1 v_trans=1 n_pos=1 rotation=none layers=0-31:k=f16x1024,v=f16x1024"
+    /// "kv streams=1 v_trans=1 n_pos=1 hadamard=none layers=0-31:k=f16x1024,v=f16x1024"
     std::string state_layout() const override;
     memory_breakdown get_memory_breakdown() const override;
 
