@@ -461,7 +461,9 @@ void memory_recurrent::clear(bool data) {
 }
 
 void memory_recurrent::fit_rows() {
-    uint32_t top = size_;
+    // every used cell is below the mark (placements and restores raise it): the scan costs what the mark
+    // drops, not the memory's size
+    uint32_t top = mark_;
     while (top > 0 && cells_[top - 1].n_seq == 0) --top;
     // Between ubatches every used cell's state is in its own row: rows of the free cells above the last
     // used one hold nothing needed

@@ -194,6 +194,7 @@ void memory_recurrent::state_commit(state_stage_i& stage) {
         if (l.row_r) std::memcpy(l.r.data() + size_t{first} * l.row_r, st.r[li].data(), st.r[li].size());
         if (l.row_s) std::memcpy(l.s.data() + size_t{first} * l.row_s, st.s[li].data(), st.s[li].size());
     }
+    mark_ = std::max(mark_, first + n);
     fit_rows();  // the cells it filled, and those the destination left
 }
 

@@ -196,6 +196,10 @@ TEST(memory_recurrent_property, sequences_own_their_states_like_the_oracle_says)
                 cells += groups.insert(x.group).second;
             }
             ASSERT_EQ(m.get_used(), cells) << label;
+            // rows are committed up to the last used cell, never below it (memory on demand)
+            const memory_breakdown b = m.get_memory_breakdown();
+            ASSERT_GE(b.committed, b.used) << label;
+            ASSERT_EQ(b.committed, b.used + b.free) << label;
         }
     }
     EXPECT_GT(decodes, 1000);
