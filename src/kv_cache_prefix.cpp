@@ -265,7 +265,7 @@ void kv_cache::prefix_publish() {
                     ps.stop(t);  // its cells belong to another block (a partial attach that diverged)
                     break;
                 }
-                id = ps.index.add(t.tail, t.key, toks, cs, st, t.priority);
+                id = ps.index.add(t.tail, t.key, toks, cs, st, t.priority, static_cast<uint16_t>(bs));
                 for (uint32_t c : cs) cells.hold(c, id);
                 ++ps.stats.published_blocks;
                 ps.emit(prefix_event::kind::stored, id);

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cassert>
 #include <limits>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <kvcache/memory_budget.h>
 #include <kvcache/memory_recurrent.h>
 
 #include "detail/memory_recurrent_impl.h"
+#include "detail/recurrent_prefix.h"
 
 namespace kvc {
 
@@ -29,6 +31,13 @@ bool is_float_type(dtype t) {
     return t == dtype::f32 || t == dtype::f16 || t == dtype::bf16;
 }
 
+// Snapshot rows of a memory made from p (prefix.max_snapshots resolved).
+constexpr uint64_t max_snapshot_rows = uint64_t{1} << 24;
+uint64_t snapshot_rows(const recurrent_params& p) {
+    if (!p.prefix.enabled) return 0;
+    return p.prefix.max_snapshots ? p.prefix.max_snapshots : uint64_t{4} * p.n_seq_max;
+}
+
 }  // namespace
 
 // -- construction --
@@ -47,6 +56,11 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
     if (p.layers.empty()) bad("no layers");
     size_ = p.n_seq_max;
     const uint64_t planes = uint64_t{p.n_rs_seq} + 1;
+    if (snapshot_rows(p) > max_snapshot_rows)
+        bad(fmt::format("prefix max_snapshots {} is over the limit of {}", snapshot_rows(p),
+                        max_snapshot_rows));
+    n_snap_ = static_cast<uint32_t>(snapshot_rows(p));
+    const uint64_t rows = planes * size_ + n_snap_;  // the planes, then the snapshots
 
     layer_map_.assign(p.layers.size(), -1);
     for (uint32_t il = 0; il < p.layers.size(); ++il) {
@@ -59,20 +73,22 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
         l.row_r = d.n_embd_r ? row_size(p.type_r, d.n_embd_r) : 0;
         l.row_s = d.n_embd_s ? row_size(p.type_s, d.n_embd_s) : 0;
         for (const size_t row : {l.row_r, l.row_s})
-            if (row && (planes * size_ > std::numeric_limits<size_t>::max() / row))
-                bad(fmt::format("layer {}: {} rows of {} bytes overflow size_t", il, planes * size_, row));
+            if (row && (rows > std::numeric_limits<size_t>::max() / row))
+                bad(fmt::format("layer {}: {} rows of {} bytes overflow size_t", il, rows, row));
         layer_map_[il] = static_cast<int32_t>(layers_.size());
         layer_ids_.push_back(il);
         layers_.push_back(std::move(l));
     }
     if (layers_.empty()) bad("no layer has a state row (or the filter keeps none)");
-    uint64_t need = 0;  // every plane of every cell, computed without overflowing
-    for (const layer& l : layers_) need = add_sat(need, mul_sat(l.row_r + l.row_s, planes * size_));
+    uint64_t need = 0;  // every plane of every cell and the snapshots, computed without overflowing
+    for (const layer& l : layers_) need = add_sat(need, mul_sat(l.row_r + l.row_s, rows));
     check_memory_budget("memory_recurrent", need, p.memory_budget,
-                        fmt::format("{} layers x {} cells x {} planes", layers_.size(), size_, planes));
+                        fmt::format("{} layers x ({} cells x {} planes + {} snapshots)", layers_.size(),
+                                    size_, planes, n_snap_));
+    if (p.prefix.enabled) prefix_init();
     for (layer& l : layers_) {  // zeros: a fresh state reads zeros, and so do never-written planes
-        if (l.row_r) l.r = state_rows(l.row_r * size_ * planes, p.allocator);
-        if (l.row_s) l.s = state_rows(l.row_s * size_ * planes, p.allocator);
+        if (l.row_r) l.r = state_rows(l.row_r * rows, p.allocator);
+        if (l.row_s) l.s = state_rows(l.row_s * rows, p.allocator);
     }
     cells_.assign(size_, cell_rec{});
     tail_.assign(size_, -1);
@@ -92,18 +108,21 @@ uint64_t memory_recurrent::reserve_bytes(const recurrent_params& p) {
         cell = add_sat(
             cell, add_sat(bytes(p.type_r, p.layers[il].n_embd_r), bytes(p.type_s, p.layers[il].n_embd_s)));
     }
-    return mul_sat(cell, mul_sat(p.n_seq_max, uint64_t{p.n_rs_seq} + 1));
+    return mul_sat(cell, add_sat(mul_sat(p.n_seq_max, uint64_t{p.n_rs_seq} + 1), snapshot_rows(p)));
 }
 
 memory_breakdown memory_recurrent::get_memory_breakdown() const {
-    const uint64_t cell = size_bytes() / size_;  // every plane of one cell
+    const uint64_t snap = snapshot_bytes();
+    const uint64_t cell = snap * (uint64_t{params_.n_rs_seq} + 1);  // every plane of one cell
     memory_breakdown b;
     b.reserved = size_bytes();
     const layer& l0 = layers_[0];
     const bool elastic = (l0.row_r ? l0.r : l0.s).elastic();
-    b.committed = elastic ? uint64_t{mark_} * cell : b.reserved;
+    b.committed =
+        elastic ? uint64_t{mark_} * cell + (prefix_ ? uint64_t{prefix_->top} * snap : 0) : b.reserved;
     for (const cell_rec& c : cells_) b.used += c.n_seq > 0 ? cell : 0;
-    b.free = b.committed - b.used;
+    if (prefix_) b.cached = uint64_t{get_prefix_stats().snapshots} * snap;
+    b.free = b.committed - b.used - b.cached;
     b.seq.assign(params_.n_seq_max, 0);
     for (uint32_t q = 0; q < params_.n_seq_max; ++q) b.seq[q] = tail_[q] >= 0 ? cell : 0;
     return b;
@@ -414,6 +433,7 @@ void memory_recurrent::prepare(std::span<const ubatch> ubatches) {
 
 memory_context_ptr memory_recurrent::init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) {
     for (seq_id_t s : balloc.seq_id_unq()) check_seq(s, "init_batch");
+    prefix_publish();  // the last step's snapshots are written by now
     balloc.split_reset();
     const uint32_t keep_tail = params_.n_rs_seq ? params_.n_rs_seq + 1 : 0;
     std::vector<ubatch> ubatches;
@@ -430,6 +450,7 @@ memory_context_ptr memory_recurrent::init_batch(batch_allocr& balloc, uint32_t n
 
 memory_context_ptr memory_recurrent::init_ubatches(std::vector<ubatch> ubatches,
                                                    std::vector<int32_t> out_ids) {
+    prefix_publish();
     prepare(ubatches);
     return std::make_unique<memory_recurrent_context>(*this, std::move(ubatches), std::move(out_ids));
 }
@@ -447,6 +468,11 @@ memory_context_ptr memory_recurrent::init_update(bool /*optimize: nothing to com
 // -- memory_i: sequences --
 
 void memory_recurrent::clear(bool data) {
+    prefix_reset();
+    clear_cells(data);
+}
+
+void memory_recurrent::clear_cells(bool data) {
     std::fill(cells_.begin(), cells_.end(), cell_rec{});
     std::fill(tail_.begin(), tail_.end(), -1);
     std::fill(next_.begin(), next_.end(), -1);
@@ -468,7 +494,7 @@ void memory_recurrent::fit_rows() {
     // Between ubatches every used cell's state is in its own row: rows of the free cells above the last
     // used one hold nothing needed
     if (top < mark_)
-        for (layer& l : layers_)
+        for (layer& l : layers_)  // plane by plane: the snapshot rows after the planes stay
             for (uint64_t p = 0; p <= params_.n_rs_seq; ++p) {
                 l.r.release((p * size_ + top) * l.row_r, size_t{mark_ - top} * l.row_r);
                 l.s.release((p * size_ + top) * l.row_s, size_t{mark_ - top} * l.row_s);
@@ -481,10 +507,13 @@ bool memory_recurrent::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     if (seq_id == seq_all) {
         if (range.empty()) return true;
         if (p0 > 0 || (p1 >= 0 && p1 != std::numeric_limits<pos_t>::max())) return false;  // partial
-        clear(/*data=*/false);  // design D13: no sequence keeps a tail into an emptied cell
+        prefix_publish();
+        clear_cells(/*data=*/false);  // design D13: no sequence keeps a tail into an emptied cell
+        prefix_forget(seq_all);       // the snapshots stay cached
         return true;
     }
     check_seq(seq_id, "seq_rm");
+    prefix_publish();  // the snapshots of the last step, which a sequence that ends leaves behind
     const int32_t t = tail_[static_cast<size_t>(seq_id)];
     if (t < 0) return true;
     const auto c = static_cast<uint32_t>(t);
@@ -493,6 +522,7 @@ bool memory_recurrent::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     if (range.lo <= 0) {                      // the whole state goes
         unlink(c, seq_id);
         if (free_if_empty(c)) head_ = std::min(head_, c);
+        prefix_forget(seq_id);
         fit_rows();
         return true;
     }
@@ -502,6 +532,7 @@ bool memory_recurrent::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     x.pos = static_cast<pos_t>(range.lo - 1);
     x.rs_idx += static_cast<uint32_t>(r);
     x.depth -= static_cast<uint32_t>(r);
+    prefix_cut(seq_id, static_cast<pos_t>(range.lo));
     return true;
 }
 
@@ -509,6 +540,7 @@ void memory_recurrent::seq_cp(seq_id_t src, seq_id_t dst, pos_t /*p0*/, pos_t /*
     check_seq(src, "seq_cp");
     check_seq(dst, "seq_cp");
     if (src == dst) return;
+    prefix_publish();
     const int32_t d = tail_[static_cast<size_t>(dst)];
     if (d >= 0) {
         unlink(static_cast<uint32_t>(d), dst);
@@ -516,16 +548,19 @@ void memory_recurrent::seq_cp(seq_id_t src, seq_id_t dst, pos_t /*p0*/, pos_t /*
     }
     const int32_t s = tail_[static_cast<size_t>(src)];
     if (s >= 0) link(static_cast<uint32_t>(s), dst);
+    prefix_copy(src, dst);
     fit_rows();
 }
 
 void memory_recurrent::seq_keep(seq_id_t seq_id) {
     check_seq(seq_id, "seq_keep");
+    prefix_publish();
     for (uint32_t s = 0; s < size_; ++s) {
         const int32_t c = tail_[s];
         if (static_cast<seq_id_t>(s) == seq_id || c < 0) continue;
         unlink(static_cast<uint32_t>(c), static_cast<seq_id_t>(s));
         if (free_if_empty(static_cast<uint32_t>(c))) head_ = std::min(head_, static_cast<uint32_t>(c));
+        prefix_forget(static_cast<seq_id_t>(s));
     }
     fit_rows();
 }
@@ -541,7 +576,9 @@ void memory_recurrent::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift)
     if (moved < std::numeric_limits<pos_t>::min() || moved > std::numeric_limits<pos_t>::max())
         throw error(errc::out_of_range,
                     fmt::format("seq_add: position {} + {} of seq {} overflows int32", x.pos, shift, seq_id));
+    prefix_publish();
     x.pos = static_cast<pos_t>(moved);
+    for (seq_id_t s = x.first; s >= 0; s = next_[static_cast<size_t>(s)]) prefix_forget(s);  // not from 0
 }
 
 void memory_recurrent::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
@@ -551,7 +588,10 @@ void memory_recurrent::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
     const int32_t c = tail_[static_cast<size_t>(seq_id)];
     if (d == 1 || range.empty() || c < 0) return;
     cell_rec& x = cells_[static_cast<size_t>(c)];
-    if (range.contains(x.pos)) x.pos /= d;
+    if (!range.contains(x.pos) || x.pos / d == x.pos) return;
+    prefix_publish();
+    x.pos /= d;
+    for (seq_id_t s = x.first; s >= 0; s = next_[static_cast<size_t>(s)]) prefix_forget(s);
 }
 
 pos_t memory_recurrent::seq_pos_min(seq_id_t seq_id) const {
@@ -656,7 +696,30 @@ memory_recurrent_context::memory_recurrent_context(memory_recurrent& mem, std::v
       status_(memory_status::success),
       kind_(kind::batch),
       ubatches_(std::move(ubatches)),
-      out_ids_(std::move(out_ids)) {}
+      out_ids_(std::move(out_ids)) {
+    if (!mem.prefix_) return;
+    // Sequences with several tokens in the batch (prompts): the snapshot at the newest boundary the
+    // batch takes them to is kept, not rolled over by their next one.
+    std::vector<std::tuple<seq_id_t, uint32_t, uint64_t>> seen;  // (seq, ubatch, tokens)
+    for (uint32_t u = 0; u < ubatches_.size(); ++u) {
+        const ubatch& ub = ubatches_[u];
+        for (uint32_t b = 0; b < ub.n_seqs; ++b)
+            seen.emplace_back(ub.primary_seq(b * ub.n_seq_tokens), u, ub.n_seq_tokens);
+    }
+    std::sort(seen.begin(), seen.end());
+    for (size_t i = 0; i < seen.size();) {
+        size_t j = i;
+        uint64_t n = 0;
+        for (; j < seen.size() && std::get<0>(seen[j]) == std::get<0>(seen[i]); ++j)
+            n += std::get<2>(seen[j]);
+        uint64_t later = n;
+        for (size_t k = i; k < j && n > 1; ++k) {
+            later -= std::get<2>(seen[k]);
+            prompts_.emplace_back(std::get<1>(seen[k]), std::get<0>(seen[k]), later);
+        }
+        i = j;
+    }
+}
 
 bool memory_recurrent_context::next() {
     if (kind_ != kind::batch || i_cur_ >= ubatches_.size()) return false;
@@ -672,7 +735,13 @@ void memory_recurrent_context::apply() {
     if (n_applied_ > i_cur_)
         throw error(errc::invalid_state,
                     fmt::format("memory context: ubatch {} was already applied", i_cur_));
-    slot_ = mem_->find_slot(ubatches_[i_cur_]);
+    const ubatch& ub = ubatches_[i_cur_];
+    std::vector<std::pair<seq_id_t, uint64_t>> prompts;
+    for (const auto& [u, s, later] : prompts_)
+        if (u == i_cur_) prompts.emplace_back(s, later);
+    mem_->prefix_plan(ub, prompts);  // snapshot rows first: it may evict, placing may not fail half-way
+    slot_ = mem_->find_slot(ub);
+    mem_->prefix_record(ub, *slot_);
     // the rows the engine writes now are below the mark (its sources, used cells, were already)
     mem_->mark_ = std::max(mem_->mark_, slot_->head + slot_->n);
     n_applied_ = i_cur_ + 1;

@@ -167,6 +167,7 @@ void memory_recurrent::state_commit(state_stage_i& stage) {
             for (seq_id_t s : st.seqs[j]) link(j, s);
         }
     } else {
+        prefix_publish();
         const int32_t old = tail_[static_cast<size_t>(seq_id)];
         if (old >= 0) {
             unlink(static_cast<uint32_t>(old), seq_id);
@@ -174,6 +175,7 @@ void memory_recurrent::state_commit(state_stage_i& stage) {
                 head_ = std::min(head_, static_cast<uint32_t>(old));
         }
         if (n == 0) {
+            prefix_forget(seq_id);  // empty: it publishes again from position 0
             fit_rows();
             return;
         }
@@ -184,6 +186,7 @@ void memory_recurrent::state_commit(state_stage_i& stage) {
         cells_[first].src = c;
         link(first, seq_id);
         head_ = first;
+        prefix_forget(seq_id);  // its tokens are not in the state: it publishes nothing until emptied
     }
     if (n == 0) {
         fit_rows();

@@ -21,6 +21,7 @@ recurrent_step::recurrent_step(memory_recurrent_context& rc, uint32_t il, rs_ten
     view_ = which == rs_tensor::r ? rc.get_r(il) : rc.get_s(il);
     width_ = static_cast<uint32_t>(view_.ne[0]);
     hist_copy_ = rc.hist_copies();
+    snaps_ = rc.snaps();
     const size_t bytes = view_.row_bytes();
 
     // 1. a fresh state reads the zero row, so it is zeroed before any gather
@@ -57,10 +58,15 @@ void recurrent_step::store(uint32_t b, uint32_t t) {
         throw error(errc::out_of_range,
                     fmt::format("recurrent_step: store of block {} token {}, ubatch {} x {}", b, t, n_seqs_,
                                 n_seq_tokens_));
-    // 4. plane r holds the state r tokens before the block's last one; deeper than k is not kept
+    const float* x = &states_[size_t{b} * width_];
+    // 4. snapshots: rows after the planes of the contiguous tensor (the view ends with the planes)
+    for (const rs_snap& sn : snaps_)
+        if (sn.block == b && sn.token == t)
+            from_f32(view_.type, x, view_.data + static_cast<size_t>(sn.dst) * view_.nb[1], width_);
+    // plane r holds the state r tokens before the block's last one; deeper than k is not kept
     const uint32_t plane = n_seq_tokens_ - 1 - t;
     if (plane > n_rs_seq_) return;
-    from_f32(view_.type, &states_[size_t{b} * width_], row(int64_t{plane} * size_ + head_ + b), width_);
+    from_f32(view_.type, x, row(int64_t{plane} * size_ + head_ + b), width_);
     if (plane == 0) stored_last_[b] = 1;
 }
 

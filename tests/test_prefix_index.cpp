@@ -147,7 +147,7 @@ void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
             const std::vector<uint32_t> cells(bs, 0);
             const auto prio = static_cast<uint8_t>(rng() % 3 * 25);
             const uint32_t stream = rng() % n_stream;
-            const uint32_t id = ix.add(parent, 7, toks, cells, stream, prio);
+            const uint32_t id = ix.add(parent, 7, toks, cells, stream, prio, bs);
             ASSERT_EQ(o.b.count(id), 0u) << "record " << id << " reused while the oracle still has it";
             o.b[id] = oracle::blk{.parent = parent, .held = bs, .stream = stream, .priority = prio};
             if (parent != none) {
@@ -262,7 +262,7 @@ TEST(prefix_index, a_parent_freed_by_a_plan_goes_before_older_blocks_of_its_leve
     prefix_index ix(bs, 1, evict_policy::lru, 0);
     const std::vector<uint32_t> cells(bs, 0);
     const auto add = [&](uint32_t parent, token_t t) {
-        return ix.add(parent, 0, std::vector<token_t>{t, t}, cells, 0, prefix_default_priority);
+        return ix.add(parent, 0, std::vector<token_t>{t, t}, cells, 0, prefix_default_priority, bs);
     };
     const auto let_go = [&](uint32_t id) {
         for (uint32_t j = 0; j < bs; ++j) ix.release(id);
@@ -281,12 +281,13 @@ TEST(prefix_index, slru_keeps_blocks_that_were_hit_through_a_scan) {
     for (evict_policy policy : {evict_policy::lru, evict_policy::slru}) {
         prefix_index ix(bs, 1, policy, 4);
         const std::vector<uint32_t> cells(bs, 0);
-        const uint32_t hot = ix.add(none, 0, std::vector<token_t>{1, 1}, cells, 0, prefix_default_priority);
+        const uint32_t hot =
+            ix.add(none, 0, std::vector<token_t>{1, 1}, cells, 0, prefix_default_priority, bs);
         ix.hit(hot);
         for (uint32_t j = 0; j < bs; ++j) ix.release(hot);
         for (token_t t = 2; t < 6; ++t) {
             const uint32_t id =
-                ix.add(none, 0, std::vector<token_t>{t, t}, cells, 0, prefix_default_priority);
+                ix.add(none, 0, std::vector<token_t>{t, t}, cells, 0, prefix_default_priority, bs);
             for (uint32_t j = 0; j < bs; ++j) ix.release(id);
         }
         std::vector<uint32_t> plan;

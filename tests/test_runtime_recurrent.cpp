@@ -52,10 +52,15 @@ struct setup {
     dtype type_rs = dtype::f32;
     dtype type_kv = dtype::f32;
     bool engine = false;  // jamba: the runtime owns the K/V tensors (engine-owned storage)
+    // a prefix cache of 4-token blocks: snapshots every `interval` blocks, in a pool of `snapshots`
+    bool prefix = false;
+    uint32_t interval = 2;
+    uint32_t snapshots = 64;
     std::string name() const {
         return fmt::format("{}_rs{}_ub{}_{}_{}_{}_{}{}", arch == tiny_arch::mamba ? "mamba" : "jamba",
                            n_rs_seq, n_ubatch, embd_all ? "seq" : "equal", unified ? "unified" : "streams",
-                           to_string(type_rs), to_string(type_kv), engine ? "_engine" : "");
+                           to_string(type_rs), to_string(type_kv), engine ? "_engine" : "") +
+               (prefix ? fmt::format("_prefix_i{}_p{}", interval, snapshots) : "");
     }
     double limit() const { return std::max({logits_tolerance(type_rs), logits_tolerance(type_kv)}); }
 };
@@ -72,6 +77,11 @@ std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max, kv_ten
         recurrent_params p = m.recr_params(n_seq_max);
         p.n_rs_seq = s.n_rs_seq;
         p.type_r = p.type_s = s.type_rs;
+        p.prefix = {.enabled = s.prefix,
+                    .block_size = 4,
+                    .n_vocab = static_cast<int32_t>(m.hparams().n_vocab),
+                    .snapshot_interval = s.interval,
+                    .max_snapshots = s.snapshots};
         return std::make_unique<memory_recurrent>(p);
     }
     memory_hybrid_params p = m.hybrid_params(256, n_seq_max);
@@ -128,6 +138,23 @@ public:
         worst_ = std::max(worst_, rel);
         last_ubatches_ = a.n_ubatches;
         return rel;
+    }
+    // The memory resumes seq from the deepest snapshot of `prompt`; the oracle decodes those tokens.
+    uint32_t attach(seq_id_t seq, const std::vector<token_t>& prompt) {
+        auto& recr = dynamic_cast<memory_recurrent&>(*mem_);
+        const uint32_t n = recr.prefix_attach(seq, prompt);
+        EXPECT_EQ(recr.seq_pos_max(seq), static_cast<pos_t>(n) - 1);
+        if (n > 0) {
+            batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
+            const seq_id_t ids[] = {seq};
+            for (uint32_t p = 0; p < n; ++p) b.add(prompt[p], static_cast<pos_t>(p), ids, p + 1 == n);
+            (void)ref_.decode(b.view());
+        }
+        return n;
+    }
+    // Decodes the rest of `prompt` after what attach gave (positions from n).
+    void rest(seq_id_t seq, const std::vector<token_t>& prompt, uint32_t n) {
+        decode({{{seq}, static_cast<pos_t>(n), {prompt.begin() + n, prompt.end()}}});
     }
     std::vector<token_t> tokens(size_t n) {
         std::vector<token_t> t(n);
@@ -297,6 +324,165 @@ std::string setup_name(const ::testing::TestParamInfo<setup>& i) {
 }
 
 INSTANTIATE_TEST_SUITE_P(models, recurrent_equals_recompute, ::testing::ValuesIn(every_setup()), setup_name);
+
+// -- the prefix cache: resuming from a snapshot, then decoding, gives the logits of decoding everything --
+
+class recurrent_prefix_equals_recompute : public ::testing::TestWithParam<setup> {};
+
+memory_recurrent& recr_of(pair_run& r) {
+    return dynamic_cast<memory_recurrent&>(r.mem());
+}
+
+std::vector<token_t> concat(std::vector<token_t> a, const std::vector<token_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+}
+
+// A chat: each turn's prompt is the history, the answer is decoded a token at a time, and the sequence
+// ends; the next turn resumes at the newest boundary the previous one reached (within one block of its
+// end), a regenerated answer at the end of the prompt, and a branch inside the prompt at the newest
+// interval snapshot before it.
+TEST_P(recurrent_prefix_equals_recompute, turns_resume_within_a_block_of_where_they_diverge) {
+    pair_run r(GetParam());
+    const uint32_t every = GetParam().interval * 4;
+    const bool roomy = GetParam().snapshots >= 16;  // else evictions may leave only shallower snapshots
+    const auto expect_n = [&](uint32_t got, uint32_t want, int turn) {
+        EXPECT_EQ(got % 4, 0u);
+        if (roomy) {
+            EXPECT_EQ(got, want) << "turn " << turn;
+        } else {
+            EXPECT_LE(got, want) << "turn " << turn;
+        }
+    };
+    std::vector<token_t> history;
+    for (int turn = 0; turn < 4; ++turn) {
+        const std::vector<token_t> prompt = concat(history, r.tokens(9 + 2 * turn));
+        const uint32_t n = r.attach(0, prompt);
+        expect_n(n, static_cast<uint32_t>(history.size() / 4 * 4),
+                 turn);  // the previous turn's last boundary
+        r.rest(0, prompt, n);
+        history = prompt;
+        for (int i = 0; i < 6; ++i) {
+            const std::vector<token_t> t = r.tokens(1);
+            r.decode({{{0}, -1, t}});
+            history.push_back(t[0]);
+        }
+        EXPECT_TRUE(r.mem().seq_rm(0, -1, -1));
+        r.ref().seq_rm(0, -1, -1);
+        // another answer to the same prompt: from the prompt's end (kept), not from the rolled boundary
+        const uint32_t m = r.attach(1, concat(prompt, r.tokens(3)));
+        expect_n(m, static_cast<uint32_t>(prompt.size() / 4 * 4), turn);
+        r.decode({{{1}, -1, r.tokens(2)}});
+        EXPECT_TRUE(r.mem().seq_rm(1, -1, -1));
+        r.ref().seq_rm(1, -1, -1);
+    }
+    // a branch in the middle: the interval snapshots
+    const auto cut = static_cast<uint32_t>(history.size() - 11);
+    std::vector<token_t> branch(history.begin(), history.begin() + cut);
+    branch = concat(branch, r.tokens(5));
+    const uint32_t n = r.attach(2, branch);
+    if (roomy && every > 0) {
+        EXPECT_GE(n + every, cut / 4 * 4);
+    }
+    EXPECT_LE(n, cut);
+    r.rest(2, branch, n);
+    const prefix_stats st = recr_of(r).get_prefix_stats();
+    EXPECT_GT(st.snapshots_saved, 0u);
+    EXPECT_GT(st.hit_tokens, 0u);
+    EXPECT_CLOSE(r);
+}
+
+// Several sequences at once, prompts sharing a system prompt; a pool smaller than what they leave makes
+// snapshots go (lookups then find less, never something wrong).
+TEST_P(recurrent_prefix_equals_recompute, concurrent_sequences_and_evictions) {
+    pair_run r(GetParam());
+    const std::vector<token_t> system = r.tokens(13);
+    std::vector<std::vector<token_t>> prompts;
+    for (int i = 0; i < 10; ++i) prompts.push_back(concat(system, r.tokens(3 + static_cast<size_t>(i) % 7)));
+    for (size_t i = 0; i < prompts.size(); i += 2) {
+        // two requests decode their prompts in one batch, then answer side by side
+        std::vector<pair_run::group> groups;
+        for (size_t j = i; j < i + 2; ++j) {
+            const auto s = static_cast<seq_id_t>(j - i);
+            const uint32_t n = r.attach(s, prompts[j]);
+            groups.push_back({{s}, static_cast<pos_t>(n), {prompts[j].begin() + n, prompts[j].end()}});
+        }
+        r.decode(groups);
+        for (int step = 0; step < 5; ++step) r.decode({{{0}, -1, r.tokens(1)}, {{1}, -1, r.tokens(1)}});
+        for (seq_id_t s : {0, 1}) {
+            r.mem().seq_rm(s, -1, -1);
+            r.ref().seq_rm(s, -1, -1);
+        }
+    }
+    for (const auto& p : prompts) {
+        const uint32_t n = r.attach(3, concat(p, r.tokens(2)));
+        EXPECT_LE(n, p.size() + 1);
+        r.decode({{{3}, -1, r.tokens(1)}});
+        r.mem().seq_rm(3, -1, -1);
+        r.ref().seq_rm(3, -1, -1);
+    }
+    const prefix_stats st = recr_of(r).get_prefix_stats();
+    EXPECT_LE(st.snapshots, GetParam().snapshots);
+    if (GetParam().snapshots < 8) {
+        EXPECT_GT(st.snapshots_dropped, 0u);
+    }
+    EXPECT_GT(st.hit_tokens, 0u);
+    EXPECT_CLOSE(r);
+}
+
+// Rollbacks (speculative decoding), copies and state restores around the snapshots.
+TEST_P(recurrent_prefix_equals_recompute, rollbacks_copies_and_restores) {
+    const setup& s = GetParam();
+    pair_run r(s);
+    const std::vector<token_t> prompt = r.tokens(18);
+    r.attach(0, prompt);
+    r.rest(0, prompt, 0);
+    if (s.n_rs_seq > 0) {  // a drafted token crossing a boundary, then rolled back
+        r.decode({{{0}, -1, r.tokens(s.n_rs_seq)}});
+        const pos_t p = r.mem().seq_pos_max(0);
+        ASSERT_TRUE(r.mem().seq_rm(0, p - static_cast<pos_t>(s.n_rs_seq) + 1, -1));
+        r.ref().seq_rm(0, p - static_cast<pos_t>(s.n_rs_seq) + 1, -1);
+    }
+    r.decode({{{0}, -1, r.tokens(3)}});
+    // a copy continues the original's chain; both answer differently and end
+    r.mem().seq_cp(0, 1, -1, -1);
+    r.ref().seq_cp(0, 1, -1, -1);
+    r.decode({{{0}, -1, r.tokens(2)}, {{1}, -1, r.tokens(2)}});
+    // a restored sequence resumes from its state but publishes nothing (its tokens are not in the state)
+    const auto saved = state_seq_get_data(r.mem(), 1);
+    state_seq_set_data(r.mem(), saved, 2);
+    r.ref().seq_cp(1, 2, -1, -1);
+    r.decode({{{2}, -1, r.tokens(4)}});
+    for (seq_id_t q : {0, 1, 2}) {
+        r.mem().seq_rm(q, -1, -1);
+        r.ref().seq_rm(q, -1, -1);
+    }
+    EXPECT_GE(r.attach(3, concat(prompt, r.tokens(2))), 16u);
+    r.decode({{{3}, -1, r.tokens(1)}});
+    // a whole-memory restore empties the index, as clear() does
+    const auto whole = state_seq_get_data(r.mem(), seq_all);
+    state_seq_set_data(r.mem(), whole, seq_all);
+    EXPECT_EQ(recr_of(r).prefix_lookup(prompt), 0u);
+    r.decode({{{3}, -1, r.tokens(2)}});
+    EXPECT_CLOSE(r);
+}
+
+std::vector<setup> prefix_setups() {
+    std::vector<setup> out;
+    for (uint32_t k : {0u, 2u}) {
+        out.push_back({.arch = tiny_arch::mamba, .n_rs_seq = k, .prefix = true});
+        out.push_back({.arch = tiny_arch::mamba, .n_rs_seq = k, .n_ubatch = 3, .prefix = true});
+        out.push_back(
+            {.arch = tiny_arch::mamba, .n_rs_seq = k, .prefix = true, .interval = 0, .snapshots = 5});
+    }
+    out.push_back({.arch = tiny_arch::mamba, .n_rs_seq = 1, .n_ubatch = 5, .embd_all = true, .prefix = true});
+    out.push_back(
+        {.arch = tiny_arch::mamba, .n_rs_seq = 1, .type_rs = dtype::f16, .prefix = true, .interval = 1});
+    return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(models, recurrent_prefix_equals_recompute, ::testing::ValuesIn(prefix_setups()),
+                         setup_name);
 
 // Jamba's partial-only state (the recurrent part alone), used as a checkpoint: saved after a prompt,
 // restored after the attention part has dropped what came later, the sequence continues as if the

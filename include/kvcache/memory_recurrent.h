@@ -22,7 +22,8 @@
 ///   4. i in [0, B) ("main" cells): the gathered row is block i's initial state; run its T tokens and
 ///      write the final state to plane 0 of cell head + i; with n_rs_seq = k > 0 also write, for
 ///      r = 1 .. min(k, T - 1), the state after token T - 1 - r of the block (position P - r, P = the
-///      block's last position) to plane r of cell head + i;
+///      block's last position) to plane r of cell head + i; with a prefix cache, also write every
+///      snapshot of snaps() whose block is i: the state after its token t to its row dst;
 ///   5. write every gathered history copy to its dst row.
 /// After it, plane 0 of cell c holds the state after position pos(c) and plane r (1 <= r <= depth) the
 /// state after position pos(c) - r: the memory lists in hist_copies() the planes a short ubatch (T <= k)
@@ -39,6 +40,15 @@
 /// history lasts (pending + r <= k). The history counts the states a cell really has: after a state
 /// restore it is empty, after a rollback of r it is r shorter, each token adds one (up to k).
 ///
+/// Prefix cache (params.prefix.enabled; docs/prefix-cache.md, "Recurrent memories"): a state is one row
+/// per sequence, overwritten by every token, so a prefix can be resumed only where a copy was kept. The
+/// memory keeps snapshots of states at block boundaries of what sequences decode from position 0 in
+/// order (the end of every prompt, every snapshot_interval blocks, and the newest boundary of every
+/// sequence, which stays when the sequence ends) in a pool of max_snapshots rows placed after the planes
+/// of every tensor (row (1 + n_rs_seq) * size + slot). The engine writes them (step 4); they are
+/// published at the next step. prefix_attach resumes a new sequence from the deepest snapshot its prompt
+/// matches (the rows are copied into its cell), so the engine decodes only the rest.
+///
 /// Sequence operations take [p0, p1) with p1 < 0 unbounded, and p0 < 0 unbounded below (a tail moved below
 /// 0 by seq_add is still "from the start"). Sequence ids outside [0, n_seq_max) throw kvc::error
 /// (out_of_range) and change nothing, in every operation (upstream: seq_rm false, others no-ops).
@@ -46,14 +56,18 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <kvcache/batch.h>
 #include <kvcache/dtype.h>
 #include <kvcache/memory.h>
+#include <kvcache/prefix_cache.h>
 #include <kvcache/tensor.h>
 #include <kvcache/types.h>
 
@@ -77,12 +91,24 @@ struct recurrent_params {
     /// The most bytes every state row may take (memory_budget.h): creation refuses more, before
     /// allocating anything. 0: the machine's physical memory.
     uint64_t memory_budget = 0;
+    /// Keep snapshots of states at block boundaries for prefix_attach (see the file comment): block_size
+    /// (any size >= 1), snapshot_interval, max_snapshots, policy, protected_fraction, n_vocab and on_event
+    /// apply; pins do not. Events report blocks (chains of tokens) as kv_cache's do.
+    prefix_cache_params prefix;
 };
 
 /// A row move the engine performs for one ubatch (rows of the [n_embd, size * (1 + n_rs_seq)] layout).
 struct rs_copy {
     int64_t src = 0;  ///< row read before the ubatch writes anything
     int64_t dst = 0;  ///< row written after
+};
+
+/// A snapshot the engine writes for one ubatch (step 4 of the contract): block `block`'s state after its
+/// token `token` goes to row `dst`, a snapshot row ((1 + n_rs_seq) * size + slot).
+struct rs_snap {
+    uint32_t block = 0;  ///< block of the ubatch, in [0, n_seqs)
+    uint32_t token = 0;  ///< token of the block, in [0, n_seq_tokens)
+    int64_t dst = 0;     ///< snapshot row
 };
 
 /// Where one ubatch's states come from and go (what find_slot staged; see the engine contract).
@@ -93,6 +119,7 @@ struct rs_slot {
     int32_t rs_z = -1;               ///< row to zero before reading (fresh states read it), -1: none
     std::vector<int64_t> s_copy;     ///< [n] source row of range cell i (plane * size + cell)
     std::vector<rs_copy> hist_copy;  ///< history planes to carry over (empty when n_rs_seq == 0)
+    std::vector<rs_snap> snaps;      ///< snapshots to write (empty without a prefix cache)
 };
 
 class memory_recurrent_context;
@@ -172,6 +199,30 @@ public:
     /// p need not be valid. What creation checks against p.memory_budget.
     static uint64_t reserve_bytes(const recurrent_params& p);
 
+    // -- prefix cache (params().prefix.enabled; see the file comment) --
+    /// Tokens of `tokens` that prefix_attach would resume now: the deepest block boundary n <
+    /// tokens.size() that has a snapshot and whose tokens [0, n) were decoded under the same key; 0 if
+    /// none. Throws kvc::error(unsupported) without a prefix cache, (invalid_argument) for a negative
+    /// token or one outside [0, prefix.n_vocab).
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0);
+    /// Gives the empty sequence seq_id the state of the deepest snapshot of `tokens` (copied into a cell
+    /// of its own) at position n - 1, as if it had decoded tokens [0, n), and returns n (what
+    /// prefix_lookup returns; 0: nothing changed). The blocks the sequence publishes get `priority`.
+    /// Throws, nothing changed, for a sequence holding a state, an id out of range, a bad token or a
+    /// priority above 100.
+    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
+                           uint8_t priority = prefix_default_priority);
+    /// Publishes the snapshots the last step wrote (every batch, lookup, attach and sequence operation
+    /// does it first; call it after computing the last step when none follows).
+    void prefix_publish();
+    /// What the prefix cache did and holds (zeros without one); the cell counts are 0 (a recurrent memory
+    /// caches snapshots, not cells).
+    prefix_stats get_prefix_stats() const;
+    /// Snapshot rows in every tensor (prefix.max_snapshots resolved; 0 without a prefix cache).
+    uint32_t get_n_snapshots() const { return n_snap_; }
+    /// Bytes of one snapshot: one row of every tensor.
+    size_t snapshot_bytes() const;
+
     // -- shape --
     /// The parameters the memory was built with.
     const recurrent_params& params() const { return params_; }
@@ -196,7 +247,8 @@ public:
 
     // -- data --
     /// Layer il's r tensor, [n_embd_r, size, 1 + n_rs_seq] (row of cell c in plane p at (c, p)); throws
-    /// kvc::error when the layer has none.
+    /// kvc::error when the layer has none. With a prefix cache, get_n_snapshots() snapshot rows follow
+    /// the last plane in the same buffer (contiguous rows: flat row (1 + n_rs_seq) * size + slot).
     tensor_view get_r(uint32_t il);
     /// Read-only r tensor.
     const_tensor_view get_r(uint32_t il) const;
@@ -254,10 +306,27 @@ private:
     bool free_if_empty(uint32_t c);  // resets a cell without members; true if it did
     // after sequence operations: the rows of the free cells above the last used one go back to the system
     void fit_rows();
+    void clear_cells(bool data);  // clear() but the prefix cache's index and snapshots stay
     void swap_cells(uint32_t a, uint32_t b);
     int32_t next_free(uint32_t from) const;  // first free cell from `from`, ring-wise; -1 if none
     std::vector<seq_id_t> members(uint32_t c) const;
     struct staged_state;
+
+    // -- prefix cache (src/memory_recurrent_prefix.cpp; no-ops without one) --
+    struct prefix_state;
+    void prefix_init();
+    void check_prefix_tokens(std::span<const token_t> tokens, const char* what) const;
+    // Before placing ub (the context's apply): which snapshots the ubatch's sequences get, making room
+    // in the pool. `prompts`: the sequences with several tokens in the batch, each with its tokens in the
+    // batch's later ubatches (the newest boundary a prompt reaches is kept).
+    void prefix_plan(const ubatch& ub, std::span<const std::pair<seq_id_t, uint64_t>> prompts);
+    // After placing it: the tokens each sequence decoded in order, and the snapshot rows (no allocation).
+    void prefix_record(const ubatch& ub, rs_slot& slot);
+    void prefix_forget(seq_id_t seq_id);         // its tracker stops (seq_all: every tracker)
+    void prefix_cut(seq_id_t seq_id, pos_t p0);  // a rollback keeps positions [0, p0)
+    void prefix_copy(seq_id_t src, seq_id_t dst);
+    void prefix_reset();   // the memory was emptied or replaced
+    void fit_snapshots();  // rows of free slots above the last used one go back
 
     recurrent_params params_;
     uint32_t size_ = 0;
@@ -269,7 +338,9 @@ private:
     std::vector<seq_id_t> next_;   // [size] per sequence: next member of the same cell, -1 = last
     uint32_t head_ = 0;
     uint32_t used_ = 0;
-    uint32_t mark_ = 0;  // rows of cells [0, mark_) may hold memory: those above went back (fit_rows)
+    uint32_t mark_ = 0;    // rows of cells [0, mark_) may hold memory: those above went back (fit_rows)
+    uint32_t n_snap_ = 0;  // snapshot rows after the planes
+    std::unique_ptr<prefix_state> prefix_;
     std::vector<uint32_t> refs_;         // scratch: sources referencing each row
     std::vector<cell_rec> saved_cells_;  // scratch of prepare: the cells before the dry run
     std::vector<int32_t> saved_tail_;
@@ -331,6 +402,8 @@ public:
     std::span<const int64_t> s_copies() const { return slot().s_copy; }
     /// History planes the engine carries over (step 5 of the contract). Valid until next().
     std::span<const rs_copy> hist_copies() const { return slot().hist_copy; }
+    /// Snapshots the engine writes (step 4 of the contract). Valid until next().
+    std::span<const rs_snap> snaps() const { return slot().snaps; }
     /// Layer il's r tensor, [n_embd_r, size, 1 + n_rs_seq].
     tensor_view get_r(uint32_t il) { return mem_->get_r(il); }
     /// Layer il's s tensor, [n_embd_s, size, 1 + n_rs_seq].
@@ -347,6 +420,9 @@ private:
     size_t i_cur_ = 0;
     size_t n_applied_ = 0;
     std::optional<rs_slot> slot_;  // of the applied ubatch, or the full range
+    // with a prefix cache: (ubatch, seq, its tokens in later ubatches) for sequences with several tokens
+    // in the batch
+    std::vector<std::tuple<uint32_t, seq_id_t, uint64_t>> prompts_;
 };
 
 }  // namespace kvc

@@ -58,6 +58,12 @@ struct prefix_cache_params {
     /// Pins may hold at most this fraction of a stream's cells (kv_cache::prefix_pin).
     float max_pinned_fraction = 0.5f;
     int32_t n_vocab = 0;  ///< > 0: prompt tokens must be in [0, n_vocab); 0: only non-negative
+    /// Recurrent memories: besides the end of every prompt and of every sequence, keep a snapshot every
+    /// this many blocks of a sequence (0: only those). docs/prefix-cache.md, "Recurrent memories".
+    uint32_t snapshot_interval = 64;
+    /// Recurrent memories: snapshots the pool holds at most (each is one sequence's state in every
+    /// layer; memory_recurrent::snapshot_bytes()). 0: 4 x n_seq_max.
+    uint32_t max_snapshots = 0;
     /// Called synchronously for every block stored and removed and when the index empties. It must not
     /// call back into the cache; an exception it throws is caught and counted (event_errors).
     std::function<void(const prefix_event&)> on_event{};
@@ -73,11 +79,14 @@ struct prefix_stats {
     uint64_t unpublished_blocks = 0;  ///< blocks taken out because a sequence edit changed their cells
     uint64_t bytes_copied = 0;        ///< K/V bytes attaches and edits of shared cells copied
     uint64_t event_errors = 0;        ///< exceptions thrown by on_event (caught)
+    uint64_t snapshots_saved = 0;     ///< recurrent: snapshots published (state at a block boundary)
+    uint64_t snapshots_dropped = 0;   ///< recurrent: snapshots evicted, superseded or made stale
     uint32_t blocks = 0;              ///< blocks in the index now
     uint32_t cached_cells = 0;  ///< cells held by the index and by no sequence (evictable unless pinned)
     uint32_t shared_cells = 0;  ///< cells held by the index and by sequences
     uint32_t pinned_cells = 0;  ///< cells of pinned blocks
     uint32_t free_cells = 0;    ///< empty cells
+    uint32_t snapshots = 0;     ///< recurrent: snapshots in the pool now (published or being written)
     /// Memory of the index: block records, their tokens and cells, the hash table, the per-cell owner
     /// map and the sequences' trackers.
     size_t index_bytes = 0;

@@ -66,9 +66,10 @@ public:
     std::span<float> state(uint32_t b);
     /// Records block b's working state as its state after token t of the block (t in [0, T)): written to
     /// plane T - 1 - t of the block's cell when that plane exists (plane 0 for the last token; rollback
-    /// planes 1 .. min(k, T - 1)); the states of earlier tokens are not kept, so the call does nothing for
-    /// them. Throws kvc::error(out_of_range) for b or t out of range. Calls for different blocks touch
-    /// different rows and may run concurrently.
+    /// planes 1 .. min(k, T - 1)), and to the snapshot rows the context asks for after that token
+    /// (memory_recurrent_context::snaps()); other states are not kept, so the call does nothing for them.
+    /// Throws kvc::error(out_of_range) for b or t out of range. Calls for different blocks touch different
+    /// rows and may run concurrently.
     void store(uint32_t b, uint32_t t);
     /// Step 5: writes the gathered history copies. Once, after every block stored its last token (that is
     /// checked: kvc::error(invalid_state) names the first block that did not, nothing written then).
@@ -87,6 +88,7 @@ private:
     std::vector<float> states_;           // [B][width] working states
     std::vector<uint8_t> stored_last_;    // [B] whether block b stored its final state
     std::span<const rs_copy> hist_copy_;  // rc's, valid until rc.next()
+    std::span<const rs_snap> snaps_;      // rc's, valid until rc.next()
     std::vector<std::byte> hist_rows_;    // gathered history sources, one row each
     bool finished_ = false;
 };

@@ -117,7 +117,8 @@ void prefix_index::add_chunk() {
 }
 
 uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
-                           std::span<const uint32_t> cells, uint32_t stream, uint8_t priority) {
+                           std::span<const uint32_t> cells, uint32_t stream, uint8_t priority,
+                           uint16_t held) {
     assert(toks.size() == bs_ && cells.size() == bs_ && stream < streams_.size());
     uint32_t id;
     if (!free_ids_.empty()) {
@@ -133,7 +134,7 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
     b.gen = gen;
     b.hash = hash_of(seed_of(parent, key), toks);
     b.parent = parent;
-    b.held = static_cast<uint16_t>(bs_);
+    b.held = held;
     b.depth = parent == none ? 0 : at(parent).depth + 1;
     b.stream = static_cast<uint16_t>(stream);
     b.priority = std::min(priority, prefix_max_priority);
@@ -151,6 +152,7 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
         }
     }
     table_insert(id);
+    if (held == 0) make_evictable(id);
     return id;
 }
 

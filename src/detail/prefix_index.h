@@ -81,10 +81,11 @@ public:
     // hashes of a chain depend on the tokens only, so they are computed first and the table, records and
     // tokens of the blocks ahead are fetched while a block is verified.
     void match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const;
-    // A new held block (held = block_size) after `parent` (none: a root of `key`). The caller checked
-    // that find() has none.
+    // A new block after `parent` (none: a root of `key`) with `held` holders (block_size: every cell has a
+    // sequence; a recurrent memory counts its trackers, 0: evictable at once). The caller checked that
+    // find() has none.
     uint32_t add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
-                 std::span<const uint32_t> cells, uint32_t stream, uint8_t priority);
+                 std::span<const uint32_t> cells, uint32_t stream, uint8_t priority, uint16_t held);
 
     // held 0 -> 1 (a sequence joined a cell of a block without any): out of the queue
     void acquire(uint32_t id);

@@ -1,0 +1,98 @@
+// The prefix cache's state inside a memory_recurrent (src/memory_recurrent_prefix.cpp): the index of the
+// token chains sequences decoded, the pool of snapshots attached to its blocks, and what each sequence has
+// decoded in order.
+//
+// A block of the index is useful only through a snapshot at its end or below it: a leaf without a
+// snapshot that no sequence holds is removed at once, so every queued (evictable) block has a snapshot
+// and evicting one frees a slot.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <kvcache/memory_recurrent.h>
+
+#include "detail/prefix_index.h"
+
+namespace kvc {
+
+// What one sequence has decoded from position 0 in order: the chain of its published blocks (tail: the
+// deepest, held while the sequence tracks; checked by generation) and the tokens after it.
+struct recurrent_tracker {
+    // A snapshot the engine writes in the current step, published at the next.
+    struct pending {
+        uint64_t boundary = 0;  // the state after tokens [0, boundary)
+        uint32_t slot = 0;
+        bool kept = false;  // false: the sequence's rolling snapshot, dropped when it takes its next one
+    };
+    bool active = true;
+    uint8_t priority = prefix_default_priority;  // of the blocks it publishes
+    uint64_t key = 0;
+    uint32_t tail = detail::prefix_index::none;
+    uint32_t tail_gen = 0;
+    uint32_t n_full = 0;                         // chain blocks: positions [0, n_full * block_size)
+    std::vector<token_t> toks;                   // positions [n_full * block_size, next())
+    std::vector<pending> snaps;                  // ascending boundaries
+    uint32_t roll = detail::prefix_index::none;  // the block of its published rolling snapshot
+    uint32_t roll_gen = 0;
+    std::vector<token_t> prompt;  // with a key: the attached prompt, which embeddings fed later stand for
+};
+
+struct memory_recurrent::prefix_state {
+    enum class slot_state : uint8_t { free, pending, published };
+    // A snapshot prefix_plan chose for a block of the ubatch being placed.
+    struct request {
+        seq_id_t seq = 0;
+        uint32_t block = 0;
+        uint64_t boundary = 0;
+        bool kept = false;
+    };
+
+    detail::prefix_index index;
+    uint32_t bs;
+    uint32_t interval;                    // snapshot_interval in blocks (0: prompt and sequence ends only)
+    std::vector<recurrent_tracker> seqs;  // [n_seq_max]
+    std::vector<seq_id_t> pending;        // sequences with snapshots to publish
+    std::vector<uint32_t> holders;        // [index records] trackers whose tail it is
+    std::vector<uint32_t> block_slot;     // [index records] its published snapshot, or none
+    std::vector<uint32_t> slot_block;     // [slots] the block a published snapshot belongs to
+    std::vector<slot_state> slots;        // [slots]
+    std::vector<uint32_t> free_slots;     // min-heap: the lowest free slot is taken first
+    uint32_t top = 0;                     // slots [0, top) may hold memory (fit_snapshots)
+    std::vector<uint32_t> zeros;          // [bs] the cells of a block (a recurrent block has none)
+    std::vector<request> requests;        // scratch of prefix_plan
+    std::vector<rs_snap> snaps;           // scratch: the rows of the ubatch being placed
+    prefix_stats stats;
+    std::function<void(const prefix_event&)> on_event;
+
+    prefix_state(const prefix_cache_params& p, uint32_t n_seq_max, uint32_t n_slots);
+
+    static constexpr uint32_t none = detail::prefix_index::none;
+    pos_t next(const recurrent_tracker& t) const {
+        return static_cast<pos_t>(uint64_t{t.n_full} * bs + t.toks.size());
+    }
+    bool alive(uint32_t id, uint32_t gen) const { return id == none || index.alive(id, gen); }
+    bool has_snapshot(uint32_t id) const { return id < block_slot.size() && block_slot[id] != none; }
+    // The depth of the deepest block of the chain of `tokens` with a snapshot that resumes before the last
+    // token; -1 if none. chain: the matched blocks.
+    int64_t deepest(std::span<const token_t> tokens, uint64_t key, std::vector<uint32_t>& chain) const;
+    // Whether block b of ub continues t in order, with tokens it knows.
+    bool in_order(const recurrent_tracker& t, const ubatch& ub, uint32_t b) const;
+
+    void emit(prefix_event::kind type, uint32_t id);
+    void call(const prefix_event& e);
+    void grow();  // per-record tables cover every index record
+    void hold(uint32_t id);
+    void unhold(uint32_t id);
+    // Removes id and its ancestors while each is a queued leaf without a snapshot.
+    void collect(uint32_t id);
+    uint32_t take_slot();  // none when the pool is full
+    void free_slot(uint32_t slot);
+    void drop_snapshot(uint32_t id);  // the block keeps its place in the chain
+    bool evict_one();                 // the first snapshot in eviction order, with its block
+    void stop(recurrent_tracker& t);  // no more publishing; pending snapshots are dropped
+    void reset();
+};
+
+}  // namespace kvc

@@ -1,0 +1,525 @@
+// memory_recurrent: the prefix cache (docs/prefix-cache.md, "Recurrent memories"). A recurrent state is
+// overwritten by every token, so a prefix is resumable only where the engine wrote a copy of the state: a
+// snapshot at a block boundary. The index (detail/prefix_index) keeps the token chains that lead to
+// snapshots; this file decides where snapshots are taken, publishes them at the next step, evicts them
+// (with the blocks that serve nothing without them), and resumes sequences from them.
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+#include <limits>
+
+#include <fmt/format.h>
+#include <kvcache/memory_recurrent.h>
+
+#include "detail/memory_recurrent_impl.h"
+#include "detail/recurrent_prefix.h"
+
+namespace kvc {
+
+namespace {
+constexpr uint32_t none = detail::prefix_index::none;
+}  // namespace
+
+// -- the state --
+
+memory_recurrent::prefix_state::prefix_state(const prefix_cache_params& p, uint32_t n_seq_max,
+                                             uint32_t n_slots)
+    : index(p.block_size, 1, p.policy,
+            static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * n_slots)),
+      bs(p.block_size),
+      interval(p.snapshot_interval),
+      seqs(n_seq_max),
+      slot_block(n_slots, none),
+      slots(n_slots, slot_state::free),
+      zeros(p.block_size, 0),
+      on_event(p.on_event) {
+    free_slots.reserve(n_slots);
+    for (uint32_t s = n_slots; s-- > 0;) free_slots.push_back(s);
+    std::make_heap(free_slots.begin(), free_slots.end(), std::greater<>());
+    pending.reserve(n_seq_max);
+}
+
+void memory_recurrent::prefix_state::call(const prefix_event& e) {
+    if (!on_event) return;
+    try {
+        on_event(e);
+    } catch (...) {  // the memory's state must not depend on the listener
+        ++stats.event_errors;
+    }
+}
+
+void memory_recurrent::prefix_state::emit(prefix_event::kind type, uint32_t id) {
+    if (!on_event) return;
+    const detail::prefix_index::block& b = index.at(id);
+    call({.type = type,
+          .hash = b.hash,
+          .parent_hash = index.seed(id),
+          .depth = b.depth,
+          .tokens = index.tokens(id)});
+}
+
+void memory_recurrent::prefix_state::grow() {
+    if (holders.size() < index.records()) {
+        holders.resize(index.records(), 0);
+        block_slot.resize(index.records(), none);
+    }
+}
+
+void memory_recurrent::prefix_state::hold(uint32_t id) {
+    if (holders[id]++ == 0) index.acquire(id);
+}
+
+void memory_recurrent::prefix_state::unhold(uint32_t id) {
+    assert(holders[id] > 0);
+    if (--holders[id] > 0) return;
+    index.release(id);
+    collect(id);
+}
+
+void memory_recurrent::prefix_state::collect(uint32_t id) {
+    using state = detail::prefix_index::state;
+    while (id != none && index.at(id).st == state::queued && !has_snapshot(id)) {
+        const uint32_t parent = index.at(id).parent;
+        emit(prefix_event::kind::removed, id);
+        index.remove(id);
+        id = parent;  // now perhaps a childless leaf itself
+    }
+}
+
+uint32_t memory_recurrent::prefix_state::take_slot() {
+    if (free_slots.empty()) return none;
+    std::pop_heap(free_slots.begin(), free_slots.end(), std::greater<>());
+    const uint32_t s = free_slots.back();
+    free_slots.pop_back();
+    slots[s] = slot_state::pending;
+    top = std::max(top, s + 1);
+    return s;
+}
+
+void memory_recurrent::prefix_state::free_slot(uint32_t slot) {
+    slots[slot] = slot_state::free;
+    slot_block[slot] = none;
+    free_slots.push_back(slot);  // capacity: every slot
+    std::push_heap(free_slots.begin(), free_slots.end(), std::greater<>());
+}
+
+void memory_recurrent::prefix_state::drop_snapshot(uint32_t id) {
+    const uint32_t slot = block_slot[id];
+    assert(slot != none);
+    free_slot(slot);
+    block_slot[id] = none;
+    ++stats.snapshots_dropped;
+    collect(id);
+}
+
+bool memory_recurrent::prefix_state::evict_one() {
+    std::vector<uint32_t> plan;
+    if (!index.plan_eviction(0, bs, plan)) return false;
+    const uint32_t id = plan.front();
+    const uint32_t parent = index.at(id).parent;
+    if (has_snapshot(id)) {
+        free_slot(block_slot[id]);
+        block_slot[id] = none;
+        ++stats.snapshots_dropped;
+    }
+    emit(prefix_event::kind::removed, id);
+    index.remove(id);
+    ++stats.evicted_blocks;
+    collect(parent);
+    return true;
+}
+
+void memory_recurrent::prefix_state::stop(recurrent_tracker& t) {
+    for (const recurrent_tracker::pending& p : t.snaps) free_slot(p.slot);
+    const uint32_t tail = t.tail;
+    const bool held = tail != none && index.alive(tail, t.tail_gen);
+    t.active = false;
+    t.tail = none;
+    t.roll = none;
+    t.toks.clear();
+    t.snaps.clear();
+    t.prompt = {};
+    if (held) unhold(tail);
+}
+
+void memory_recurrent::prefix_state::reset() {
+    if (index.size() > 0) call(prefix_event{.type = prefix_event::kind::cleared});
+    index.clear();
+    for (recurrent_tracker& t : seqs) t = recurrent_tracker{};
+    pending.clear();
+    holders.clear();
+    block_slot.clear();
+    free_slots.clear();
+    for (uint32_t s = 0; s < slots.size(); ++s) free_slot(s);
+}
+
+// -- construction --
+
+void memory_recurrent::prefix_init() {
+    const prefix_cache_params& q = params_.prefix;
+    const auto bad = [](const std::string& msg) {
+        throw error(errc::invalid_argument, "memory_recurrent: " + msg);
+    };
+    if (q.block_size == 0 || q.block_size > 65536)
+        bad(fmt::format("prefix block_size {} must be in [1, 65536]", q.block_size));
+    if (q.policy != evict_policy::lru && q.policy != evict_policy::slru)
+        bad(fmt::format("prefix policy {} unknown", static_cast<int>(q.policy)));
+    if (!(q.protected_fraction >= 0.0f && q.protected_fraction <= 1.0f))
+        bad(fmt::format("prefix protected_fraction {} must be in [0, 1]", q.protected_fraction));
+    if (q.n_vocab < 0) bad(fmt::format("prefix n_vocab {} must not be negative", q.n_vocab));
+    prefix_ = std::make_unique<prefix_state>(q, size_, n_snap_);
+}
+
+size_t memory_recurrent::snapshot_bytes() const {
+    size_t b = 0;
+    for (const layer& l : layers_) b += l.row_r + l.row_s;
+    return b;
+}
+
+// -- checks --
+
+void memory_recurrent::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
+    if (!prefix_) throw error(errc::unsupported, fmt::format("{}: the memory has no prefix cache", what));
+    if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+        throw error(errc::invalid_argument,
+                    fmt::format("{}: {} tokens, more than {}", what, tokens.size(), INT32_MAX));
+    const int32_t n_vocab = params_.prefix.n_vocab;
+    for (size_t i = 0; i < tokens.size(); ++i)
+        if (tokens[i] < 0 || (n_vocab > 0 && tokens[i] >= n_vocab))
+            throw error(errc::invalid_argument,
+                        n_vocab > 0
+                            ? fmt::format("{}: token[{}] = {} not in [0, {})", what, i, tokens[i], n_vocab)
+                            : fmt::format("{}: token[{}] = {} is negative", what, i, tokens[i]));
+}
+
+int64_t memory_recurrent::prefix_state::deepest(std::span<const token_t> tokens, uint64_t key,
+                                                std::vector<uint32_t>& chain) const {
+    index.match(key, tokens, chain);
+    for (auto d = static_cast<int64_t>(chain.size()) - 1; d >= 0; --d)
+        if ((static_cast<uint64_t>(d) + 1) * bs < tokens.size() &&
+            has_snapshot(chain[static_cast<size_t>(d)]))
+            return d;
+    return -1;
+}
+
+// -- the API --
+
+uint32_t memory_recurrent::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
+    check_prefix_tokens(tokens, "prefix_lookup");
+    prefix_publish();
+    prefix_state& ps = *prefix_;
+    ++ps.stats.lookups;
+    ps.stats.tokens_looked_up += tokens.size();
+    std::vector<uint32_t> chain;
+    const int64_t d = ps.deepest(tokens, key, chain);
+    return static_cast<uint32_t>((d + 1) * ps.bs);
+}
+
+uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
+                                         uint8_t priority) {
+    check_prefix_tokens(tokens, "prefix_attach");
+    check_seq(seq_id, "prefix_attach");
+    if (priority > prefix_max_priority)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
+    if (tail_[static_cast<size_t>(seq_id)] >= 0)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_attach: seq {} is not empty (its state is at position {})", seq_id,
+                                seq_pos_max(seq_id)));
+    prefix_publish();
+    prefix_state& ps = *prefix_;
+    ++ps.stats.lookups;
+    ps.stats.tokens_looked_up += tokens.size();
+    std::vector<uint32_t> chain;
+    const int64_t d = ps.deepest(tokens, key, chain);
+    recurrent_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
+    ps.stop(t);
+    t = recurrent_tracker{};
+    t.key = key;
+    t.priority = priority;
+    if (key != 0) t.prompt.assign(tokens.begin(), tokens.end());  // what embeddings at [n, size) stand for
+    if (d < 0) return 0;
+    const auto n_blocks = static_cast<uint32_t>(d + 1);
+    for (uint32_t j = 0; j < n_blocks; ++j) {
+        ps.index.hit(chain[j]);
+        if (ps.index.at(chain[j]).priority < priority) ps.index.set_priority(chain[j], priority);
+    }
+    const uint32_t id = chain[n_blocks - 1];
+    // a cell of its own (one is free: seq_id has none), holding a copy of the snapshot's rows
+    const auto c = static_cast<uint32_t>(next_free(head_));
+    const uint64_t row0 = (uint64_t{params_.n_rs_seq} + 1) * size_ + ps.block_slot[id];
+    for (layer& l : layers_) {
+        if (l.row_r) std::memcpy(l.r.data() + size_t{c} * l.row_r, l.r.data() + row0 * l.row_r, l.row_r);
+        if (l.row_s) std::memcpy(l.s.data() + size_t{c} * l.row_s, l.s.data() + row0 * l.row_s, l.row_s);
+    }
+    cells_[c] = cell_rec{};
+    cells_[c].pos = static_cast<pos_t>(n_blocks * ps.bs - 1);
+    cells_[c].src = static_cast<int32_t>(c);
+    link(c, seq_id);
+    mark_ = std::max(mark_, c + 1);
+    t.n_full = n_blocks;
+    t.tail = id;
+    t.tail_gen = ps.index.at(id).gen;
+    ps.hold(id);
+    const uint32_t n = n_blocks * ps.bs;
+    ps.stats.hit_tokens += n;
+    return n;
+}
+
+void memory_recurrent::prefix_publish() {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const uint32_t bs = ps.bs;
+    for (seq_id_t s : ps.pending) {
+        recurrent_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        if (!t.active) continue;  // its snapshots went with it
+        size_t done = 0;
+        size_t k = 0;
+        for (; k < t.snaps.size(); ++k) {
+            const recurrent_tracker::pending p = t.snaps[k];
+            // the chain down to the boundary: found, or published now
+            bool lost = false;
+            while (uint64_t{t.n_full} * bs < p.boundary) {
+                if (!ps.alive(t.tail, t.tail_gen)) {
+                    lost = true;  // its chain was evicted: what follows has no parent to hang from
+                    break;
+                }
+                const std::span<const token_t> toks(t.toks.data() + done, bs);
+                uint32_t id = ps.index.find(t.tail, t.key, toks);
+                if (id == none) {
+                    id = ps.index.add(t.tail, t.key, toks, ps.zeros, 0, t.priority, 0);
+                    ps.grow();
+                    ++ps.stats.published_blocks;
+                    ps.emit(prefix_event::kind::stored, id);
+                }
+                ps.hold(id);
+                if (t.tail != none) ps.unhold(t.tail);
+                t.tail = id;
+                t.tail_gen = ps.index.at(id).gen;
+                ++t.n_full;
+                done += bs;
+            }
+            if (lost) break;
+            if (ps.has_snapshot(t.tail)) {  // another sequence left the same state there
+                ps.free_slot(p.slot);
+                if (!p.kept) t.roll = none;
+                continue;
+            }
+            ps.slots[p.slot] = prefix_state::slot_state::published;
+            ps.slot_block[p.slot] = t.tail;
+            ps.block_slot[t.tail] = p.slot;
+            ++ps.stats.snapshots_saved;
+            if (!p.kept) {
+                t.roll = t.tail;
+                t.roll_gen = t.tail_gen;
+            }
+        }
+        if (k < t.snaps.size()) {
+            t.snaps.erase(t.snaps.begin(), t.snaps.begin() + static_cast<ptrdiff_t>(k));
+            ps.stop(t);
+            continue;
+        }
+        t.snaps.clear();
+        t.toks.erase(t.toks.begin(), t.toks.begin() + static_cast<ptrdiff_t>(done));
+    }
+    ps.pending.clear();
+    fit_snapshots();
+}
+
+prefix_stats memory_recurrent::get_prefix_stats() const {
+    if (!prefix_) return {};
+    const prefix_state& ps = *prefix_;
+    prefix_stats st = ps.stats;
+    st.blocks = ps.index.size();
+    st.snapshots = static_cast<uint32_t>(ps.slots.size() - ps.free_slots.size());
+    st.index_bytes = ps.index.bytes() + ps.pending.capacity() * sizeof(seq_id_t) +
+                     (ps.holders.capacity() + ps.block_slot.capacity() + ps.slot_block.capacity() +
+                      ps.free_slots.capacity()) *
+                         sizeof(uint32_t) +
+                     ps.slots.capacity();
+    for (const recurrent_tracker& t : ps.seqs)
+        st.index_bytes += sizeof(t) + (t.toks.capacity() + t.prompt.capacity()) * sizeof(token_t) +
+                          t.snaps.capacity() * sizeof(recurrent_tracker::pending);
+    return st;
+}
+
+// -- placement --
+
+bool memory_recurrent::prefix_state::in_order(const recurrent_tracker& t, const ubatch& ub,
+                                              uint32_t b) const {
+    const uint32_t T = ub.n_seq_tokens;
+    const pos_t nx = next(t);
+    for (uint32_t j = 0; j < T; ++j) {
+        const uint32_t i = b * T + j;
+        const int64_t p = ub.pos[i];
+        if (p != int64_t{nx} + j) return false;
+        // embeddings count as the attached prompt's tokens when the engine named their content with a key
+        if (ub.token.empty() && (t.key == 0 || static_cast<uint64_t>(p) >= t.prompt.size())) return false;
+    }
+    return true;
+}
+
+void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<seq_id_t, uint64_t>> prompts) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const uint32_t T = ub.n_seq_tokens, bs = ps.bs;
+    ps.requests.clear();
+    for (uint32_t b = 0; b < ub.n_seqs; ++b) {
+        const seq_id_t s = ub.primary_seq(b * T);
+        recurrent_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        if (!t.active || !ps.in_order(t, ub, b)) continue;
+        t.toks.reserve(t.toks.size() + T);
+        const uint64_t n0 = static_cast<uint64_t>(ps.next(t)), n1 = n0 + T;
+        const uint64_t last = n1 / bs * bs;  // the newest boundary the block reaches
+        if (last <= n0) continue;
+        // the newest boundary of a prompt: no later ubatch of the batch reaches another
+        const auto pr =
+            std::find_if(prompts.begin(), prompts.end(), [s](const auto& e) { return e.first == s; });
+        const bool end = pr != prompts.end() && (n1 + pr->second) / bs * bs == last;
+        const uint64_t every = uint64_t{ps.interval} * bs;
+        const size_t first = ps.requests.size();
+        if (every > 0)
+            for (uint64_t B = (n0 / every + 1) * every; B < last; B += every)
+                ps.requests.push_back({s, b, B, true});
+        ps.requests.push_back({s, b, last, end || (every > 0 && last % every == 0)});
+        // its rolling snapshot gives way to the new ones
+        for (auto it = t.snaps.begin(); it != t.snaps.end(); ++it)
+            if (!it->kept) {
+                ps.free_slot(it->slot);
+                ++ps.stats.snapshots_dropped;
+                t.snaps.erase(it);
+                break;
+            }
+        if (t.roll != none && ps.index.alive(t.roll, t.roll_gen) && ps.has_snapshot(t.roll))
+            ps.drop_snapshot(t.roll);
+        t.roll = none;
+        t.snaps.reserve(t.snaps.size() + ps.requests.size() - first);
+    }
+    // room in the pool, evicting in policy order; what does not fit is not taken
+    while (ps.free_slots.size() < ps.requests.size() && ps.evict_one()) {}
+    ps.snaps.clear();
+    ps.snaps.reserve(ps.requests.size());
+    if (ps.pending.capacity() < ps.pending.size() + ub.n_seqs)
+        ps.pending.reserve(ps.pending.size() + ub.n_seqs);
+}
+
+void memory_recurrent::prefix_record(const ubatch& ub, rs_slot& slot) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const uint32_t T = ub.n_seq_tokens;
+    const int64_t row0 = (int64_t{params_.n_rs_seq} + 1) * size_;
+    auto req = ps.requests.begin();
+    for (uint32_t b = 0; b < ub.n_seqs; ++b) {
+        while (req != ps.requests.end() && req->block < b) ++req;
+        const auto ids = ub.seq_ids(b * T);
+        // a sequence coupled to the block's primary shares its result, not its history
+        for (size_t q = 1; q < ids.size(); ++q) ps.stop(ps.seqs[static_cast<size_t>(ids[q])]);
+        const seq_id_t s = ids[0];
+        recurrent_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        if (!t.active) continue;
+        if (!ps.in_order(t, ub, b)) {
+            ps.stop(t);
+            continue;
+        }
+        const uint64_t n0 = static_cast<uint64_t>(ps.next(t));
+        for (uint32_t j = 0; j < T; ++j) {
+            const uint32_t i = b * T + j;
+            t.toks.push_back(ub.token.empty() ? t.prompt[static_cast<size_t>(ub.pos[i])] : ub.token[i]);
+        }
+        bool any = false;
+        for (; req != ps.requests.end() && req->block == b; ++req) {
+            const uint32_t sl = ps.take_slot();
+            if (sl == none) continue;  // the pool is full of snapshots in use
+            t.snaps.push_back({req->boundary, sl, req->kept});
+            ps.snaps.push_back({b, static_cast<uint32_t>(req->boundary - 1 - n0), row0 + sl});
+            any = true;
+        }
+        if (any) ps.pending.push_back(s);
+    }
+    slot.snaps = std::move(ps.snaps);
+    ps.snaps = {};
+}
+
+// -- sequence operations --
+
+void memory_recurrent::prefix_forget(seq_id_t seq_id) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    const auto one = [&](size_t s) {
+        recurrent_tracker& t = ps.seqs[s];
+        ps.stop(t);
+        if (tail_[s] < 0) t = recurrent_tracker{};  // empty: what it decodes from 0 is published again
+    };
+    if (seq_id == seq_all) {
+        for (size_t s = 0; s < ps.seqs.size(); ++s) one(s);
+    } else {
+        one(static_cast<size_t>(seq_id));
+    }
+}
+
+void memory_recurrent::prefix_cut(seq_id_t seq_id, pos_t p0) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    recurrent_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
+    if (!t.active) return;
+    const auto keep = static_cast<uint64_t>(p0);
+    const uint64_t full = uint64_t{t.n_full} * ps.bs;
+    if (keep >= full) {
+        t.toks.resize(std::min<uint64_t>(t.toks.size(), keep - full));
+        return;
+    }
+    if (!ps.alive(t.tail, t.tail_gen)) {
+        ps.stop(t);
+        return;
+    }
+    // back up the chain to block keep / bs; its first keep % bs tokens stay pending
+    uint32_t cut = none, tail = t.tail;
+    for (uint32_t d = t.n_full; d > keep / ps.bs; --d) {
+        cut = tail;
+        tail = ps.index.at(tail).parent;
+    }
+    const auto toks = ps.index.tokens(cut);
+    t.toks.assign(toks.begin(), toks.begin() + static_cast<ptrdiff_t>(keep % ps.bs));
+    if (tail != none) ps.hold(tail);
+    ps.unhold(t.tail);
+    t.tail = tail;
+    if (tail != none) t.tail_gen = ps.index.at(tail).gen;
+    t.n_full = static_cast<uint32_t>(keep / ps.bs);
+}
+
+void memory_recurrent::prefix_copy(seq_id_t src, seq_id_t dst) {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    recurrent_tracker& d = ps.seqs[static_cast<size_t>(dst)];
+    ps.stop(d);
+    const recurrent_tracker& s = ps.seqs[static_cast<size_t>(src)];
+    if (tail_[static_cast<size_t>(src)] < 0 || !s.active || !ps.alive(s.tail, s.tail_gen)) {
+        if (tail_[static_cast<size_t>(src)] < 0) d = recurrent_tracker{};
+        return;
+    }
+    d = s;
+    d.snaps.clear();  // published before any sequence operation: none
+    d.roll = none;    // src's to replace
+    if (d.tail != none) ps.hold(d.tail);
+}
+
+void memory_recurrent::prefix_reset() {
+    if (!prefix_) return;
+    prefix_->reset();
+    fit_snapshots();
+}
+
+void memory_recurrent::fit_snapshots() {
+    prefix_state& ps = *prefix_;
+    uint32_t top = ps.top;
+    while (top > 0 && ps.slots[top - 1] == prefix_state::slot_state::free) --top;
+    if (top == ps.top) return;
+    const uint64_t row0 = (uint64_t{params_.n_rs_seq} + 1) * size_;
+    for (layer& l : layers_) {
+        l.r.release((row0 + top) * l.row_r, size_t{ps.top - top} * l.row_r);
+        l.s.release((row0 + top) * l.row_s, size_t{ps.top - top} * l.row_s);
+    }
+    ps.top = top;
+}
+
+}  // namespace kvc
