@@ -1,0 +1,293 @@
+// The recurrent memory's prefix cache (snapshots at block boundaries) against an oracle.
+//
+// The engine folds each token into every state exactly (integers in floats), so a state is a fingerprint of
+// the tokens that produced it: a sequence resumed from a snapshot holds exactly the state of recomputing
+// its prefix, or the test sees it. The oracle knows which boundaries the rules promise (the end of every
+// prompt batch, every snapshot_interval blocks, the newest boundary of a sequence when it ends) and checks
+// that every attach resumes at least at the deepest promised one, at a boundary some sequence decoded.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <kvcache/batch.h>
+#include <kvcache/memory_recurrent.h>
+#include <kvcache/recurrent_engine.h>
+#include <kvcache/state.h>
+
+namespace kvc {
+namespace {
+
+constexpr uint32_t bs = 4;
+
+// The state after `tokens`, one value per row entry: the exact integer fold of every token.
+float fold1(float x, token_t tok, uint32_t j, uint32_t il) {
+    return std::fmod(
+        x * 31.0f + static_cast<float>(tok) * static_cast<float>(j + 1) + static_cast<float>(il + 1),
+        65521.0f);
+}
+
+recurrent_params make_params(uint32_t n_rs_seq, uint32_t interval, uint32_t snapshots) {
+    recurrent_params p;
+    p.layers = {{.n_embd_r = 3, .n_embd_s = 5}, {}, {.n_embd_r = 0, .n_embd_s = 2}};
+    p.n_seq_max = 4;
+    p.n_rs_seq = n_rs_seq;
+    p.prefix = {.enabled = true, .block_size = bs, .snapshot_interval = interval, .max_snapshots = snapshots};
+    return p;
+}
+
+// Decodes tokens of seq s from position p0 through the memory (one batch), folding with fold1.
+bool decode(memory_recurrent& m, const std::vector<std::tuple<seq_id_t, pos_t, token_t>>& toks,
+            uint32_t n_ubatch) {
+    batch_storage b = batch::init(static_cast<int32_t>(toks.size()), 0, 1);
+    for (const auto& [s, p, t] : toks) {
+        const seq_id_t ids[] = {s};
+        b.add(t, p, ids, false);
+    }
+    batch_allocr a;
+    a.init(b.view(), positions_of(m), {.n_seq_max = m.params().n_seq_max});
+    auto ctx = m.init_batch(a, n_ubatch, false);
+    if (is_fail(ctx->get_status())) return false;
+    memory_recurrent_context& rc = *ctx->get_recr();
+    do {
+        rc.apply();
+        const ubatch& ub = rc.get_ubatch();
+        run_recurrent_ubatch(rc, [&](uint32_t il, rs_tensor, uint32_t i, std::span<float> x) {
+            for (uint32_t j = 0; j < x.size(); ++j) x[j] = fold1(x[j], ub.token[i], j, il);
+        });
+    } while (rc.next());
+    return true;
+}
+
+// Whether seq s's state in m is that of decoding `tokens` from nothing.
+testing::AssertionResult state_is(const memory_recurrent& m, seq_id_t s, std::span<const token_t> tokens) {
+    const int32_t c = m.seq_tail(s);
+    if (c < 0) return testing::AssertionFailure() << "seq " << s << " has no state";
+    const memory_recurrent::cell_info cell = m.cell(static_cast<uint32_t>(c));  // a rollback: another plane
+    for (uint32_t il : m.layer_ids())
+        for (const bool r : {true, false}) {
+            if (!(r ? m.has_r(il) : m.has_s(il))) continue;
+            const const_tensor_view v = r ? m.get_r(il) : m.get_s(il);
+            const auto* row = reinterpret_cast<const float*>(v.row(cell.src, cell.rs_idx));
+            for (uint32_t j = 0; j < v.ne[0]; ++j) {
+                float x = 0;
+                for (token_t t : tokens) x = fold1(x, t, j, il);
+                if (row[j] != x)
+                    return testing::AssertionFailure()
+                           << "seq " << s << " layer " << il << (r ? " r" : " s") << "[" << j
+                           << "] = " << row[j] << ", recomputed " << x << " (" << tokens.size() << " tokens)";
+            }
+        }
+    return testing::AssertionSuccess();
+}
+
+struct oracle_seq {
+    bool live = false;
+    bool tracked = false;  // the memory's tracker follows it (decoded in order from 0 or attached)
+    bool roll_ok = false;  // its newest boundary has its snapshot (no rollback or copy since it was taken)
+    std::vector<token_t> toks;
+};
+
+struct config {
+    uint32_t n_rs_seq;
+    uint32_t interval;
+    uint32_t snapshots;  // large: no eviction, every promise must hold
+    bool exact() const { return snapshots >= 4096; }
+};
+
+void run_random(const config& cf, uint32_t seed, int n_ops, std::map<std::string, int>& counts) {
+    memory_recurrent m(make_params(cf.n_rs_seq, cf.interval, cf.snapshots));
+    std::mt19937 rng(seed);
+    std::vector<oracle_seq> seqs(4);
+    std::vector<std::vector<token_t>> promised;   // prefixes whose snapshot the rules keep
+    std::vector<std::vector<token_t>> histories;  // what sequences decoded (prompts to extend)
+    const auto promise = [&](const std::vector<token_t>& toks, uint64_t b) {
+        if (b > 0) promised.emplace_back(toks.begin(), toks.begin() + static_cast<ptrdiff_t>(b));
+    };
+    const auto rnd = [&](uint32_t n) { return static_cast<uint32_t>(rng() % n); };
+    const auto tok = [&] { return static_cast<token_t>(rng() % 5); };  // few ids: chains collide
+    // Decodes `add` more tokens of s in one batch; a prompt batch (several tokens) keeps its newest boundary.
+    const auto extend = [&](seq_id_t s, const std::vector<token_t>& add, uint32_t n_ubatch) {
+        oracle_seq& q = seqs[static_cast<size_t>(s)];
+        std::vector<std::tuple<seq_id_t, pos_t, token_t>> b;
+        const uint64_t n0 = q.toks.size();
+        for (size_t i = 0; i < add.size(); ++i) b.emplace_back(s, static_cast<pos_t>(n0 + i), add[i]);
+        ASSERT_TRUE(decode(m, b, n_ubatch));
+        q.toks.insert(q.toks.end(), add.begin(), add.end());
+        const uint64_t n1 = q.toks.size();
+        if (!q.tracked || n1 / bs * bs <= n0) return;
+        q.roll_ok = true;
+        if (add.size() > 1) promise(q.toks, n1 / bs * bs);
+        for (uint64_t every = uint64_t{cf.interval} * bs, B = every ? (n0 / every + 1) * every : 0;
+             every && B <= n1; B += every)
+            promise(q.toks, B);
+    };
+    const auto end = [&](seq_id_t s) {
+        oracle_seq& q = seqs[static_cast<size_t>(s)];
+        ASSERT_TRUE(m.seq_rm(s, -1, -1));
+        if (q.tracked && q.roll_ok) promise(q.toks, q.toks.size() / bs * bs);
+        histories.push_back(q.toks);
+        q = oracle_seq{};
+    };
+    for (int op = 0; op < n_ops; ++op) {
+        const uint32_t what = rnd(100);
+        const auto s = static_cast<seq_id_t>(rnd(4));
+        oracle_seq& q = seqs[static_cast<size_t>(s)];
+        if (!q.live && what < 60) {  // a request: a known history (or part of it) and new tokens
+            std::vector<token_t> prompt;
+            if (!histories.empty() && rnd(4) != 0) {
+                prompt = histories[rnd(static_cast<uint32_t>(histories.size()))];
+                prompt.resize(std::min<size_t>(prompt.size(), rnd(static_cast<uint32_t>(prompt.size()) + 8)));
+            }
+            for (uint32_t i = 1 + rnd(9); i > 0; --i) prompt.push_back(tok());
+            const uint32_t n = m.prefix_attach(s, prompt);
+            ASSERT_EQ(n % bs, 0u);
+            ASSERT_LT(n, prompt.size());
+            // the deepest promise this prompt starts with
+            size_t want = 0;
+            for (const auto& p : promised)
+                if (p.size() < prompt.size() && p.size() > want &&
+                    std::equal(p.begin(), p.end(), prompt.begin()))
+                    want = p.size();
+            if (cf.exact()) {
+                ASSERT_GE(n, want) << "op " << op << ": a promised snapshot is gone";
+            }
+            counts["attach"]++;
+            counts["hit tokens"] += static_cast<int>(n);
+            q = oracle_seq{
+                .live = true, .tracked = true, .roll_ok = true, .toks = {prompt.begin(), prompt.begin() + n}};
+            if (n > 0) {
+                ASSERT_TRUE(state_is(m, s, q.toks)) << "op " << op << ": resumed from a wrong snapshot";
+            }
+            extend(s, {prompt.begin() + n, prompt.end()}, rnd(2) ? 3 : 512);
+        } else if (q.live && what < 60) {  // a decode step of every live sequence, a token each
+            std::vector<std::tuple<seq_id_t, pos_t, token_t>> b;
+            for (seq_id_t x = 0; x < 4; ++x) {
+                oracle_seq& o = seqs[static_cast<size_t>(x)];
+                if (!o.live) continue;
+                b.emplace_back(x, static_cast<pos_t>(o.toks.size()), tok());
+            }
+            ASSERT_TRUE(decode(m, b, 512));
+            for (const auto& [x, p, t] : b) {
+                oracle_seq& o = seqs[static_cast<size_t>(x)];
+                o.toks.push_back(t);
+                const uint64_t n1 = o.toks.size();
+                if (!o.tracked || n1 % bs != 0) continue;
+                o.roll_ok = true;
+                if (cf.interval && n1 % (uint64_t{cf.interval} * bs) == 0) promise(o.toks, n1);
+            }
+            counts["step"]++;
+        } else if (q.live && what < 75) {
+            end(s);
+            counts["end"]++;
+        } else if (q.live && what < 83 && cf.n_rs_seq > 0) {  // a rollback within the history
+            const auto r = static_cast<pos_t>(1 + rnd(cf.n_rs_seq));
+            const auto p0 = static_cast<pos_t>(q.toks.size()) - r;
+            if (p0 > 0 && m.seq_rm(s, p0, -1)) {
+                if (static_cast<uint64_t>(p0) / bs * bs < q.toks.size() / bs * bs) q.roll_ok = false;
+                q.toks.resize(static_cast<size_t>(p0));
+                counts["rollback"]++;
+            }
+        } else if (q.live && what < 90) {  // a copy into an empty sequence, or a restore of one
+            const auto d = static_cast<seq_id_t>(rnd(4));
+            oracle_seq& o = seqs[static_cast<size_t>(d)];
+            if (o.live) continue;
+            if (rnd(2)) {
+                m.seq_cp(s, d, -1, -1);
+                o = q;
+                o.roll_ok = false;  // its newest snapshot is the original's to replace
+                counts["copy"]++;
+            } else {
+                state_seq_set_data(m, state_seq_get_data(m, s), d);
+                o = q;
+                o.tracked = false;  // a restored sequence publishes nothing until emptied
+                counts["restore"]++;
+            }
+        } else if (what >= 99) {
+            m.clear(false);
+            for (oracle_seq& x : seqs) x = oracle_seq{};
+            promised.clear();
+            histories.clear();
+            counts["clear"]++;
+        }
+        // every live sequence holds the state of its tokens; the pool holds what it may
+        for (seq_id_t x = 0; x < 4; ++x)
+            if (seqs[static_cast<size_t>(x)].live) {
+                ASSERT_TRUE(state_is(m, x, seqs[static_cast<size_t>(x)].toks)) << "op " << op;
+            }
+        const prefix_stats st = m.get_prefix_stats();
+        ASSERT_LE(st.snapshots, m.get_n_snapshots());
+        m.validate();
+    }
+    counts["snapshots saved"] += static_cast<int>(m.get_prefix_stats().snapshots_saved);
+    counts["snapshots dropped"] += static_cast<int>(m.get_prefix_stats().snapshots_dropped);
+}
+
+TEST(memory_recurrent_prefix, random_operations_resume_where_the_rules_promise_and_states_are_exact) {
+    for (const config cf :
+         {config{0, 0, 8192}, config{0, 3, 8192}, config{2, 2, 8192}, config{2, 1, 6}, config{0, 0, 3}}) {
+        std::map<std::string, int> counts;
+        for (uint32_t seed = 1; seed <= 6; ++seed) run_random(cf, seed, 800, counts);
+        std::string line;
+        for (const auto& [k, v] : counts) line += fmt::format(" {}={}", k, v);
+        std::printf("rs=%u interval=%u pool=%u:%s\n", cf.n_rs_seq, cf.interval, cf.snapshots, line.c_str());
+        EXPECT_GT(counts["hit tokens"], 0);
+        if (cf.snapshots < 8) {
+            EXPECT_GT(counts["snapshots dropped"], 0);
+        }
+    }
+}
+
+// -- the API's edges --
+
+TEST(memory_recurrent_prefix, bad_calls_are_refused_and_change_nothing) {
+    memory_recurrent m(make_params(0, 0, 16));
+    ASSERT_TRUE(decode(m, {{0, 0, 1}, {0, 1, 2}, {0, 2, 3}, {0, 3, 4}, {0, 4, 5}}, 512));
+    const auto before = state_seq_get_data(m, seq_all);
+    const std::vector<token_t> prompt{1, 2, 3, 4, 5, 6};
+    EXPECT_THROW(m.prefix_attach(0, prompt), error);  // not empty
+    EXPECT_THROW(m.prefix_attach(7, prompt), error);  // no such sequence
+    EXPECT_THROW(m.prefix_attach(1, std::vector<token_t>{1, -2}), error);
+    EXPECT_THROW(m.prefix_attach(1, prompt, 0, 101), error);
+    EXPECT_EQ(state_seq_get_data(m, seq_all), before);
+    EXPECT_EQ(m.prefix_lookup(prompt), 4u);                            // the prompt batch's newest boundary
+    EXPECT_EQ(m.prefix_lookup(std::vector<token_t>{1, 2, 3, 4}), 0u);  // resumes before the last token
+    EXPECT_EQ(m.prefix_lookup(prompt, 9), 0u);                         // another key
+    recurrent_params q = make_params(0, 0, 0);
+    q.prefix.enabled = false;
+    memory_recurrent plain(q);
+    try {
+        plain.prefix_lookup(prompt);
+        FAIL() << "no prefix cache";
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::unsupported);
+    }
+    recurrent_params p = make_params(0, 0, 0);
+    p.prefix.block_size = 0;
+    EXPECT_THROW(memory_recurrent{p}, error);
+    p = make_params(0, 0, (1u << 24) + 1);
+    EXPECT_THROW(memory_recurrent{p}, error);
+}
+
+// Snapshots live after the planes: the memory counts them as cached, and their rows go back when they go.
+TEST(memory_recurrent_prefix, snapshots_are_counted_and_clear_empties_the_pool) {
+    memory_recurrent m(make_params(1, 0, 16));
+    EXPECT_EQ(m.get_n_snapshots(), 16u);
+    EXPECT_EQ(m.size_bytes(), m.snapshot_bytes() * (4 * 2 + 16));
+    ASSERT_TRUE(decode(m, {{0, 0, 1}, {0, 1, 2}, {0, 2, 3}, {0, 3, 4}, {0, 4, 5}}, 512));
+    m.prefix_publish();
+    EXPECT_EQ(m.get_prefix_stats().snapshots, 1u);
+    const memory_breakdown b = m.get_memory_breakdown();
+    EXPECT_EQ(b.cached, m.snapshot_bytes());
+    EXPECT_EQ(b.committed, b.used + b.cached + b.free);
+    m.clear(true);
+    EXPECT_EQ(m.get_prefix_stats().snapshots, 0u);
+    EXPECT_EQ(m.get_prefix_stats().blocks, 0u);
+    EXPECT_EQ(m.get_memory_breakdown().cached, 0u);
+}
+
+}  // namespace
+}  // namespace kvc
