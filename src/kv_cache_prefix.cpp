@@ -70,7 +70,7 @@ uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) 
 }
 
 uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
-                                 uint8_t priority) {
+                                 uint8_t priority, uint32_t max_tokens) {
     check_prefix_tokens(tokens, "prefix_attach");
     check_seq(seq_id, "prefix_attach");
     if (priority > prefix_max_priority)
@@ -90,8 +90,8 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     std::vector<uint32_t> chain;
     ps.index.match(key, tokens, chain);
     uint32_t n = tokens.empty() ? 0
-                                : std::min<uint32_t>(static_cast<uint32_t>(chain.size()) * bs,
-                                                     static_cast<uint32_t>(tokens.size() - 1));
+                                : std::min<uint32_t>({static_cast<uint32_t>(chain.size()) * bs,
+                                                      static_cast<uint32_t>(tokens.size() - 1), max_tokens});
     // Blocks of other streams are copied into free cells of the sequence's stream (evicting cached blocks
     // other than those it attaches): as much of the prefix as fits.
     const auto copies_needed = [&](uint32_t m) {

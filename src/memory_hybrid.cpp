@@ -10,10 +10,21 @@
 namespace kvc {
 
 memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(params)) {
+    const auto bad = [](const std::string& msg) {
+        throw error(errc::invalid_argument, "memory_hybrid: " + msg);
+    };
     if (params_.attn.n_seq_max != params_.recr.n_seq_max)
-        throw error(errc::invalid_argument,
-                    fmt::format("memory_hybrid: the attention part has n_seq_max {}, the recurrent part {}",
-                                params_.attn.n_seq_max, params_.recr.n_seq_max));
+        bad(fmt::format("the attention part has n_seq_max {}, the recurrent part {}", params_.attn.n_seq_max,
+                        params_.recr.n_seq_max));
+    if (params_.attn.prefix.enabled || params_.recr.prefix.enabled)
+        bad("a prefix cache is set in memory_hybrid_params::prefix, for both parts (a part alone would "
+            "resume "
+            "one half of the state)");
+    if (params_.prefix.enabled) {
+        if (params_.iswa) bad("the prefix cache does not support an iSWA attention part yet");
+        params_.attn.prefix = params_.recr.prefix = params_.prefix;
+        params_.recr.prefix.on_event = nullptr;  // the attention part's blocks are the events
+    }
     const std::optional<kv_cache_iswa_params> iswa =
         params_.iswa ? std::optional(kv_cache_iswa_params{.kv = params_.attn, .sizing = *params_.iswa})
                      : std::nullopt;
@@ -25,6 +36,53 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
     else
         attn_ = std::make_unique<kv_cache>(params_.attn);
     recr_ = std::make_unique<memory_recurrent>(params_.recr);
+    if (params_.prefix.enabled) kv_ = dynamic_cast<kv_cache*>(attn_.get());
+}
+
+// -- prefix cache --
+
+uint32_t memory_hybrid::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
+    if (!kv_) throw error(errc::unsupported, "prefix_lookup: the memory has no prefix cache");
+    const uint32_t n_kv = kv_->prefix_lookup(tokens, key);  // checks the tokens
+    ++stats_.lookups;
+    stats_.tokens_looked_up += tokens.size();
+    return recr_->prefix_lookup(tokens.first(std::min<size_t>(tokens.size(), uint64_t{n_kv} + 1)), key);
+}
+
+uint32_t memory_hybrid::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
+                                      uint8_t priority) {
+    if (!kv_) throw error(errc::unsupported, "prefix_attach: the memory has no prefix cache");
+    if (recr_->seq_pos_max(seq_id) >= 0 || kv_->seq_pos_min(seq_id) >= 0)  // checks the id
+        throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
+    // the deepest boundary with both halves; the attention part attaches up to it (fewer when copies
+    // across streams find no room), the recurrent part its snapshot at or before where that stopped
+    const uint32_t n_both = prefix_lookup(tokens, key);
+    const uint32_t n_kv = kv_->prefix_attach(seq_id, tokens, key, priority, n_both);
+    const uint32_t n = recr_->prefix_attach(seq_id, tokens, key, priority, n_kv);
+    if (n < n_kv) kv_->seq_rm(seq_id, static_cast<pos_t>(n), -1);
+    stats_.hit_tokens += n;
+    return n;
+}
+
+void memory_hybrid::prefix_publish() {
+    if (!kv_) return;
+    kv_->prefix_publish();
+    recr_->prefix_publish();
+}
+
+prefix_stats memory_hybrid::get_prefix_stats() const {
+    if (!kv_) return {};
+    prefix_stats s = kv_->get_prefix_stats();
+    const prefix_stats r = recr_->get_prefix_stats();
+    s.lookups = stats_.lookups;
+    s.tokens_looked_up = stats_.tokens_looked_up;
+    s.hit_tokens = stats_.hit_tokens;
+    s.snapshots_saved = r.snapshots_saved;
+    s.snapshots_dropped = r.snapshots_dropped;
+    s.snapshots = r.snapshots;
+    s.event_errors += r.event_errors;
+    s.index_bytes += r.index_bytes;
+    return s;
 }
 
 memory_hybrid::~memory_hybrid() = default;
@@ -89,26 +147,31 @@ void memory_hybrid::clear(bool data) {
 }
 
 bool memory_hybrid::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    prefix_publish();  // the last step's blocks, which a sequence that ends leaves behind
     if (!recr_->seq_rm(seq_id, p0, p1)) return false;  // all or nothing: attention untouched
     return attn_->seq_rm(seq_id, p0, p1);
 }
 
 void memory_hybrid::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    prefix_publish();
     attn_->seq_cp(src, dst, p0, p1);
     recr_->seq_cp(src, dst, p0, p1);
 }
 
 void memory_hybrid::seq_keep(seq_id_t seq_id) {
+    prefix_publish();
     attn_->seq_keep(seq_id);
     recr_->seq_keep(seq_id);
 }
 
 void memory_hybrid::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
+    prefix_publish();
     attn_->seq_add(seq_id, p0, p1, shift);
     recr_->seq_add(seq_id, p0, p1, shift);
 }
 
 void memory_hybrid::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
+    prefix_publish();
     attn_->seq_div(seq_id, p0, p1, d);
     recr_->seq_div(seq_id, p0, p1, d);
 }

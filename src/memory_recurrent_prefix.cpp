@@ -216,7 +216,7 @@ uint32_t memory_recurrent::prefix_lookup(std::span<const token_t> tokens, uint64
 }
 
 uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
-                                         uint8_t priority) {
+                                         uint8_t priority, uint32_t max_tokens) {
     check_prefix_tokens(tokens, "prefix_attach");
     check_seq(seq_id, "prefix_attach");
     if (priority > prefix_max_priority)
@@ -231,7 +231,8 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
     std::vector<uint32_t> chain;
-    const int64_t d = ps.deepest(tokens, key, chain);
+    const int64_t d =
+        ps.deepest(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key, chain);
     recurrent_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
     ps.stop(t);
     t = recurrent_tracker{};

@@ -339,9 +339,9 @@ TEST_F(out_of_memory, every_allocation_of_a_restore_into_the_other_memories_fail
     iswa.kv.n_swa = 4;
     iswa.kv.swa = swa_type::standard;
     iswa.sizing = {.swa_full = false, .n_ubatch = 4};
-    memory_hybrid_params hybrid{.attn = attn, .recr = recr, .iswa = std::nullopt};
+    memory_hybrid_params hybrid{.attn = attn, .recr = recr, .iswa = std::nullopt, .prefix = {}};
     for (auto& l : hybrid.attn.layers) l.is_swa = false;
-    memory_hybrid_params hybrid_iswa{.attn = attn, .recr = recr, .iswa = iswa.sizing};
+    memory_hybrid_params hybrid_iswa{.attn = attn, .recr = recr, .iswa = iswa.sizing, .prefix = {}};
     hybrid_iswa.attn.n_swa = 4;
     hybrid_iswa.attn.swa = swa_type::standard;
 

@@ -90,6 +90,11 @@ std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max, kv_ten
     if (s.engine) p.attn.engine = &tensors;
     p.recr.n_rs_seq = s.n_rs_seq;
     p.recr.type_r = p.recr.type_s = s.type_rs;
+    p.prefix = {.enabled = s.prefix,
+                .block_size = 4,
+                .n_vocab = static_cast<int32_t>(m.hparams().n_vocab),
+                .snapshot_interval = s.interval,
+                .max_snapshots = s.snapshots};
     return std::make_unique<memory_hybrid>(p);
 }
 
@@ -141,9 +146,10 @@ public:
     }
     // The memory resumes seq from the deepest snapshot of `prompt`; the oracle decodes those tokens.
     uint32_t attach(seq_id_t seq, const std::vector<token_t>& prompt) {
-        auto& recr = dynamic_cast<memory_recurrent&>(*mem_);
-        const uint32_t n = recr.prefix_attach(seq, prompt);
-        EXPECT_EQ(recr.seq_pos_max(seq), static_cast<pos_t>(n) - 1);
+        auto* hyb = dynamic_cast<memory_hybrid*>(mem_.get());
+        const uint32_t n = hyb ? hyb->prefix_attach(seq, prompt)
+                               : dynamic_cast<memory_recurrent&>(*mem_).prefix_attach(seq, prompt);
+        EXPECT_EQ(mem_->seq_pos_max(seq), static_cast<pos_t>(n) - 1);
         if (n > 0) {
             batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
             const seq_id_t ids[] = {seq};
@@ -329,9 +335,17 @@ INSTANTIATE_TEST_SUITE_P(models, recurrent_equals_recompute, ::testing::ValuesIn
 
 class recurrent_prefix_equals_recompute : public ::testing::TestWithParam<setup> {};
 
-memory_recurrent& recr_of(pair_run& r) {
-    return dynamic_cast<memory_recurrent&>(r.mem());
-}
+struct prefix_of {
+    pair_run& r;
+    prefix_stats stats() const {
+        if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->get_prefix_stats();
+        return dynamic_cast<memory_recurrent&>(r.mem()).get_prefix_stats();
+    }
+    uint32_t lookup(std::span<const token_t> t) const {
+        if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->prefix_lookup(t);
+        return dynamic_cast<memory_recurrent&>(r.mem()).prefix_lookup(t);
+    }
+};
 
 std::vector<token_t> concat(std::vector<token_t> a, const std::vector<token_t>& b) {
     a.insert(a.end(), b.begin(), b.end());
@@ -386,7 +400,7 @@ TEST_P(recurrent_prefix_equals_recompute, turns_resume_within_a_block_of_where_t
     }
     EXPECT_LE(n, cut);
     r.rest(2, branch, n);
-    const prefix_stats st = recr_of(r).get_prefix_stats();
+    const prefix_stats st = prefix_of{r}.stats();
     EXPECT_GT(st.snapshots_saved, 0u);
     EXPECT_GT(st.hit_tokens, 0u);
     EXPECT_CLOSE(r);
@@ -421,7 +435,7 @@ TEST_P(recurrent_prefix_equals_recompute, concurrent_sequences_and_evictions) {
         r.mem().seq_rm(3, -1, -1);
         r.ref().seq_rm(3, -1, -1);
     }
-    const prefix_stats st = recr_of(r).get_prefix_stats();
+    const prefix_stats st = prefix_of{r}.stats();
     EXPECT_LE(st.snapshots, GetParam().snapshots);
     if (GetParam().snapshots < 8) {
         EXPECT_GT(st.snapshots_dropped, 0u);
@@ -462,7 +476,7 @@ TEST_P(recurrent_prefix_equals_recompute, rollbacks_copies_and_restores) {
     // a whole-memory restore empties the index, as clear() does
     const auto whole = state_seq_get_data(r.mem(), seq_all);
     state_seq_set_data(r.mem(), whole, seq_all);
-    EXPECT_EQ(recr_of(r).prefix_lookup(prompt), 0u);
+    EXPECT_EQ(prefix_of{r}.lookup(prompt), 0u);
     r.decode({{{3}, -1, r.tokens(2)}});
     EXPECT_CLOSE(r);
 }
@@ -478,6 +492,15 @@ std::vector<setup> prefix_setups() {
     out.push_back({.arch = tiny_arch::mamba, .n_rs_seq = 1, .n_ubatch = 5, .embd_all = true, .prefix = true});
     out.push_back(
         {.arch = tiny_arch::mamba, .n_rs_seq = 1, .type_rs = dtype::f16, .prefix = true, .interval = 1});
+    // jamba: the attention part's blocks and the recurrent part's snapshots together
+    for (uint32_t k : {0u, 2u}) {
+        out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = k, .prefix = true});
+        out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = k, .n_ubatch = 3, .prefix = true});
+    }
+    out.push_back({.arch = tiny_arch::jamba, .prefix = true, .interval = 0, .snapshots = 5});
+    out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = 1, .unified = false, .prefix = true});
+    out.push_back(
+        {.arch = tiny_arch::jamba, .n_rs_seq = 1, .type_kv = dtype::f16, .engine = true, .prefix = true});
     return out;
 }
 

@@ -202,8 +202,9 @@ public:
     /// are published under `key` with `priority` (0-100: lower priorities are evicted first), and the
     /// blocks it reuses are raised to it. Throws kvc::error, changing nothing, for a bad seq_id, a
     /// sequence that holds cells, a token outside the vocabulary, a priority above 100, or no prefix cache.
+    /// At most max_tokens are attached (memory_hybrid stops where its recurrent part has a snapshot).
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority);
+                           uint8_t priority = prefix_default_priority, uint32_t max_tokens = UINT32_MAX);
     /// Pins the blocks of the longest cached prefix of `tokens` (in whole blocks, the whole prompt
     /// included) and returns the tokens pinned: no eviction takes them until as many prefix_unpin calls.
     /// Throws kvc::error, changing nothing, when the pinned cells would exceed

@@ -16,6 +16,10 @@
 /// tokens both parts hold: seq_pos_min is the larger minimum, seq_pos_max the smaller maximum.
 /// State: the attention part's then the recurrent part's; state_seq_flag_partial_only saves and restores
 /// the recurrent part alone. A failed restore changes neither part (upstream clears the destination).
+///
+/// Prefix cache (params.prefix; docs/prefix-cache.md, "Hybrid memories"): the attention part keeps the
+/// K/V of published blocks, the recurrent part snapshots of states at block boundaries. A hit resumes at
+/// the deepest boundary that has both: the K/V of every block before it and a snapshot at it.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +45,9 @@ struct memory_hybrid_params {
     /// The most bytes both parts together may take (memory_budget.h; each part also checks its own).
     /// 0: the machine's physical memory.
     uint64_t memory_budget = 0;
+    /// Keep prompt prefixes for reuse (see the file comment): given to both parts (set it here, not in
+    /// attn.prefix or recr.prefix). Not with iswa yet.
+    prefix_cache_params prefix;
 };
 
 /// An attention cache and a recurrent memory as one memory. See the file comment.
@@ -88,6 +95,21 @@ public:
     std::string state_layout() const override;
     memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
 
+    // -- prefix cache (params().prefix.enabled; see the file comment) --
+    /// Tokens prefix_attach would resume now: the deepest block boundary n < tokens.size() with the
+    /// attention part's K/V for [0, n) and a recurrent snapshot at n. Throws what the parts throw.
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0);
+    /// Gives the empty sequence seq_id the K/V of [0, n) (shared) and the snapshot at n (copied), and
+    /// returns n (what prefix_lookup returns, or less when one stream per sequence lacks room for the
+    /// K/V copies). Throws, nothing changed, for a sequence that is not empty, a bad token or priority.
+    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
+                           uint8_t priority = prefix_default_priority);
+    /// Publishes the last step's blocks and snapshots in both parts.
+    void prefix_publish();
+    /// The attention part's counters and cells, the recurrent part's snapshot counters; lookups and hits
+    /// are the hybrid's own.
+    prefix_stats get_prefix_stats() const;
+
     // -- parts --
     memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)
     const memory_i& get_attn() const { return *attn_; }  ///< the attention part
@@ -105,6 +127,8 @@ private:
     memory_hybrid_params params_;
     std::unique_ptr<memory_i> attn_;  // kv_cache or kv_cache_iswa
     std::unique_ptr<memory_recurrent> recr_;
+    kv_cache* kv_ = nullptr;  // attn_ when it is a kv_cache with a prefix cache
+    prefix_stats stats_;      // lookups and hits
 };
 
 /// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.

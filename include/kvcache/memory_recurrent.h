@@ -209,9 +209,10 @@ public:
     /// of its own) at position n - 1, as if it had decoded tokens [0, n), and returns n (what
     /// prefix_lookup returns; 0: nothing changed). The blocks the sequence publishes get `priority`.
     /// Throws, nothing changed, for a sequence holding a state, an id out of range, a bad token or a
-    /// priority above 100.
+    /// priority above 100. It resumes at most at max_tokens (memory_hybrid: where its attention part
+    /// has the K/V).
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority);
+                           uint8_t priority = prefix_default_priority, uint32_t max_tokens = UINT32_MAX);
     /// Publishes the snapshots the last step wrote (every batch, lookup, attach and sequence operation
     /// does it first; call it after computing the last step when none follows).
     void prefix_publish();
