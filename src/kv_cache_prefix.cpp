@@ -282,6 +282,35 @@ void kv_cache::prefix_publish() {
     ps.pending.clear();
 }
 
+uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep) {
+    if (!prefix_) return 0;
+    prefix_state& ps = *prefix_;
+    uint32_t n = 0;
+    for (uint32_t id = ps.index.find_hash(e.hash, e.parent_hash, e.tokens);
+         id != none && ps.index.at(id).st == detail::prefix_index::state::queued;) {
+        const detail::prefix_index::block& b = ps.index.at(id);
+        if (keep && keep({.type = prefix_event::kind::stored,
+                          .hash = b.hash,
+                          .parent_hash = ps.index.seed(id),
+                          .depth = b.depth,
+                          .tokens = ps.index.tokens(id)}))
+            break;
+        const uint32_t parent = b.parent, stream = b.stream;
+        ps.emit(prefix_event::kind::removed, id);
+        kv_cells& cells = streams_[stream];
+        for (uint32_t c : ps.index.cells(id)) {
+            cells.unhold(c);  // no sequence holds it: empty now
+            lower_head(stream, c);
+        }
+        ps.index.remove(id);
+        ++ps.stats.evicted_blocks;
+        fit_storage(stream);
+        ++n;
+        id = parent;  // queued now if this was its last child
+    }
+    return n;
+}
+
 prefix_stats kv_cache::get_prefix_stats() const {
     if (!prefix_) return {};
     prefix_stats st = prefix_->stats;

@@ -23,7 +23,16 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
     if (params_.prefix.enabled) {
         if (params_.iswa) bad("the prefix cache does not support an iSWA attention part yet");
         params_.attn.prefix = params_.recr.prefix = params_.prefix;
-        params_.recr.prefix.on_event = nullptr;  // the attention part's blocks are the events
+        // the user hears the attention part's blocks; both parts' removals reach the other (sync_parts)
+        const auto queue = [this](bool attn, const prefix_event& e) {
+            if (e.type == prefix_event::kind::removed)
+                removed_.push_back({attn, e.hash, e.parent_hash, {e.tokens.begin(), e.tokens.end()}});
+        };
+        params_.attn.prefix.on_event = [queue, user = params_.prefix.on_event](const prefix_event& e) {
+            queue(true, e);
+            if (user) user(e);
+        };
+        params_.recr.prefix.on_event = [queue](const prefix_event& e) { queue(false, e); };
     }
     const std::optional<kv_cache_iswa_params> iswa =
         params_.iswa ? std::optional(kv_cache_iswa_params{.kv = params_.attn, .sizing = *params_.iswa})
@@ -68,6 +77,22 @@ void memory_hybrid::prefix_publish() {
     if (!kv_) return;
     kv_->prefix_publish();
     recr_->prefix_publish();
+    sync_parts();
+}
+
+void memory_hybrid::sync_parts() {
+    const auto leads_to_a_snapshot = [this](const prefix_event& b) { return recr_->prefix_has(b); };
+    while (!removed_.empty()) {
+        std::vector<removed_block> now;
+        now.swap(removed_);  // what these calls remove is queued again
+        for (const removed_block& r : now) {
+            const prefix_event e{.hash = r.hash, .parent_hash = r.parent_hash, .tokens = r.tokens};
+            if (r.attn)
+                recr_->prefix_drop(e);  // its K/V is incomplete now
+            else
+                kv_->prefix_trim(e, leads_to_a_snapshot);
+        }
+    }
 }
 
 prefix_stats memory_hybrid::get_prefix_stats() const {
@@ -121,6 +146,7 @@ memory_context_ptr memory_hybrid::init_ubatches(std::vector<ubatch> ubatches, st
     if (is_fail(recr->get_status())) return std::make_unique<memory_hybrid_context>(recr->get_status());
     memory_context_ptr attn = attn_->init_ubatches(ubatches, out_ids);
     if (is_fail(attn->get_status())) return std::make_unique<memory_hybrid_context>(attn->get_status());
+    if (kv_) sync_parts();  // what the attention part evicted to make room
     return std::make_unique<memory_hybrid_context>(std::move(attn), std::move(recr), std::move(ubatches),
                                                    std::move(out_ids));
 }

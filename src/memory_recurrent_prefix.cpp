@@ -327,6 +327,20 @@ void memory_recurrent::prefix_publish() {
     fit_snapshots();
 }
 
+bool memory_recurrent::prefix_drop(const prefix_event& e) {
+    if (!prefix_) return false;
+    prefix_state& ps = *prefix_;
+    const uint32_t id = ps.index.find_hash(e.hash, e.parent_hash, e.tokens);
+    if (id == none || !ps.has_snapshot(id)) return false;
+    ps.drop_snapshot(id);
+    fit_snapshots();
+    return true;
+}
+
+bool memory_recurrent::prefix_has(const prefix_event& e) const {
+    return prefix_ && prefix_->index.find_hash(e.hash, e.parent_hash, e.tokens) != none;
+}
+
 prefix_stats memory_recurrent::get_prefix_stats() const {
     if (!prefix_) return {};
     const prefix_state& ps = *prefix_;

@@ -417,5 +417,57 @@ TEST(memory_hybrid_property, parts_stay_in_step_with_an_oracle_of_token_lists) {
     }
 }
 
+// -- the prefix cache: evictions keep the parts together --
+
+// seq decodes `prompt` from position 0 in one batch (bookkeeping only: the rows are not written).
+void decode_prompt(memory_hybrid& m, seq_id_t seq, const std::vector<token_t>& prompt) {
+    batch_storage b = batch::init(static_cast<int32_t>(prompt.size()), 0, 1);
+    const seq_id_t ids[] = {seq};
+    for (size_t i = 0; i < prompt.size(); ++i)
+        b.add(prompt[i], static_cast<pos_t>(i), ids, i + 1 == prompt.size());
+    batch_allocr a;
+    a.init(b.view(), positions_of(m), {.n_seq_max = m.params().attn.n_seq_max});
+    memory_context_ptr ctx = m.init_batch(a, 512, false);
+    ASSERT_EQ(ctx->get_status(), memory_status::success);
+    do ctx->apply();
+    while (ctx->next());
+}
+
+std::vector<token_t> prompt_of(int i) {
+    std::vector<token_t> t(12);
+    for (int j = 0; j < 12; ++j) t[static_cast<size_t>(j)] = 100 * i + j;
+    return t;
+}
+
+// Snapshots evicted from a small pool take the K/V blocks that led only to them along (the attention
+// part keeps no half of a hit), and blocks the attention part evicts take their snapshots along.
+TEST(memory_hybrid, prefix_evictions_keep_the_parts_together) {
+    for (const bool small_pool : {true, false}) {
+        memory_hybrid_params p = make_params(small_pool ? 256 : 32, 2);
+        p.prefix = {
+            .enabled = true, .block_size = 4, .snapshot_interval = 0, .max_snapshots = small_pool ? 2u : 16u};
+        memory_hybrid m(p);
+        for (int i = 0; i < 10; ++i) {
+            const uint32_t n = m.prefix_attach(0, prompt_of(i));
+            EXPECT_EQ(n, 0u);
+            decode_prompt(m, 0, prompt_of(i));
+            ASSERT_TRUE(m.seq_rm(0, -1, -1));
+        }
+        m.prefix_publish();
+        const prefix_stats st = m.get_prefix_stats();
+        const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
+        // every cached K/V block leads to a snapshot and every snapshot has its K/V: whole chains
+        EXPECT_EQ(kv.get_prefix_stats().blocks, 3 * st.snapshots) << "small pool " << small_pool;
+        EXPECT_LE(st.snapshots, 2u);
+        EXPECT_GT(st.snapshots, 0u);
+        std::vector<token_t> again = prompt_of(9);
+        again.push_back(7);
+        EXPECT_EQ(m.prefix_lookup(again), 12u);
+        again = prompt_of(0);
+        again.push_back(7);
+        EXPECT_EQ(m.prefix_lookup(again), 0u);
+    }
+}
+
 }  // namespace
 }  // namespace kvc

@@ -219,6 +219,10 @@ public:
     /// Publishes now the blocks completed by the ubatches applied so far (the next init_batch,
     /// init_ubatches, prefix_lookup or prefix_attach does it anyway); call it after computing them.
     void prefix_publish();
+    /// For memories built of parts (memory_hybrid): evicts the cached block named by e (its chain hash,
+    /// parent hash and tokens) and then its ancestors, as long as each is evictable (no sequence, pin or
+    /// cached child holds it) and keep(block) is false. Returns the blocks evicted.
+    uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
     /// What the prefix cache did and holds (zeros without one). It counts the cells of every stream: for
     /// reports, not for every step.
     prefix_stats get_prefix_stats() const;

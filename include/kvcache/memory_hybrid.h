@@ -124,11 +124,24 @@ public:
 private:
     struct staged_state;
 
+    // A block one part's index let go, which the other part's may no longer need (sync_parts).
+    struct removed_block {
+        bool attn = false;  // from the attention part
+        uint64_t hash = 0;
+        uint64_t parent_hash = 0;
+        std::vector<token_t> tokens;
+    };
+    // Keeps the parts' caches from holding halves of hits: a snapshot whose blocks' K/V went is dropped,
+    // and cached K/V blocks that lead to no snapshot any more are evicted. Run between the parts'
+    // operations (never inside one: the removals are queued by their events).
+    void sync_parts();
+
     memory_hybrid_params params_;
     std::unique_ptr<memory_i> attn_;  // kv_cache or kv_cache_iswa
     std::unique_ptr<memory_recurrent> recr_;
     kv_cache* kv_ = nullptr;  // attn_ when it is a kv_cache with a prefix cache
     prefix_stats stats_;      // lookups and hits
+    std::vector<removed_block> removed_;
 };
 
 /// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.

@@ -219,6 +219,12 @@ public:
     /// What the prefix cache did and holds (zeros without one); the cell counts are 0 (a recurrent memory
     /// caches snapshots, not cells).
     prefix_stats get_prefix_stats() const;
+    /// For memories built of parts (memory_hybrid): drops the snapshot of the block named by e (its chain
+    /// hash, parent hash and tokens), if there is one; true if it did.
+    bool prefix_drop(const prefix_event& e);
+    /// Whether the index has the block named by e: a block leads to a snapshot, or a sequence is
+    /// decoding past it.
+    bool prefix_has(const prefix_event& e) const;
     /// Snapshot rows in every tensor (prefix.max_snapshots resolved; 0 without a prefix cache).
     uint32_t get_n_snapshots() const { return n_snap_; }
     /// Bytes of one snapshot: one row of every tensor.

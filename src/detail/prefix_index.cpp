@@ -80,6 +80,18 @@ uint32_t prefix_index::find(uint32_t parent, uint64_t key, std::span<const token
     return none;
 }
 
+uint32_t prefix_index::find_hash(uint64_t h, uint64_t parent_hash, std::span<const token_t> toks) const {
+    if (toks.size() != bs_) return none;
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = h & mask; slots_[i] != none; i = (i + 1) & mask) {
+        const uint32_t id = slots_[i];
+        if (at(id).hash == h && seed(id) == parent_hash &&
+            std::memcmp(tokens(id).data(), toks.data(), toks.size_bytes()) == 0)
+            return id;
+    }
+    return none;
+}
+
 void prefix_index::match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const {
     const size_t n = toks.size() / bs_;
     if (n == 0) return;

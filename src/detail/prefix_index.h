@@ -77,6 +77,9 @@ public:
 
     // The block after `parent` (none: a root of `key`) holding exactly `toks` (block_size tokens).
     uint32_t find(uint32_t parent, uint64_t key, std::span<const token_t> toks) const;
+    // The block whose chain hash is h, after a block of hash parent_hash (a root: of that key), holding
+    // `toks`: how another index with the same chains names a block (memory_hybrid's parts). none if absent.
+    uint32_t find_hash(uint64_t h, uint64_t parent_hash, std::span<const token_t> toks) const;
     // The chain of blocks holding the longest prefix of `toks` in whole blocks, appended to out. The
     // hashes of a chain depend on the tokens only, so they are computed first and the table, records and
     // tokens of the blocks ahead are fetched while a block is verified.
