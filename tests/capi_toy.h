@@ -137,6 +137,11 @@ static inline void toy_recurrent_layer(toy_engine* en, kvc_memory_context* ctx, 
             toy_step(il, ub->token[b * T + t], gr[b], gs[b]);
             memcpy(en->r[seq][p0 + (int32_t)t][il], gr[b], sizeof gr[b]);
             memcpy(en->s[seq][p0 + (int32_t)t][il], gs[b], sizeof gs[b]);
+            for (size_t q = 0; q < rs.n_snaps; ++q) /* snapshots: rows after the planes */
+                if (rs.snaps[q].block == b && rs.snaps[q].token == t) {
+                    memcpy((char*)tr.data + (size_t)rs.snaps[q].dst * tr.nb[1], gr[b], sizeof gr[b]);
+                    memcpy((char*)ts.data + (size_t)rs.snaps[q].dst * ts.nb[1], gs[b], sizeof gs[b]);
+                }
             const uint32_t plane = T - 1 - t;
             if (plane >= 1 && plane <= k) {
                 const int64_t row = (int64_t)plane * rs.size + rs.head + b;

@@ -6,6 +6,7 @@
 #include <kvcache/kvcache.h>
 
 #include "capi_test.h"
+#include "capi_toy.h"
 
 /* Lookups, attaches, stats and the errors of each call. */
 static void test_prefix_cache(void) {
@@ -163,8 +164,75 @@ static void test_pins_priorities_events(void) {
     CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "must divide kv_size 32");
 }
 
+/* A recurrent memory resumes from a snapshot (the toy engine checks the state it gathers against its
+ * reference); a hybrid memory takes one prefix cache for both parts; pins are a KV cache's. */
+static void test_recurrent_and_hybrid(void) {
+    static const toy_model recr_model = {2, 0x0u, 0x3u};
+    kvc_recurrent_layer_desc rl[2];
+    toy_recr_layers(rl, 2, recr_model.recr);
+    kvc_recurrent_params p = kvc_recurrent_default_params();
+    CHECK(!p.prefix.enabled && p.prefix.snapshot_interval == 64 && p.prefix.max_snapshots == 0);
+    p.layers = rl;
+    p.n_layers = 2;
+    p.n_seq_max = 2;
+    p.prefix.enabled = true;
+    p.prefix.block_size = 4;
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_recurrent_create(&p, &mem));
+    toy_engine* e = malloc(sizeof *e);
+    CHECK(e != NULL);
+    toy_init(e, &recr_model);
+    toy_decode_seq(e, mem, 0, 0, 10, 3); /* a prompt in ubatches of 3: its newest boundary, 8, is kept */
+    CHECK_OK(kvc_memory_seq_rm(mem, 0, -1, -1, NULL));
+    int32_t prompt[12];
+    for (int32_t i = 0; i < 12; ++i) prompt[i] = toy_token(0, i);
+    uint32_t n = 0;
+    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 12, 0, &n));
+    CHECK(n == 8);
+    CHECK_OK(kvc_memory_prefix_attach(mem, 1, prompt, 12, 0, 50, &n));
+    CHECK(n == 8);
+    int32_t pos = 0;
+    CHECK_OK(kvc_memory_seq_pos_max(mem, 1, &pos));
+    CHECK(pos == 7);
+    toy_copy_seq(e, 0, 1);                /* the reference: seq 1 has seq 0's states up to position 7 */
+    toy_decode_seq(e, mem, 1, 8, 12, 16); /* gathers the resumed state and checks it */
+    kvc_prefix_stats st;
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.hit_tokens == 8 && st.snapshots_saved >= 1 && st.snapshots >= 1 && st.blocks >= 2);
+    CHECK_ERR(kvc_memory_prefix_pin(mem, prompt, 12, 0, &n), KVC_ERR_UNSUPPORTED, "KV cache");
+    kvc_memory_free(mem);
+    free(e);
+
+    kvc_layer_desc attn[4];
+    kvc_recurrent_layer_desc recr[4];
+    toy_attn_layers(attn, 4, 0xAu, 0u);
+    toy_recr_layers(recr, 4, 0x5u);
+    kvc_hybrid_params h = kvc_hybrid_default_params();
+    h.attn.layers = attn;
+    h.attn.n_layers = 4;
+    h.attn.kv_size = 32;
+    h.attn.n_seq_max = 2;
+    h.recr.layers = recr;
+    h.recr.n_layers = 4;
+    h.recr.n_seq_max = 2;
+    h.attn.prefix.enabled = true; /* a part alone: refused */
+    mem = NULL;
+    CHECK_ERR(kvc_hybrid_create(&h, &mem), KVC_ERR_INVALID_ARGUMENT, "memory_hybrid_params::prefix");
+    h.attn.prefix.enabled = false;
+    h.prefix.enabled = true;
+    h.prefix.block_size = 4;
+    CHECK_OK(kvc_hybrid_create(&h, &mem));
+    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 12, 0, &n));
+    CHECK(n == 0);
+    CHECK_OK(kvc_memory_prefix_publish(mem));
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.lookups == 1 && st.snapshots == 0);
+    kvc_memory_free(mem);
+}
+
 int main(void) {
     test_prefix_cache();
+    test_recurrent_and_hybrid();
     test_pins_priorities_events();
     return capi_report("capi_prefix");
 }

@@ -239,9 +239,10 @@ typedef struct kvc_prefix_event {
 /// @param user_data The `on_event_user_data` of the parameters.
 typedef void (*kvc_prefix_event_fn)(const kvc_prefix_event* event, void* user_data);
 
-/// @brief A KV cache's prefix cache (kvcache_prefix.h, docs/prefix-cache.md).
+/// @brief A memory's prefix cache (kvcache_prefix.h, docs/prefix-cache.md): a KV cache's, a recurrent
+/// memory's (snapshots of states at block boundaries) or a hybrid memory's (both).
 typedef struct kvc_prefix_cache_params {
-    bool enabled;                  ///< keep computed prompt prefixes (needs no window and n_pos 1)
+    bool enabled;                  ///< keep computed prompt prefixes (KV caches: no window and n_pos 1)
     uint32_t block_size;           ///< tokens per block: reuse comes in whole blocks (divides kv_size)
     kvc_evict_policy policy;       ///< the eviction order of blocks of one priority
     float protected_fraction;      ///< SLRU: the protected segment holds at most this fraction of blocks
@@ -249,6 +250,11 @@ typedef struct kvc_prefix_cache_params {
     int32_t n_vocab;               ///< > 0: prompt tokens must be in [0, n_vocab); else non-negative
     kvc_prefix_event_fn on_event;  ///< NULL: no events
     void* on_event_user_data;      ///< passed to on_event
+    /// recurrent and hybrid memories: a snapshot every this many blocks of a sequence, besides the end
+    /// of every prompt and of every sequence (0: only those)
+    uint32_t snapshot_interval;
+    /// recurrent and hybrid memories: snapshots the pool holds at most (0: 4 x n_seq_max)
+    uint32_t max_snapshots;
 } kvc_prefix_cache_params;
 
 /// @brief An engine that owns the K/V tensors (kvcache_engine.h).
@@ -372,6 +378,8 @@ typedef struct kvc_recurrent_params {
     /// the most bytes every state row may take: creation refuses more, before allocating anything (0: the
     /// machine's physical memory)
     uint64_t memory_budget;
+    /// snapshots of states at block boundaries, for kvc_memory_prefix_attach() (off by default; no pins)
+    kvc_prefix_cache_params prefix;
 } kvc_recurrent_params;
 
 /// @brief The defaults of a recurrent memory: f32 r and s rows, one sequence, no rollback; no layers (set
@@ -402,6 +410,8 @@ typedef struct kvc_hybrid_params {
     bool iswa;
     kvc_iswa_sizing sizing;  ///< with iswa: how its sliding-window cache is sized
     uint64_t memory_budget;  ///< the most both parts may take together (0: the machine's physical memory)
+    /// the prefix cache of both parts (set it here, not in attn or recr; not with iswa; no pins)
+    kvc_prefix_cache_params prefix;
 } kvc_hybrid_params;
 
 /// @brief The defaults of a hybrid memory: kvc_kv_cache_default_params(), kvc_recurrent_default_params(),
@@ -828,7 +838,8 @@ KVC_API kvc_status kvc_memory_set_input_k_shift(const kvc_memory* mem, uint32_t 
 //   3. i in [B, n_rs): write gathered row s_copy[i] to plane 0 of cell head + i;
 //   4. i in [0, B): the gathered row is block i's initial state; run its T tokens and write the final
 //      state to plane 0 of cell head + i; with n_rs_seq = k > 0 also write, for r = 1 .. min(k, T - 1),
-//      the state after token T - 1 - r of the block to plane r of cell head + i;
+//      the state after token T - 1 - r of the block to plane r of cell head + i; with a prefix cache,
+//      also the state after token t of block i to row dst for every snapshot {i, t, dst} (snaps);
 //   5. write every gathered history copy to its dst row.
 // docs/c-api.md shows it in C; include/kvcache/memory_recurrent.h explains cells and rollback.
 // ---------------------------------------------------------------------------------------------------------
@@ -838,6 +849,14 @@ typedef struct kvc_rs_copy {
     int64_t src;  ///< row read before the ubatch writes anything
     int64_t dst;  ///< row written after
 } kvc_rs_copy;
+
+/// @brief A snapshot of the engine contract (step 4): block `block`'s state after its token `token` goes
+/// to row `dst`, a snapshot row after the planes (the tensors are contiguous: at data + dst * nb[1]).
+typedef struct kvc_rs_snap {
+    uint32_t block;  ///< block of the ubatch, in [0, n_seqs)
+    uint32_t token;  ///< token of the block, in [0, n_seq_tokens)
+    int64_t dst;     ///< snapshot row: (1 + n_rs_seq) * size + slot
+} kvc_rs_snap;
 
 /// @brief Where the current ubatch's states come from and go, as borrowed arrays.
 typedef struct kvc_rs_view {
@@ -850,6 +869,8 @@ typedef struct kvc_rs_view {
     const int64_t* s_copy;         ///< [n_rs] source row of range cell i (plane * size + cell)
     const kvc_rs_copy* hist_copy;  ///< [n_hist_copy] history rows to carry over (NULL when none)
     size_t n_hist_copy;            ///< entries of hist_copy (0 when n_rs_seq == 0)
+    const kvc_rs_snap* snaps;      ///< [n_snaps] snapshots to write (NULL when none)
+    size_t n_snaps;                ///< entries of snaps (0 without a prefix cache)
 } kvc_rs_view;
 
 /// @brief The state inputs of the current ubatch (recurrent and hybrid memories; for a hybrid memory,

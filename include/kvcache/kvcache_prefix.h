@@ -1,7 +1,10 @@
 /// @file kvcache_prefix.h
 /// @brief The C API of the prefix cache (docs/prefix-cache.md): a KV cache created with
-/// kvc_kv_cache_params::prefix enabled keeps computed prompt prefixes for other sequences. Included by
-/// kvcache.h, whose conventions apply; include kvcache.h.
+/// kvc_kv_cache_params::prefix enabled keeps computed prompt prefixes for other sequences; a recurrent
+/// memory (kvc_recurrent_params::prefix) keeps snapshots of states at block boundaries, a hybrid memory
+/// (kvc_hybrid_params::prefix) both. Lookups, attaches, publishing and the counters work on all three;
+/// pins and priorities of cached prefixes on KV caches. Included by kvcache.h, whose conventions apply;
+/// include kvcache.h.
 #ifndef KVCACHE_KVCACHE_PREFIX_H
 #define KVCACHE_KVCACHE_PREFIX_H
 
@@ -27,12 +30,15 @@ typedef struct kvc_prefix_stats {
     uint32_t pinned_cells;        ///< cells of pinned blocks
     uint32_t free_cells;          ///< empty cells
     uint64_t index_bytes;         ///< memory of the index
+    uint64_t snapshots_saved;     ///< recurrent and hybrid: snapshots published
+    uint64_t snapshots_dropped;   ///< recurrent and hybrid: snapshots evicted, superseded or made stale
+    uint32_t snapshots;           ///< recurrent and hybrid: snapshots in the pool now
 } kvc_prefix_stats;
 
 /// @brief How many of the tokens kvc_memory_prefix_attach() would give a sequence now: the longest
 /// cached prefix in whole blocks, at most n_tokens - 1. Changes no sequence (it publishes what the
 /// previous step computed and counts a lookup).
-/// @param mem A KV cache with a prefix cache.
+/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
 /// @param tokens [n_tokens] the prompt (may be NULL when n_tokens is 0).
 /// @param n_tokens Its length (at most INT32_MAX).
 /// @param key The namespace (model revision, adapter, tenant): only blocks published under it match.
@@ -45,7 +51,7 @@ KVC_API kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* toke
 /// @brief Makes the empty sequence seq_id hold the cells of the longest cached prefix of the tokens
 /// (shared, not copied) at positions [0, n), and returns n; decode the tokens from n on. The blocks that
 /// decoding completes are published under key with the priority, and the blocks it reuses are raised to it.
-/// @param mem A KV cache with a prefix cache.
+/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
 /// @param seq_id The sequence (it must hold no cell).
 /// @param tokens [n_tokens] the prompt (may be NULL when n_tokens is 0).
 /// @param n_tokens Its length (at most INT32_MAX).
@@ -67,7 +73,8 @@ KVC_API kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, con
 /// @param key The namespace.
 /// @param out Receives the tokens pinned.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or when the pinned cells would exceed
-/// prefix.max_pinned_fraction of the cache (nothing changes); #KVC_ERR_UNSUPPORTED without a prefix cache.
+/// prefix.max_pinned_fraction of the cache (nothing changes); #KVC_ERR_UNSUPPORTED without a prefix cache or for a
+/// recurrent or hybrid memory (pins and priorities are a KV cache's).
 KVC_API kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
                                          uint64_t key, uint32_t* out) KVC_NOEXCEPT;
 
@@ -77,7 +84,8 @@ KVC_API kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens,
 /// @param n_tokens Its length (at most INT32_MAX).
 /// @param key The namespace.
 /// @param out Receives the tokens unpinned.
-/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_UNSUPPORTED without a prefix cache.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_UNSUPPORTED without a prefix cache or for a
+/// recurrent or hybrid memory (pins and priorities are a KV cache's).
 KVC_API kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
                                            uint64_t key, uint32_t* out) KVC_NOEXCEPT;
 
@@ -89,19 +97,20 @@ KVC_API kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* token
 /// @param priority 0 to 100.
 /// @param out Receives the tokens of the blocks changed.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or a priority above 100;
-/// #KVC_ERR_UNSUPPORTED without a prefix cache.
+/// #KVC_ERR_UNSUPPORTED without a prefix cache or for a
+/// recurrent or hybrid memory (pins and priorities are a KV cache's).
 KVC_API kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
                                                   uint64_t key, uint32_t priority,
                                                   uint32_t* out) KVC_NOEXCEPT;
 
 /// @brief Publishes now the blocks completed by the ubatches applied so far (the next batch, lookup or
 /// attach does it anyway); call it after computing them, e.g. before ending a request.
-/// @param mem A KV cache with a prefix cache.
+/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL; #KVC_ERR_UNSUPPORTED without a prefix cache.
 KVC_API kvc_status kvc_memory_prefix_publish(kvc_memory* mem) KVC_NOEXCEPT;
 
 /// @brief The prefix cache's counters.
-/// @param mem A KV cache with a prefix cache.
+/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
 /// @param out Receives them.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL; #KVC_ERR_UNSUPPORTED without a prefix cache.
 KVC_API kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* out) KVC_NOEXCEPT;

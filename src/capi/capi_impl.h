@@ -131,6 +131,8 @@ dtype to_dtype(const kvc_type& t, const char* name);
 
 kv_cache_params to_cpp(const kvc_kv_cache_params& c, const char* name);
 recurrent_params to_cpp(const kvc_recurrent_params& c, const char* name);
+prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* name);
+kvc_prefix_cache_params to_c(const prefix_cache_params& p);
 kvc_rope_params to_c(const rope_params& r);
 kvc_recurrent_params to_c(const recurrent_params& p);
 iswa_sizing to_cpp(const kvc_iswa_sizing& c);

@@ -115,6 +115,8 @@ std::function<bool(uint32_t)> to_cpp(kvc_layer_filter filter, void* user_data) {
     return [filter, user_data](uint32_t il) { return filter(il, user_data); };
 }
 
+}  // namespace
+
 prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* name) {
     const int32_t policy = raw(c.policy);
     if (policy < 0 || policy > static_cast<int32_t>(evict_policy::slru))
@@ -126,6 +128,8 @@ prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* 
                           .protected_fraction = c.protected_fraction,
                           .max_pinned_fraction = c.max_pinned_fraction,
                           .n_vocab = c.n_vocab,
+                          .snapshot_interval = c.snapshot_interval,
+                          .max_snapshots = c.max_snapshots,
                           .on_event = {}};
     if (c.on_event != nullptr)
         p.on_event = [fn = c.on_event, user = c.on_event_user_data](const prefix_event& e) {
@@ -139,6 +143,21 @@ prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* 
         };
     return p;
 }
+
+kvc_prefix_cache_params to_c(const prefix_cache_params& p) {
+    return {.enabled = p.enabled,
+            .block_size = p.block_size,
+            .policy = static_cast<kvc_evict_policy>(p.policy),
+            .protected_fraction = p.protected_fraction,
+            .max_pinned_fraction = p.max_pinned_fraction,
+            .n_vocab = p.n_vocab,
+            .on_event = nullptr,
+            .on_event_user_data = nullptr,
+            .snapshot_interval = p.snapshot_interval,
+            .max_snapshots = p.max_snapshots};
+}
+
+namespace {
 
 [[noreturn]] void no_layers(const char* name, const void* layers, size_t n_layers) {
     throw_error(errc::invalid_argument,
@@ -188,6 +207,7 @@ recurrent_params to_cpp(const kvc_recurrent_params& c, const char* name) {
     p.n_seq_max = c.n_seq_max;
     p.n_rs_seq = c.n_rs_seq;
     p.memory_budget = c.memory_budget;
+    p.prefix = prefix_to_cpp(c.prefix, name);
     return p;
 }
 
@@ -224,6 +244,7 @@ kvc_recurrent_params to_c(const recurrent_params& p) {
     c.n_seq_max = p.n_seq_max;
     c.n_rs_seq = p.n_rs_seq;
     c.memory_budget = p.memory_budget;
+    c.prefix = to_c(p.prefix);
     return c;
 }
 
@@ -415,14 +436,7 @@ kvc_kv_cache_params kvc_kv_cache_default_params(void) noexcept {
     c.n_pos = p.n_pos;
     c.compact_threshold = p.compact_threshold;
     c.auto_update = true;  // the C API's convenience: a decode after seq_add meets rotated keys
-    c.prefix = {.enabled = p.prefix.enabled,
-                .block_size = p.prefix.block_size,
-                .policy = static_cast<kvc_evict_policy>(p.prefix.policy),
-                .protected_fraction = p.prefix.protected_fraction,
-                .max_pinned_fraction = p.prefix.max_pinned_fraction,
-                .n_vocab = p.prefix.n_vocab,
-                .on_event = nullptr,
-                .on_event_user_data = nullptr};
+    c.prefix = kvc::capi::to_c(p.prefix);
     c.memory_budget = p.memory_budget;
     c.engine = nullptr;
     return c;
@@ -447,5 +461,6 @@ kvc_hybrid_params kvc_hybrid_default_params(void) noexcept {
     c.iswa = p.iswa.has_value();
     c.sizing = kvc::capi::to_c(p.iswa.value_or(kvc::iswa_sizing{}));
     c.memory_budget = p.memory_budget;
+    c.prefix = kvc::capi::to_c(p.prefix);
     return c;
 }

@@ -23,6 +23,13 @@ static_assert(offsetof(kvc_rs_copy, src) == offsetof(kvc::rs_copy, src));
 static_assert(offsetof(kvc_rs_copy, dst) == offsetof(kvc::rs_copy, dst));
 static_assert(std::is_same_v<decltype(kvc_rs_copy::src), decltype(kvc::rs_copy::src)>);
 static_assert(std::is_same_v<decltype(kvc_rs_copy::dst), decltype(kvc::rs_copy::dst)>);
+// and kvc_rs_view::snaps at its kvc::rs_snap array
+static_assert(std::is_standard_layout_v<kvc_rs_snap> && std::is_standard_layout_v<kvc::rs_snap>);
+static_assert(sizeof(kvc_rs_snap) == sizeof(kvc::rs_snap) && alignof(kvc_rs_snap) == alignof(kvc::rs_snap));
+static_assert(offsetof(kvc_rs_snap, block) == offsetof(kvc::rs_snap, block));
+static_assert(offsetof(kvc_rs_snap, token) == offsetof(kvc::rs_snap, token));
+static_assert(offsetof(kvc_rs_snap, dst) == offsetof(kvc::rs_snap, dst));
+static_assert(std::is_same_v<decltype(kvc_rs_snap::dst), decltype(kvc::rs_snap::dst)>);
 
 namespace {
 
@@ -156,6 +163,9 @@ kvc_status kvc_memory_context_get_rs(const kvc_memory_context* ctx, kvc_rs_view*
         w.s_copy = s_copy.empty() ? nullptr : s_copy.data();
         w.hist_copy = hist.empty() ? nullptr : reinterpret_cast<const kvc_rs_copy*>(hist.data());
         w.n_hist_copy = hist.size();
+        const std::span<const kvc::rs_snap> snaps = r->snaps();
+        w.snaps = snaps.empty() ? nullptr : reinterpret_cast<const kvc_rs_snap*>(snaps.data());
+        w.n_snaps = snaps.size();
         v = w;
     });
 }

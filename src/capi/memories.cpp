@@ -88,6 +88,7 @@ kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) 
         p.recr = to_cpp(c.recr, "params.recr");
         if (c.iswa) p.iswa = to_cpp(c.sizing);
         p.memory_budget = c.memory_budget;
+        p.prefix = prefix_to_cpp(c.prefix, "params");
         auto hybrid = std::make_unique<kvc::memory_hybrid>(std::move(p));
         const kvc::kv_cache_params& attn = hybrid->params().attn;
         *out = new_memory(std::move(hybrid), c.iswa ? KVC_MEMORY_KIND_HYBRID_ISWA : KVC_MEMORY_KIND_HYBRID,

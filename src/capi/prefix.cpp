@@ -1,4 +1,4 @@
-// The C API of the prefix cache: kv_cache's prefix_* calls on a KV cache memory.
+// The C API of the prefix cache: the prefix_* calls of a KV cache, a recurrent or a hybrid memory.
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -12,12 +12,51 @@ using kvc::errc;
 
 namespace {
 
-// The memory's KV cache, when it has a prefix cache.
+// The memory's prefix cache: a KV cache's, a recurrent memory's or a hybrid memory's (one is set).
+struct prefix_target {
+    kvc::kv_cache* kv = nullptr;
+    kvc::memory_recurrent* recr = nullptr;
+    kvc::memory_hybrid* hybrid = nullptr;
+
+    uint32_t lookup(std::span<const kvc::token_t> t, uint64_t key) const {
+        return kv     ? kv->prefix_lookup(t, key)
+               : recr ? recr->prefix_lookup(t, key)
+                      : hybrid->prefix_lookup(t, key);
+    }
+    uint32_t attach(int32_t seq, std::span<const kvc::token_t> t, uint64_t key, uint8_t priority) const {
+        return kv     ? kv->prefix_attach(seq, t, key, priority)
+               : recr ? recr->prefix_attach(seq, t, key, priority)
+                      : hybrid->prefix_attach(seq, t, key, priority);
+    }
+    void publish() const {
+        if (kv) kv->prefix_publish();
+        if (recr) recr->prefix_publish();
+        if (hybrid) hybrid->prefix_publish();
+    }
+    kvc::prefix_stats stats() const {
+        return kv ? kv->get_prefix_stats() : recr ? recr->get_prefix_stats() : hybrid->get_prefix_stats();
+    }
+};
+
+prefix_target prefix_of(const kvc_memory& m) {
+    if (m.hybrid != nullptr) {
+        if (m.hybrid->params().prefix.enabled) return {.hybrid = m.hybrid};
+    } else if (m.kv != nullptr && m.kv->params().prefix.enabled) {
+        return {.kv = m.kv};
+    } else if (m.recr != nullptr && m.recr->params().prefix.enabled) {
+        return {.recr = m.recr};
+    }
+    throw_error(errc::unsupported, "this memory has no prefix cache (a memory created with prefix.enabled)");
+}
+
+// Pins and priorities: a KV cache's prefix cache.
 kvc::kv_cache& prefix_cache_of(const kvc_memory& m) {
-    if (m.kv == nullptr || !m.kv->params().prefix.enabled)
+    const prefix_target t = prefix_of(m);
+    if (t.kv == nullptr)
         throw_error(errc::unsupported,
-                    "this memory has no prefix cache (a KV cache created with prefix.enabled)");
-    return *m.kv;
+                    "pins and priorities of cached prefixes are a KV cache's (this memory "
+                    "caches snapshots of recurrent states)");
+    return *t.kv;
 }
 
 std::span<const kvc::token_t> tokens_of(const int32_t* tokens, size_t n) {
@@ -41,18 +80,18 @@ uint8_t priority_of(uint32_t priority) {
 kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
                                     uint32_t* out) noexcept {
     return guarded(__func__, [&] {
-        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        const prefix_target c = prefix_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");  // checked before the lookup publishes anything
-        n = c.prefix_lookup(tokens_of(tokens, n_tokens), key);
+        n = c.lookup(tokens_of(tokens, n_tokens), key);
     });
 }
 
 kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, const int32_t* tokens, size_t n_tokens,
                                     uint64_t key, uint32_t priority, uint32_t* out) noexcept {
     return guarded(__func__, [&] {
-        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        const prefix_target c = prefix_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");
-        n = c.prefix_attach(seq_id, tokens_of(tokens, n_tokens), key, priority_of(priority));
+        n = c.attach(seq_id, tokens_of(tokens, n_tokens), key, priority_of(priority));
     });
 }
 
@@ -84,12 +123,12 @@ kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t* tokens
 }
 
 kvc_status kvc_memory_prefix_publish(kvc_memory* mem) noexcept {
-    return guarded(__func__, [&] { prefix_cache_of(need(mem, "mem")).prefix_publish(); });
+    return guarded(__func__, [&] { prefix_of(need(mem, "mem")).publish(); });
 }
 
 kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* out) noexcept {
     return guarded(__func__, [&] {
-        const kvc::prefix_stats s = prefix_cache_of(need(mem, "mem")).get_prefix_stats();
+        const kvc::prefix_stats s = prefix_of(need(mem, "mem")).stats();
         need(out, "out") = kvc_prefix_stats{.lookups = s.lookups,
                                             .tokens_looked_up = s.tokens_looked_up,
                                             .hit_tokens = s.hit_tokens,
@@ -103,6 +142,9 @@ kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* 
                                             .shared_cells = s.shared_cells,
                                             .pinned_cells = s.pinned_cells,
                                             .free_cells = s.free_cells,
-                                            .index_bytes = s.index_bytes};
+                                            .index_bytes = s.index_bytes,
+                                            .snapshots_saved = s.snapshots_saved,
+                                            .snapshots_dropped = s.snapshots_dropped,
+                                            .snapshots = s.snapshots};
     });
 }
