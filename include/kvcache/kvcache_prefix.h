@@ -73,8 +73,8 @@ KVC_API kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, con
 /// @param key The namespace.
 /// @param out Receives the tokens pinned.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers or when the pinned cells would exceed
-/// prefix.max_pinned_fraction of the cache (nothing changes); #KVC_ERR_UNSUPPORTED without a prefix cache or for a
-/// recurrent or hybrid memory (pins and priorities are a KV cache's).
+/// prefix.max_pinned_fraction of the cache (nothing changes); #KVC_ERR_UNSUPPORTED without a prefix cache or
+/// for a recurrent or hybrid memory (pins and priorities are a KV cache's).
 KVC_API kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
                                          uint64_t key, uint32_t* out) KVC_NOEXCEPT;
 
@@ -84,8 +84,8 @@ KVC_API kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens,
 /// @param n_tokens Its length (at most INT32_MAX).
 /// @param key The namespace.
 /// @param out Receives the tokens unpinned.
-/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_UNSUPPORTED without a prefix cache or for a
-/// recurrent or hybrid memory (pins and priorities are a KV cache's).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers; #KVC_ERR_UNSUPPORTED without a prefix cache
+/// or for a recurrent or hybrid memory (pins and priorities are a KV cache's).
 KVC_API kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
                                            uint64_t key, uint32_t* out) KVC_NOEXCEPT;
 
