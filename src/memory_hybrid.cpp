@@ -59,13 +59,15 @@ uint32_t memory_hybrid::prefix_lookup(std::span<const token_t> tokens, uint64_t 
 }
 
 uint32_t memory_hybrid::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
-                                      uint8_t priority) {
+                                      uint8_t priority, uint32_t max_tokens) {
     if (!kv_) throw error(errc::unsupported, "prefix_attach: the memory has no prefix cache");
     if (recr_->seq_pos_max(seq_id) >= 0 || kv_->seq_pos_min(seq_id) >= 0)  // checks the id
         throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
     // the deepest boundary with both halves; the attention part attaches up to it (fewer when copies
     // across streams find no room), the recurrent part its snapshot at or before where that stopped
-    const uint32_t n_both = prefix_lookup(tokens, key);
+    const uint32_t n_both =
+        std::min(prefix_lookup(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key),
+                 max_tokens);
     const uint32_t n_kv = kv_->prefix_attach(seq_id, tokens, key, priority, n_both);
     const uint32_t n = recr_->prefix_attach(seq_id, tokens, key, priority, n_kv);
     if (n < n_kv) kv_->seq_rm(seq_id, static_cast<pos_t>(n), -1);

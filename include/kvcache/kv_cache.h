@@ -123,7 +123,7 @@ struct kq_mask_options {
 /// The attention KV cache (llama_kv_cache): K/V rows of every own layer, placed in cells of one or
 /// several streams. Implements memory_i. Engines reach the per-ubatch operations (K/V rows, views,
 /// masks) only through the kv_cache_context that init_batch returns.
-class kv_cache final : public memory_i {
+class kv_cache final : public memory_i, public prefix_cache_i {
 public:
     explicit kv_cache(kv_cache_params params);  ///< throws kvc::error on an invalid configuration
     ~kv_cache() override;                       ///< frees the storage
@@ -189,13 +189,14 @@ public:
     void set_input_k_shift(std::span<int32_t> dst) const;
 
     // -- prefix cache (params().prefix.enabled; docs/prefix-cache.md) --
+    bool prefix_enabled() const override { return prefix_ != nullptr; }
     /// Tokens of `tokens` that prefix_attach would give a sequence now: the longest cached prefix in
     /// whole blocks, at most tokens.size() - 1 (the engine still computes the last token's logits). With
     /// one stream per sequence, an attach gets less when its stream has no room for the copies.
     /// Changes no sequence and no cell (it counts a lookup, and publishes the blocks the previous step
     /// computed). `key` separates namespaces (model revision, adapter, tenant): only blocks published
     /// under the same key match. Throws kvc::error(unsupported) without a prefix cache.
-    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0);
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
     /// Makes the empty sequence seq_id hold the cells of the longest cached prefix of `tokens` (shared,
     /// not copied) at positions [0, n), as if it had decoded them, and returns n (what prefix_lookup
     /// returns). The engine then decodes tokens[n:] from position n; the blocks that decoding completes
@@ -204,7 +205,8 @@ public:
     /// sequence that holds cells, a token outside the vocabulary, a priority above 100, or no prefix cache.
     /// At most max_tokens are attached (memory_hybrid stops where its recurrent part has a snapshot).
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority, uint32_t max_tokens = UINT32_MAX);
+                           uint8_t priority = prefix_default_priority,
+                           uint32_t max_tokens = UINT32_MAX) override;
     /// Pins the blocks of the longest cached prefix of `tokens` (in whole blocks, the whole prompt
     /// included) and returns the tokens pinned: no eviction takes them until as many prefix_unpin calls.
     /// Throws kvc::error, changing nothing, when the pinned cells would exceed
@@ -218,14 +220,14 @@ public:
     uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority);
     /// Publishes now the blocks completed by the ubatches applied so far (the next init_batch,
     /// init_ubatches, prefix_lookup or prefix_attach does it anyway); call it after computing them.
-    void prefix_publish();
+    void prefix_publish() override;
     /// For memories built of parts (memory_hybrid): evicts the cached block named by e (its chain hash,
     /// parent hash and tokens) and then its ancestors, as long as each is evictable (no sequence, pin or
     /// cached child holds it) and keep(block) is false. Returns the blocks evicted.
     uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
     /// What the prefix cache did and holds (zeros without one). It counts the cells of every stream: for
     /// reports, not for every step.
-    prefix_stats get_prefix_stats() const;
+    prefix_stats get_prefix_stats() const override;
 
     // -- maintenance (what init_update's context runs) --
     /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.

@@ -51,7 +51,7 @@ struct memory_hybrid_params {
 };
 
 /// An attention cache and a recurrent memory as one memory. See the file comment.
-class memory_hybrid final : public memory_i {
+class memory_hybrid final : public memory_i, public prefix_cache_i {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration: what either part refuses, or
     /// different n_seq_max.
@@ -96,19 +96,21 @@ public:
     memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
 
     // -- prefix cache (params().prefix.enabled; see the file comment) --
+    bool prefix_enabled() const override { return kv_ != nullptr; }
     /// Tokens prefix_attach would resume now: the deepest block boundary n < tokens.size() with the
     /// attention part's K/V for [0, n) and a recurrent snapshot at n. Throws what the parts throw.
-    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0);
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
     /// Gives the empty sequence seq_id the K/V of [0, n) (shared) and the snapshot at n (copied), and
     /// returns n (what prefix_lookup returns, or less when one stream per sequence lacks room for the
     /// K/V copies). Throws, nothing changed, for a sequence that is not empty, a bad token or priority.
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority);
+                           uint8_t priority = prefix_default_priority,
+                           uint32_t max_tokens = UINT32_MAX) override;
     /// Publishes the last step's blocks and snapshots in both parts.
-    void prefix_publish();
+    void prefix_publish() override;
     /// The attention part's counters and cells, the recurrent part's snapshot counters; lookups and hits
     /// are the hybrid's own.
-    prefix_stats get_prefix_stats() const;
+    prefix_stats get_prefix_stats() const override;
 
     // -- parts --
     memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)

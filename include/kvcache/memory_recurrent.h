@@ -126,7 +126,7 @@ class memory_recurrent_context;
 struct memory_recurrent_test_access;  // tests/memory_recurrent_test_access.h
 
 /// The recurrent state memory. See the file comment for cells, the engine contract and rollback.
-class memory_recurrent final : public memory_i {
+class memory_recurrent final : public memory_i, public prefix_cache_i {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration (no layer kept, n_seq_max 0,
     /// a type other than f32, f16 or bf16, buffers whose size overflows).
@@ -200,11 +200,12 @@ public:
     static uint64_t reserve_bytes(const recurrent_params& p);
 
     // -- prefix cache (params().prefix.enabled; see the file comment) --
+    bool prefix_enabled() const override { return prefix_ != nullptr; }
     /// Tokens of `tokens` that prefix_attach would resume now: the deepest block boundary n <
     /// tokens.size() that has a snapshot and whose tokens [0, n) were decoded under the same key; 0 if
     /// none. Throws kvc::error(unsupported) without a prefix cache, (invalid_argument) for a negative
     /// token or one outside [0, prefix.n_vocab).
-    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0);
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
     /// Gives the empty sequence seq_id the state of the deepest snapshot of `tokens` (copied into a cell
     /// of its own) at position n - 1, as if it had decoded tokens [0, n), and returns n (what
     /// prefix_lookup returns; 0: nothing changed). The blocks the sequence publishes get `priority`.
@@ -212,13 +213,14 @@ public:
     /// priority above 100. It resumes at most at max_tokens (memory_hybrid: where its attention part
     /// has the K/V).
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority, uint32_t max_tokens = UINT32_MAX);
+                           uint8_t priority = prefix_default_priority,
+                           uint32_t max_tokens = UINT32_MAX) override;
     /// Publishes the snapshots the last step wrote (every batch, lookup, attach and sequence operation
     /// does it first; call it after computing the last step when none follows).
-    void prefix_publish();
+    void prefix_publish() override;
     /// What the prefix cache did and holds (zeros without one); the cell counts are 0 (a recurrent memory
     /// caches snapshots, not cells).
-    prefix_stats get_prefix_stats() const;
+    prefix_stats get_prefix_stats() const override;
     /// For memories built of parts (memory_hybrid): drops the snapshot of the block named by e (its chain
     /// hash, parent hash and tokens), if there is one; true if it did.
     bool prefix_drop(const prefix_event& e);

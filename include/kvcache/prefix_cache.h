@@ -92,4 +92,30 @@ struct prefix_stats {
     size_t index_bytes = 0;
 };
 
+/// The prefix cache calls every memory that can have one offers (kv_cache, memory_recurrent,
+/// memory_hybrid), for code that serves any of them (the C API, `kvcache replay`, `kvcache sim`). Each
+/// class documents its own rules; without a prefix cache the calls throw kvc::error(unsupported), except
+/// prefix_enabled, prefix_publish (nothing to do) and get_prefix_stats (zeros).
+class prefix_cache_i {
+public:
+    virtual ~prefix_cache_i() = default;
+    /// Whether the memory was made with a prefix cache.
+    virtual bool prefix_enabled() const = 0;
+    /// Tokens of `tokens` that prefix_attach would give a sequence now.
+    virtual uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key) = 0;
+    /// Gives the empty sequence seq_id the longest cached prefix of `tokens` (at most max_tokens) and
+    /// returns its length; the engine decodes the rest.
+    virtual uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
+                                   uint8_t priority, uint32_t max_tokens) = 0;
+    /// Publishes what the last step computed.
+    virtual void prefix_publish() = 0;
+    /// What the prefix cache did and holds.
+    virtual prefix_stats get_prefix_stats() const = 0;
+
+protected:
+    prefix_cache_i() = default;
+    prefix_cache_i(const prefix_cache_i&) = default;
+    prefix_cache_i& operator=(const prefix_cache_i&) = default;
+};
+
 }  // namespace kvc

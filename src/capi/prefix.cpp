@@ -12,51 +12,23 @@ using kvc::errc;
 
 namespace {
 
-// The memory's prefix cache: a KV cache's, a recurrent memory's or a hybrid memory's (one is set).
-struct prefix_target {
-    kvc::kv_cache* kv = nullptr;
-    kvc::memory_recurrent* recr = nullptr;
-    kvc::memory_hybrid* hybrid = nullptr;
-
-    uint32_t lookup(std::span<const kvc::token_t> t, uint64_t key) const {
-        return kv     ? kv->prefix_lookup(t, key)
-               : recr ? recr->prefix_lookup(t, key)
-                      : hybrid->prefix_lookup(t, key);
-    }
-    uint32_t attach(int32_t seq, std::span<const kvc::token_t> t, uint64_t key, uint8_t priority) const {
-        return kv     ? kv->prefix_attach(seq, t, key, priority)
-               : recr ? recr->prefix_attach(seq, t, key, priority)
-                      : hybrid->prefix_attach(seq, t, key, priority);
-    }
-    void publish() const {
-        if (kv) kv->prefix_publish();
-        if (recr) recr->prefix_publish();
-        if (hybrid) hybrid->prefix_publish();
-    }
-    kvc::prefix_stats stats() const {
-        return kv ? kv->get_prefix_stats() : recr ? recr->get_prefix_stats() : hybrid->get_prefix_stats();
-    }
-};
-
-prefix_target prefix_of(const kvc_memory& m) {
-    if (m.hybrid != nullptr) {
-        if (m.hybrid->params().prefix.enabled) return {.hybrid = m.hybrid};
-    } else if (m.kv != nullptr && m.kv->params().prefix.enabled) {
-        return {.kv = m.kv};
-    } else if (m.recr != nullptr && m.recr->params().prefix.enabled) {
-        return {.recr = m.recr};
-    }
-    throw_error(errc::unsupported, "this memory has no prefix cache (a memory created with prefix.enabled)");
+// The memory's prefix cache: a KV cache's, a recurrent memory's or a hybrid memory's.
+kvc::prefix_cache_i& prefix_of(const kvc_memory& m) {
+    auto* p = dynamic_cast<kvc::prefix_cache_i*>(m.mem.get());
+    if (p == nullptr || !p->prefix_enabled())
+        throw_error(errc::unsupported,
+                    "this memory has no prefix cache (a memory created with prefix.enabled)");
+    return *p;
 }
 
 // Pins and priorities: a KV cache's prefix cache.
 kvc::kv_cache& prefix_cache_of(const kvc_memory& m) {
-    const prefix_target t = prefix_of(m);
-    if (t.kv == nullptr)
+    auto* kv = dynamic_cast<kvc::kv_cache*>(&prefix_of(m));
+    if (kv == nullptr)
         throw_error(errc::unsupported,
                     "pins and priorities of cached prefixes are a KV cache's (this memory "
                     "caches snapshots of recurrent states)");
-    return *t.kv;
+    return *kv;
 }
 
 std::span<const kvc::token_t> tokens_of(const int32_t* tokens, size_t n) {
@@ -80,18 +52,18 @@ uint8_t priority_of(uint32_t priority) {
 kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
                                     uint32_t* out) noexcept {
     return guarded(__func__, [&] {
-        const prefix_target c = prefix_of(need(mem, "mem"));
+        kvc::prefix_cache_i& c = prefix_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");  // checked before the lookup publishes anything
-        n = c.lookup(tokens_of(tokens, n_tokens), key);
+        n = c.prefix_lookup(tokens_of(tokens, n_tokens), key);
     });
 }
 
 kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, const int32_t* tokens, size_t n_tokens,
                                     uint64_t key, uint32_t priority, uint32_t* out) noexcept {
     return guarded(__func__, [&] {
-        const prefix_target c = prefix_of(need(mem, "mem"));
+        kvc::prefix_cache_i& c = prefix_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");
-        n = c.attach(seq_id, tokens_of(tokens, n_tokens), key, priority_of(priority));
+        n = c.prefix_attach(seq_id, tokens_of(tokens, n_tokens), key, priority_of(priority), UINT32_MAX);
     });
 }
 
@@ -123,12 +95,12 @@ kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t* tokens
 }
 
 kvc_status kvc_memory_prefix_publish(kvc_memory* mem) noexcept {
-    return guarded(__func__, [&] { prefix_of(need(mem, "mem")).publish(); });
+    return guarded(__func__, [&] { prefix_of(need(mem, "mem")).prefix_publish(); });
 }
 
 kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* out) noexcept {
     return guarded(__func__, [&] {
-        const kvc::prefix_stats s = prefix_of(need(mem, "mem")).stats();
+        const kvc::prefix_stats s = prefix_of(need(mem, "mem")).get_prefix_stats();
         need(out, "out") = kvc_prefix_stats{.lookups = s.lookups,
                                             .tokens_looked_up = s.tokens_looked_up,
                                             .hit_tokens = s.hit_tokens,

@@ -52,13 +52,24 @@ uint32_t pattern(const keys& k, const char* name, int64_t def) {
 // rollback planes, and a runtime over it. `size` is the context's cells, as llama_n_ctx() reports them.
 void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
     recurrent_params rp = r.mdl->recr_params(p.n_seq_max);
+    prefix_cache_params prefix = p.prefix;  // for both parts of a hybrid memory
+    p.prefix = {};
+    const auto count = [&](const char* name, int64_t def) {
+        const int64_t v = k.get_int(name, def);
+        if (v < 0 || v > (int64_t{1} << 24)) fail(fmt::format("memory: {}={} out of range", name, v));
+        return static_cast<uint32_t>(v);
+    };
+    prefix.snapshot_interval = count("interval", prefix.snapshot_interval);
+    prefix.max_snapshots = count("snapshots", 0);
     const int64_t rs = k.get_int("n_rs_seq", 0);
     if (rs < 0 || rs > (1 << 24)) fail("memory: n_rs_seq out of range");
     rp.n_rs_seq = static_cast<uint32_t>(rs);
     rp.memory_budget = p.memory_budget;
     const runtime_params rtp{.n_ubatch = r.n_ubatch};
     if (r.mdl->memory_kind() == model_memory::recurrent) {
-        auto rec = std::make_unique<memory_recurrent>(std::move(rp));
+        rp.prefix = prefix;
+        auto rec = build<memory_recurrent>(std::move(rp));
+        if (prefix.enabled) r.prefix = rec.get();
         r.rt = std::make_unique<runtime>(*r.mdl, *rec, rtp);
         r.parts = {{.name = "rs", .used_label = "used", .recr = rec.get()}};
         r.mem = std::move(rec);
@@ -69,7 +80,9 @@ void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
     h.memory_budget = p.memory_budget;
     h.attn = std::move(p);
     h.recr = std::move(rp);
-    auto hyb = std::make_unique<memory_hybrid>(std::move(h));
+    h.prefix = prefix;
+    auto hyb = build<memory_hybrid>(std::move(h));
+    if (prefix.enabled) r.prefix = hyb.get();
     r.rt = std::make_unique<runtime>(*r.mdl, *hyb, rtp);
     const auto& attn = dynamic_cast<const kv_cache&>(hyb->get_attn());
     // `show` counts the attention cells, as llama.cpp; `cells part=rs` lists the states
@@ -103,14 +116,13 @@ void make_kv(replay_memory& r, const keys& k, kv_cache_params p, bool typed) {
                 if (typed)
                     fail(fmt::format("memory: {} is a {} model: leave out type= (its memory is {})", *path,
                                      mamba ? "mamba" : "jamba", mamba ? "recurrent" : "hybrid"));
-                if (p.prefix.enabled)
-                    fail(fmt::format(
-                        "memory: prefix= needs a model whose memory is a KV cache; {} is a {} model", *path,
-                        mamba ? "mamba" : "jamba"));
                 make_model_state(r, k, std::move(p));
                 return;
             }
         }
+        for (const char* key : {"interval", "snapshots"})
+            if (k.get(key))
+                fail(fmt::format("memory: {}= is for the snapshots of a mamba or jamba model", key));
         if (k.get("n_rs_seq"))
             fail(
                 "memory: n_rs_seq is for recurrent state (type=recurrent, hybrid, or a "
@@ -232,7 +244,8 @@ replay_memory make_replay_memory(const words& w) {
     std::vector<const char*> allowed = {"type",    "n_ctx",    "n_seq_max", "unified",   "n_ubatch",
                                         "type_k",  "type_v",   "v_trans",   "swa_type",  "n_swa",
                                         "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv", "budget"};
-    if (type == "kv") allowed.insert(allowed.end(), {"model", "n_rs_seq", "prefix", "evict"});
+    if (type == "kv")
+        allowed.insert(allowed.end(), {"model", "n_rs_seq", "prefix", "evict", "interval", "snapshots"});
     if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
     if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
     const keys k(w, 1, allowed, "memory");

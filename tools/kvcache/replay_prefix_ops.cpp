@@ -1,5 +1,6 @@
 // The prefix cache ops of `kvcache replay` (docs/op-scripts.md): a memory line with prefix=BLOCK gives the
-// KV cache a prefix cache; these ops look prompts up, attach them, pin them and print the counters.
+// KV cache (or a mamba or jamba model's memory) a prefix cache; these ops look prompts up, attach them, pin
+// them (KV caches) and print the counters.
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
 
@@ -8,7 +9,7 @@
 namespace kvc::cli {
 namespace {
 
-kv_cache& prefix_cache(replay_memory& m, std::string_view op) {
+prefix_cache_i& prefix_cache(replay_memory& m, std::string_view op) {
     if (m.prefix == nullptr)
         fail(fmt::format("{}: the memory has no prefix cache (memory ... prefix=BLOCK)", op));
     return *m.prefix;
@@ -29,31 +30,33 @@ uint64_t key_of(const keys& k) {
 }  // namespace
 
 void op_lookup(replay_memory& m, const words& w) {
-    kv_cache& c = prefix_cache(m, "lookup");
+    prefix_cache_i& c = prefix_cache(m, "lookup");
     const auto toks = tokens_of(w[1], "lookup");
     const keys k(w, 2, {"key"}, "lookup");
     guarded("lookup", [&] { fmt::print("lookup n={}\n", c.prefix_lookup(toks, key_of(k))); });
 }
 
 void op_attach(replay_memory& m, const words& w) {
-    kv_cache& c = prefix_cache(m, "attach");
+    prefix_cache_i& c = prefix_cache(m, "attach");
     const seq_id_t s = parse_i32(w[1], "attach seq");
     const auto toks = tokens_of(w[2], "attach");
     const keys k(w, 3, {"key", "priority"}, "attach");
     const int64_t priority = k.get_int("priority", prefix_default_priority);
     if (priority < 0 || priority > 255) fail(fmt::format("attach: priority={} out of range", priority));
     guarded("attach", [&] {
-        const uint32_t n = c.prefix_attach(s, toks, key_of(k), static_cast<uint8_t>(priority));
+        const uint32_t n = c.prefix_attach(s, toks, key_of(k), static_cast<uint8_t>(priority), UINT32_MAX);
         fmt::print("attach seq={} n={}\n", s, n);
     });
 }
 
 void op_pin(replay_memory& m, const words& w) {
-    kv_cache& c = prefix_cache(m, w[0]);
+    auto* c = dynamic_cast<kv_cache*>(&prefix_cache(m, w[0]));
+    if (c == nullptr)
+        fail(fmt::format("{}: pins are a KV cache's (this memory caches recurrent snapshots)", w[0]));
     const auto toks = tokens_of(w[1], w[0]);
     const keys k(w, 2, {"key"}, w[0] == "pin" ? "pin" : "unpin");
     guarded(w[0] == "pin" ? "pin" : "unpin", [&] {
-        const uint32_t n = w[0] == "pin" ? c.prefix_pin(toks, key_of(k)) : c.prefix_unpin(toks, key_of(k));
+        const uint32_t n = w[0] == "pin" ? c->prefix_pin(toks, key_of(k)) : c->prefix_unpin(toks, key_of(k));
         fmt::print("{} n={}\n", w[0], n);
     });
 }
@@ -70,6 +73,9 @@ void op_pstats(replay_memory& m, const words&) {
         "evicted={} unpublished={} copied={}\n",
         s.blocks, s.cached_cells, s.shared_cells, s.pinned_cells, s.free_cells, s.lookups, s.tokens_looked_up,
         s.hit_tokens, s.published_blocks, s.evicted_blocks, s.unpublished_blocks, s.bytes_copied);
+    if (dynamic_cast<kv_cache*>(m.prefix) == nullptr)  // recurrent or hybrid: the snapshots too
+        fmt::print("pstats snapshots={} saved={} dropped={}\n", s.snapshots, s.snapshots_saved,
+                   s.snapshots_dropped);
 }
 
 }  // namespace kvc::cli
