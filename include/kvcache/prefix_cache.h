@@ -111,11 +111,6 @@ public:
     virtual void prefix_publish() = 0;
     /// What the prefix cache did and holds.
     virtual prefix_stats get_prefix_stats() const = 0;
-
-protected:
-    prefix_cache_i() = default;
-    prefix_cache_i(const prefix_cache_i&) = default;
-    prefix_cache_i& operator=(const prefix_cache_i&) = default;
 };
 
 }  // namespace kvc
