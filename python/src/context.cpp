@@ -149,8 +149,8 @@ void bind_attn(py::module_& m) {
         .def(
             "cpy_k",
             [](const py_attn_context& a, uint32_t il, const py::handle& src) {
-                auto [arr, view] = numpy_to_view(src, "cpy_k");
-                a.state->memory.locked([&] { a.kc->cpy_k(il, view); });
+                const auto in = numpy_to_view(src, "cpy_k");  // in.first owns the bytes in.second views
+                a.state->memory.locked([&] { a.kc->cpy_k(il, in.second); });
             },
             py::arg("il"), py::arg("k"),
             "Writes the ubatch's K rows of layer il: [n_tokens, n_head_kv * head_dim] or [n_tokens, "
@@ -159,8 +159,8 @@ void bind_attn(py::module_& m) {
         .def(
             "cpy_v",
             [](const py_attn_context& a, uint32_t il, const py::handle& src) {
-                auto [arr, view] = numpy_to_view(src, "cpy_v");
-                a.state->memory.locked([&] { a.kc->cpy_v(il, view); });
+                const auto in = numpy_to_view(src, "cpy_v");  // in.first owns the bytes in.second views
+                a.state->memory.locked([&] { a.kc->cpy_v(il, in.second); });
             },
             py::arg("il"), py::arg("v"), "Writes the ubatch's V rows of layer il (as cpy_k).")
         .def(

@@ -68,13 +68,15 @@ void bind_errors(py::module_& m) {
         error_types[static_cast<size_t>(s.code)] = t;
         m.add_object(s.name, py::handle(t));
     }
-    py::register_exception_translator([](std::exception_ptr p) {
-        try {
-            if (p) std::rethrow_exception(p);
-        } catch (const error& e) {
-            raise_error(e);
-        }
-    });
+    // pybind11's translator type takes the pointer by value
+    py::register_exception_translator(
+        [](std::exception_ptr p) {  // NOLINT(performance-unnecessary-value-param)
+            try {
+                if (p) std::rethrow_exception(p);
+            } catch (const error& e) {
+                raise_error(e);
+            }
+        });
 }
 
 // -- enums: each also accepts its name as a string where a parameter takes it --
@@ -107,8 +109,13 @@ struct held_function {
     held_function(const held_function&) = delete;
     held_function& operator=(const held_function&) = delete;
     ~held_function() {
-        py::gil_scoped_acquire gil;
-        fn = py::function();
+        try {
+            py::gil_scoped_acquire gil;
+            fn = py::function();
+        } catch (...) {
+            fn.release();  // no GIL to be had (the interpreter is going): leak the reference rather than
+                           // crash
+        }
     }
 };
 

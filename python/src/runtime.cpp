@@ -184,7 +184,7 @@ void bind_runtime(py::module_& parent) {
         m, "Runtime",
         "Decodes batches with a model through a memory (KVCache, KVCacheISWA, MemoryRecurrent "
         "or MemoryHybrid), as an engine's llama_decode does.")
-        .def(py::init([](std::shared_ptr<model> md, const py_memory& mem, uint32_t n_threads,
+        .def(py::init([](const std::shared_ptr<model>& md, const py_memory& mem, uint32_t n_threads,
                          uint32_t n_ubatch, bool embd_all) {
                  auto r = std::make_unique<py_runtime>();
                  r->m = md;
@@ -222,7 +222,7 @@ void bind_runtime(py::module_& parent) {
     py::class_<py_reference>(
         m, "ReferenceMemory",
         "The oracle: plain f32 keys and values per sequence, attention recomputed from them.")
-        .def(py::init([](std::shared_ptr<model> md, uint32_t n_seq_max, uint32_t n_threads) {
+        .def(py::init([](const std::shared_ptr<model>& md, uint32_t n_seq_max, uint32_t n_threads) {
                  auto r = std::make_unique<py_reference>();
                  r->m = md;
                  r->ref = std::make_unique<reference_memory>(*md, n_seq_max, n_threads);
