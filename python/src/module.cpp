@@ -363,7 +363,7 @@ std::unique_ptr<py_batch> batch_from_arrays(const py::object& tokens, const py::
     }
     if (n == 0) fail_argument("Batch: no token");
     if (n > static_cast<size_t>(INT32_MAX)) fail_argument("Batch: more than 2^31 - 1 tokens");
-    auto b = std::make_unique<py_batch>(static_cast<int32_t>(n), n_embd, 0);
+    auto b = std::make_unique<py_batch>(0, n_embd, 0);  // capacity 0: add() may grow it
     b->token = std::move(tok);
     b->embd = std::move(rows);
     b->auto_pos = pos.is_none();
@@ -407,6 +407,8 @@ void bind_batch(py::module_& m) {
         .def_static(
             "init",
             [](int32_t capacity, int32_t n_embd, int32_t n_seq_max) {
+                if (capacity < 1)
+                    fail_argument("Batch.init: capacity must be >= 1, got " + std::to_string(capacity));
                 if (n_seq_max < 1)
                     fail_argument("Batch.init: n_seq_max must be >= 1, got " + std::to_string(n_seq_max));
                 return std::make_unique<py_batch>(capacity, n_embd, n_seq_max);
@@ -436,7 +438,8 @@ void bind_batch(py::module_& m) {
         .def("set_output", &py_batch::set_output, py::arg("i"), py::arg("output") = true)
         .def("clear", &py_batch::clear)
         .def("__len__", &py_batch::size)
-        .def_property_readonly("capacity", &py_batch::capacity)
+        .def_property_readonly("capacity", &py_batch::capacity,
+                               "Batch.init's capacity; 0: no limit (from arrays)")
         .def_property_readonly("n_embd", &py_batch::n_embd)
         .def_property_readonly("tokens", [](const py_batch& b) { return to_numpy(b.token); })
         .def_property_readonly("pos",
@@ -527,20 +530,29 @@ std::pair<py::array, const_tensor_view> numpy_to_view(const py::handle& h, const
 
 py_batch::py_batch(int32_t capacity, int32_t n_embd, int32_t n_seq_max)
     : capacity_(capacity), n_embd_(n_embd), n_seq_max_(n_seq_max) {
-    if (capacity <= 0) fail_argument("Batch: capacity must be > 0, got " + std::to_string(capacity));
+    if (capacity < 0) fail_argument("Batch: capacity must be >= 0, got " + std::to_string(capacity));
     if (n_embd < 0) fail_argument("Batch: n_embd must be >= 0, got " + std::to_string(n_embd));
     if (n_seq_max < 0) fail_argument("Batch: n_seq_max must be >= 0, got " + std::to_string(n_seq_max));
 }
 
 void py_batch::add_common(pos_t p, std::vector<seq_id_t> seq_ids, bool output) {
-    if (size() >= capacity_)
+    if (capacity_ > 0 && size() >= capacity_) {
         fail_argument("Batch.add: the batch is full (" + std::to_string(capacity_) + " tokens)");
+    }
     if (seq_ids.empty()) fail_argument("Batch.add: no sequence id");
     if (n_seq_max_ > 0 && seq_ids.size() > static_cast<size_t>(n_seq_max_)) {
         fail_argument("Batch.add: " + std::to_string(seq_ids.size()) + " sequence ids, more than n_seq_max " +
                       std::to_string(n_seq_max_));
     }
-    if (size() == 0) auto_pos = auto_seq = auto_logits = false;  // add() gives every array
+    if (auto_pos || auto_seq) {
+        fail_argument(
+            "Batch.add: this batch leaves positions or sequence ids to the memory; build it with pos= "
+            "and seq_ids=, or with Batch.init");
+    }
+    if (auto_logits) {  // the implicit "last token only" becomes explicit
+        auto_logits = false;
+        if (!logits.empty()) logits.back() = 1;
+    }
     pos.push_back(p);
     seqs.push_back(std::move(seq_ids));
     logits.push_back(output ? 1 : 0);

@@ -173,12 +173,26 @@ void bind_runtime(py::module_& parent) {
             "memory_kind", [](const model& md) { return to_string(md.memory_kind()); },
             "'kv' (llama), 'recurrent' (mamba) or 'hybrid' (jamba).")
         .def("layers", &model::layers, "The layers as a KV cache sees them.")
-        .def("cache_params", &model::cache_params, py::arg("kv_size"), py::arg("n_seq_max") = 1,
-             "KVCacheParams for this model (f16 K/V, one stream; adjust before creating the cache).")
+        .def(
+            "cache_params",
+            [](const model& md, uint32_t kv_size, uint32_t n_seq_max) {
+                kv_cache_params p = md.cache_params(kv_size, n_seq_max);
+                p.auto_update = true;  // as KVCacheParams() in Python
+                return p;
+            },
+            py::arg("kv_size"), py::arg("n_seq_max") = 1,
+            "KVCacheParams for this model (f16 K/V, one stream, auto_update; adjust before creating the "
+            "cache).")
         .def("recr_params", &model::recr_params, py::arg("n_seq_max") = 1,
              "RecurrentParams for a Mamba model.")
-        .def("hybrid_params", &model::hybrid_params, py::arg("kv_size"), py::arg("n_seq_max") = 1,
-             "MemoryHybridParams for a Jamba model.");
+        .def(
+            "hybrid_params",
+            [](const model& md, uint32_t kv_size, uint32_t n_seq_max) {
+                memory_hybrid_params p = md.hybrid_params(kv_size, n_seq_max);
+                p.attn.auto_update = true;
+                return p;
+            },
+            py::arg("kv_size"), py::arg("n_seq_max") = 1, "MemoryHybridParams for a Jamba model.");
 
     py::class_<py_runtime>(
         m, "Runtime",

@@ -24,6 +24,11 @@ def test_batch_from_lists_and_arrays():
     assert b.seq_ids == [[0, 1], [1]]
     with pytest.raises(kvcache.InvalidArgumentError, match="full"):
         b.add(9, 2, 0)
+    with pytest.raises(kvcache.InvalidArgumentError, match="leaves positions"):
+        kvcache.Batch(tokens=[1]).add(2, 1, 0)
+    b = kvcache.Batch(tokens=[1], pos=[0], seq_ids=[0])
+    b.add(2, 1, 0)
+    assert b.logits == [True, False] and b.pos.tolist() == [0, 1]
 
 
 def test_views_dtype_shape_strides_and_zero_copy():
