@@ -5,6 +5,7 @@
 #   runtime  libkvcache_runtime (target kvcache_runtime, kvcache::runtime): GGUF, models, kernels, thread
 #            pool, tiny model, reference; links the core
 #   capi     the C API (src/capi, headers kvcache.h): compiled into libkvcache, on the public C++ API only
+#   python   the Python module (python/src): on the public headers of the core and the runtime only
 #
 # A layer may use the layers below it, never one above: the core never sees a runtime header (the guard
 # in every include/kvcache/runtime/ header refuses KVC_LAYER_CORE and KVC_LAYER_CAPI) and does not link
@@ -23,8 +24,11 @@ function(kvc_layer target layer)
   elseif(layer STREQUAL "capi")
     target_compile_definitions(${target} PRIVATE KVC_LAYER_CAPI)
     target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
+  elseif(layer STREQUAL "python")
+    target_compile_definitions(${target} PRIVATE KVC_LAYER_PYTHON)
+    target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
   else()
-    message(FATAL_ERROR "kvc_layer: unknown layer '${layer}' (core, runtime, capi)")
+    message(FATAL_ERROR "kvc_layer: unknown layer '${layer}' (core, runtime, capi, python)")
   endif()
 endfunction()
 

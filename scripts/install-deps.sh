@@ -10,6 +10,8 @@ packages=(
   libxxhash-dev libzstd-dev                 # session file checksums, compression
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks
+  pybind11-dev python3-dev python3-numpy python3-pytest  # the Python package and its tests
+  python3-pip python3-venv python3-setuptools python3-wheel  # `pip install .` offline (docs/python.md)
 )
 if [ "${1:-}" = --ci ]; then  # scripts/lint.sh, scripts/fuzz.sh, scripts/docs.sh
   packages+=(clang-format clang-tidy git clang-14 libclang-rt-14-dev doxygen)

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Style and lint gate (run by CI): clang-format must leave every source unchanged, and clang-tidy's
-# checks (.clang-tidy) must pass on the library and the CLI. Needs a configured build for the compile
+# checks (.clang-tidy) must pass on the library, the CLI and the Python module. Needs a configured build for the compile
 # database: BUILD_DIR (default build/ci).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build/ci}
-mapfile -t sources < <(git ls-files '*.h' '*.cpp' | grep -E '^(include|src|tools|tests|bench)/')
+mapfile -t sources < <(git ls-files '*.h' '*.cpp' | grep -E '^(include|src|tools|tests|bench|python)/')
 clang-format --dry-run -Werror "${sources[@]}"
-mapfile -t tidy < <(git ls-files 'src/*.cpp' 'tools/*.cpp')
+mapfile -t tidy < <(git ls-files 'src/*.cpp' 'tools/*.cpp' 'python/src/*.cpp')
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
