@@ -260,6 +260,7 @@ void kv_cache::prefix_publish() {
                 break;
             }
             uint32_t id = ps.index.find(t.tail, t.key, toks);
+            if (id != none && ps.share_duplicates) share_block(s, id, cs);
             if (id == none) {
                 if (std::any_of(cs.begin(), cs.end(), [&](uint32_t c) { return cells.is_held(c); })) {
                     ps.stop(t);  // its cells belong to another block (a partial attach that diverged)
@@ -309,6 +310,26 @@ uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(c
         id = parent;  // queued now if this was its last child
     }
     return n;
+}
+
+void kv_cache::prefix_share_duplicates(bool on) {
+    if (prefix_) prefix_->share_duplicates = on;
+}
+
+// seq computed the tokens of cached block id again in its own cells `mine`: it holds the block's cells
+// instead (the same K/V), and its own go free, so that no cached block waits for a child it duplicates.
+void kv_cache::share_block(seq_id_t seq, uint32_t id, std::span<const uint32_t> mine) {
+    prefix_state& ps = *prefix_;
+    const uint32_t st = seq_to_stream(seq);
+    if (ps.index.at(id).stream != st) return;  // another stream's cells: attention cannot read them
+    kv_cells& cells = streams_[st];
+    const auto theirs = ps.index.cells(id);
+    for (uint32_t j = 0; j < mine.size(); ++j) {
+        if (mine[j] == theirs[j] || cells.seq_has(theirs[j], seq) || cells.is_held(mine[j])) continue;
+        if (cells.seq_count(theirs[j]) == 0) ps.index.acquire(id);
+        cells.seq_add(theirs[j], seq);
+        if (cells.seq_rm(mine[j], seq)) lower_head(st, mine[j]);
+    }
 }
 
 prefix_stats kv_cache::get_prefix_stats() const {

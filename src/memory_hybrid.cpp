@@ -45,7 +45,10 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
     else
         attn_ = std::make_unique<kv_cache>(params_.attn);
     recr_ = std::make_unique<memory_recurrent>(params_.recr);
-    if (params_.prefix.enabled) kv_ = dynamic_cast<kv_cache*>(attn_.get());
+    if (params_.prefix.enabled) {
+        kv_ = dynamic_cast<kv_cache*>(attn_.get());
+        kv_->prefix_share_duplicates(true);  // what it recomputes after an earlier snapshot
+    }
 }
 
 // -- prefix cache --

@@ -170,6 +170,10 @@ void memory_recurrent::prefix_init() {
     prefix_ = std::make_unique<prefix_state>(q, size_, n_snap_);
 }
 
+uint32_t memory_recurrent::get_snapshots_used() const {
+    return prefix_ ? static_cast<uint32_t>(prefix_->slots.size() - prefix_->free_slots.size()) : 0;
+}
+
 size_t memory_recurrent::snapshot_bytes() const {
     size_t b = 0;
     for (const layer& l : layers_) b += l.row_r + l.row_s;
@@ -346,7 +350,7 @@ prefix_stats memory_recurrent::get_prefix_stats() const {
     const prefix_state& ps = *prefix_;
     prefix_stats st = ps.stats;
     st.blocks = ps.index.size();
-    st.snapshots = static_cast<uint32_t>(ps.slots.size() - ps.free_slots.size());
+    st.snapshots = get_snapshots_used();
     st.index_bytes = ps.index.bytes() + ps.pending.capacity() * sizeof(seq_id_t) +
                      (ps.holders.capacity() + ps.block_slot.capacity() + ps.slot_block.capacity() +
                       ps.free_slots.capacity()) *

@@ -156,5 +156,36 @@ TEST(sim_engine, budget_smaller_than_a_request_is_an_error) {
     EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, o), error);
 }
 
+// Recurrent and hybrid models: kvcache resumes at snapshots (within a block of where a turn's prompt
+// ended), llama-server at its checkpoints; a hybrid hit needs both halves, so it is at most the K/V hit.
+TEST(sim_engine, recurrent_and_hybrid_memories_resume_at_states_kept) {
+    // trace blocks of 16; the second prompt continues the first (32 tokens) past its end, the third
+    // branches inside it (after 16 tokens); cache blocks of 8
+    const std::vector<sim_request> reqs{
+        {0, 40, 4, {1, 2, 3}}, {0, 56, 4, {1, 2, 3, 4}}, {0, 40, 4, {1, 5, 6}}};
+    sim_options o = small(512, 1);
+    o.cache_block = 8;
+    o.snapshot_interval = 0;  // snapshots at prompt and sequence ends only
+    o.snapshots = 16;
+    o.state_tokens = 8;
+    const sim_result kv = run_sim(reqs, sim_policy::kvcache, o);
+    for (const sim_memory m : {sim_memory::recurrent, sim_memory::hybrid}) {
+        o.memory = m;
+        const sim_result r = run_sim(reqs, sim_policy::kvcache, o);
+        // turn 2 resumes at 40 (its prompt end), turn 3 finds no state inside the first prompt
+        EXPECT_EQ(r.hit_tokens, 40u) << to_string(m);
+        EXPECT_LE(r.hit_tokens, kv.hit_tokens) << to_string(m);
+        EXPECT_GT(r.peak_snapshots, 0u) << to_string(m);
+        EXPECT_LE(r.peak_snapshots, 16u) << to_string(m);
+        // llama-server: the slot's checkpoint at the first prompt's end (40) serves turn 2; turn 3 diverges
+        // at 16, before any checkpoint
+        const sim_result ls = run_sim(reqs, sim_policy::llama_server, o);
+        EXPECT_EQ(ls.hit_tokens, 40u) << to_string(m);
+        o.snapshot_interval = 2;  // every 16 tokens: turn 3 resumes at 16
+        EXPECT_EQ(run_sim(reqs, sim_policy::kvcache, o).hit_tokens, 56u) << to_string(m);
+        o.snapshot_interval = 0;
+    }
+}
+
 }  // namespace
 }  // namespace kvc::cli

@@ -225,6 +225,9 @@ public:
     /// parent hash and tokens) and then its ancestors, as long as each is evictable (no sequence, pin or
     /// cached child holds it) and keep(block) is false. Returns the blocks evicted.
     uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
+    /// For memory_hybrid: a sequence that decoded the tokens of a cached block again (it resumed at an
+    /// earlier snapshot) moves to the block's cells when it publishes, and its own copies go free.
+    void prefix_share_duplicates(bool on);
     /// What the prefix cache did and holds (zeros without one). It counts the cells of every stream: for
     /// reports, not for every step.
     prefix_stats get_prefix_stats() const override;
@@ -300,7 +303,8 @@ private:
                        std::span<const uint32_t> cells);
     void prefix_before_shift(seq_id_t seq_id, pos_t p0, pos_t p1);  // copies or unpublishes held cells
     void prefix_forget(seq_id_t seq_id);  // its tracker stops publishing (seq_all: every tracker)
-    void prefix_reset();                  // everything the memory held is gone
+    void share_block(seq_id_t seq, uint32_t id, std::span<const uint32_t> mine);
+    void prefix_reset();                                             // everything the memory held is gone
     void prefix_moved(uint32_t stream, uint32_t from, uint32_t to);  // compaction moved a cell
 
     kv_cache_params params_;

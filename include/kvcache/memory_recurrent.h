@@ -229,6 +229,8 @@ public:
     bool prefix_has(const prefix_event& e) const;
     /// Snapshot rows in every tensor (prefix.max_snapshots resolved; 0 without a prefix cache).
     uint32_t get_n_snapshots() const { return n_snap_; }
+    /// Snapshot rows in use now (published or being written); O(1).
+    uint32_t get_snapshots_used() const;
     /// Bytes of one snapshot: one row of every tensor.
     size_t snapshot_bytes() const;
 

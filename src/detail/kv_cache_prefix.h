@@ -32,6 +32,7 @@ struct kv_cache::prefix_state {
     std::vector<seq_id_t> pending;     // sequences that may have full blocks to publish
     prefix_stats stats;
     std::function<void(const prefix_event&)> on_event;
+    bool share_duplicates = false;  // kv_cache::prefix_share_duplicates
 
     // Tells on_event that block id was stored or removed (its record still intact).
     void emit(prefix_event::kind type, uint32_t id) {

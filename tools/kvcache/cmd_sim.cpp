@@ -30,7 +30,7 @@ struct sim_cli_options {
     generate_options gen;
     std::string policies = "kvcache,llama-server,none,oracle";
     std::string budget, sweep;
-    std::string evict = "lru", arrival = "ignore";
+    std::string evict = "lru", arrival = "ignore", memory = "kv";
     sim_options sim;
     bool json = false;
 };
@@ -95,6 +95,21 @@ void print_table(const std::vector<sim_result>& rs) {
                 ? fmt::format("{} B", r.bytes_copied)
                 : fmt::format("{} tok", r.copied_tokens),
             r.ns_per_token(), r.wall_seconds);
+    }
+}
+
+// Recurrent and hybrid models: the states each policy keeps (kvcache's snapshots, llama-server's
+// checkpoints), in tokens of K/V memory (a state costs state_tokens) and as a share of the budget.
+void print_snapshots(const std::vector<sim_result>& rs, const sim_options& o) {
+    for (const sim_result& r : rs) {
+        if (r.policy != sim_policy::kvcache && r.policy != sim_policy::llama_server) continue;
+        const double tokens = static_cast<double>(r.peak_snapshots) * o.state_tokens;
+        fmt::print(
+            "{:<13} states kept: peak {} {} = {:.0f} tokens of memory ({} of the budget; a state = {} "
+            "tokens)\n",
+            to_string(r.policy), r.peak_snapshots,
+            r.policy == sim_policy::kvcache ? "snapshots" : "checkpoints", tokens,
+            pct(tokens / static_cast<double>(r.budget_tokens)), o.state_tokens);
     }
 }
 
@@ -171,6 +186,15 @@ void run(sim_cli_options o) {
         o.sim.evict = evict_policy::slru;
     else
         throw error(errc::invalid_argument, fmt::format("--evict '{}': not one of lru, slru", o.evict));
+    if (o.memory == "kv")
+        o.sim.memory = sim_memory::kv;
+    else if (o.memory == "recurrent")
+        o.sim.memory = sim_memory::recurrent;
+    else if (o.memory == "hybrid")
+        o.sim.memory = sim_memory::hybrid;
+    else
+        throw error(errc::invalid_argument,
+                    fmt::format("--memory '{}': not one of kv, recurrent, hybrid", o.memory));
     if (o.arrival != "ignore" && o.arrival != "respect")
         throw error(errc::invalid_argument,
                     fmt::format("--arrival '{}': not one of ignore, respect", o.arrival));
@@ -219,10 +243,12 @@ void run(sim_cli_options o) {
         }
         if (!o.json) {
             fmt::print(
-                "\nbudget  {} tokens ({} of unique), concurrency {}, {} blocks of {} tokens, evict {}\n",
+                "\nbudget  {} tokens ({} of unique), concurrency {}, {} blocks of {} tokens, evict {}, "
+                "memory {}\n",
                 so.budget, pct(double(so.budget) / double(ts.unique_tokens)), so.concurrency,
-                so.budget / so.cache_block, so.cache_block, o.evict);
+                so.budget / so.cache_block, so.cache_block, o.evict, o.memory);
             print_table(rs);
+            if (so.memory != sim_memory::kv) print_snapshots(rs, so);
         }
         all.insert(all.end(), rs.begin(), rs.end());
     }
@@ -240,10 +266,15 @@ void run(sim_cli_options o) {
                       {"ideal_hit_rate", ideal}};
         j["concurrency"] = o.sim.concurrency;
         j["evict"] = o.evict;
+        j["memory"] = o.memory;
+        if (o.sim.memory != sim_memory::kv) j["state_tokens"] = o.sim.state_tokens;
         j["rss_bytes"] = mem.now;
         j["peak_rss_bytes"] = mem.peak;
         auto& arr = j["results"] = nlohmann::ordered_json::array();
-        for (const sim_result& r : all) arr.push_back(to_json(r));
+        for (const sim_result& r : all) {
+            arr.push_back(to_json(r));
+            if (o.sim.memory != sim_memory::kv) arr.back()["peak_snapshots"] = r.peak_snapshots;
+        }
         fmt::print("{}\n", j.dump(2));
     }
     if (!o.plot.empty()) {
@@ -294,6 +325,26 @@ void add_sim_command(CLI::App& app) {
     cmd->add_option("--defer-shared", o->sim.defer_shared,
                     "kvcache: a request whose first block is being computed by one admitted in the same step "
                     "waits a step (1) or not (0)")
+        ->capture_default_str();
+    cmd->add_option("--memory", o->memory,
+                    "the model's memory: kv (attention), recurrent (Mamba: state only), hybrid (Jamba: both)")
+        ->capture_default_str();
+    cmd->add_option(
+           "--snapshot-interval", o->sim.snapshot_interval,
+           "recurrent, hybrid: kvcache keeps a snapshot every N blocks (and at prompt and sequence ends)")
+        ->capture_default_str();
+    cmd->add_option("--snapshots", o->sim.snapshots,
+                    "recurrent, hybrid: kvcache's snapshot pool (0: the budget's memory, a tenth of it for "
+                    "hybrid, at --state-tokens each)")
+        ->capture_default_str();
+    cmd->add_option("--state-tokens", o->sim.state_tokens,
+                    "recurrent, hybrid: one sequence's state costs as much memory as this many tokens of K/V")
+        ->capture_default_str();
+    cmd->add_option("--checkpoint-every", o->sim.checkpoint_every,
+                    "recurrent, hybrid: llama-server's checkpoint step (tokens)")
+        ->capture_default_str();
+    cmd->add_option("--max-checkpoints", o->sim.max_checkpoints,
+                    "recurrent, hybrid: llama-server's checkpoints per slot")
         ->capture_default_str();
     cmd->add_option("--cache-ram", o->sim.cache_ram, "llama-server: tokens of its RAM prompt cache (0: off)")
         ->capture_default_str();

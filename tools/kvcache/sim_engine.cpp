@@ -35,9 +35,26 @@ void check_options(const sim_options& o) {
     if (o.n_ubatch == 0) throw error(errc::invalid_argument, "--ubatch must be at least 1");
     if (o.step_ms <= 0)
         throw error(errc::invalid_argument, fmt::format("--step-ms {} must be positive", o.step_ms));
+    if (o.state_tokens == 0 || o.checkpoint_every == 0 || o.max_checkpoints == 0)
+        throw error(errc::invalid_argument,
+                    fmt::format("--state-tokens {}, --checkpoint-every {} and --max-checkpoints {} must be "
+                                "at least 1",
+                                o.state_tokens, o.checkpoint_every, o.max_checkpoints));
 }
 
 }  // namespace
+
+const char* to_string(sim_memory m) {
+    switch (m) {
+        case sim_memory::kv:
+            return "kv";
+        case sim_memory::recurrent:
+            return "recurrent";
+        case sim_memory::hybrid:
+            return "hybrid";
+    }
+    return "?";
+}
 
 const char* to_string(sim_policy p) {
     switch (p) {
@@ -68,7 +85,7 @@ void check_budget(const std::vector<sim_request>& reqs, const sim_options& o) {
         throw error(errc::invalid_argument, fmt::format("budget {} tokens must be a positive multiple of the "
                                                         "block size {}",
                                                         o.budget, o.cache_block));
-    for (size_t i = 0; i < reqs.size(); ++i) {
+    for (size_t i = 0; i < reqs.size() && o.memory != sim_memory::recurrent; ++i) {  // recurrent: no K/V
         const uint64_t need = static_cast<uint64_t>(reqs[i].input_length) + reqs[i].output_length;
         if (need > o.budget)
             throw error(errc::invalid_argument,

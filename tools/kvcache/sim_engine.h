@@ -32,6 +32,14 @@ enum class sim_policy : uint8_t {
 const char* to_string(sim_policy p);
 std::optional<sim_policy> parse_sim_policy(const std::string& s);
 
+/// The model's memory the run stands for (docs/sim.md, "Recurrent and hybrid models").
+enum class sim_memory : uint8_t {
+    kv,         ///< attention K/V only: a kv_cache of `budget` cells
+    recurrent,  ///< recurrent state only (Mamba): a memory_recurrent; the budget holds its snapshots
+    hybrid,     ///< both (Jamba): a memory_hybrid, K/V of `budget` cells and a snapshot pool
+};
+const char* to_string(sim_memory m);
+
 struct sim_options {
     uint32_t budget = 0;         ///< cells (tokens) of the cache
     uint32_t concurrency = 64;   ///< live requests at most (sequences, slots)
@@ -45,6 +53,15 @@ struct sim_options {
     /// compute waits one step, so that it attaches that prefix instead of computing it again (SGLang's
     /// in-batch prefix sharing does the same).
     bool defer_shared = true;
+    sim_memory memory = sim_memory::kv;
+    uint32_t snapshot_interval = 64;  ///< recurrent, hybrid: kvcache's snapshot every N blocks
+    /// recurrent, hybrid: kvcache's snapshot pool (0: what the budget's memory holds, a tenth of it for
+    /// a hybrid model, at state_tokens each)
+    uint32_t snapshots = 0;
+    uint32_t state_tokens =
+        1024;  ///< recurrent, hybrid: a sequence's state costs as much as this many tokens of K/V
+    uint32_t checkpoint_every = 8192;      ///< recurrent, hybrid: llama-server's checkpoint step
+    uint32_t max_checkpoints = 32;         ///< recurrent, hybrid: llama-server's checkpoints per slot
     uint64_t cache_ram = 0;                ///< llama-server: tokens its RAM prompt cache holds (0: off)
     float slot_similarity = 0.1f;          ///< llama-server: --slot-prompt-similarity
     std::function<void(double)> progress;  ///< called with the fraction of requests done (may be empty)
@@ -79,6 +96,8 @@ struct sim_result {
     uint64_t cache_hit_tokens = 0;  ///< kvcache: prefix_stats::hit_tokens (= hit_tokens + probe_hit_tokens)
     uint64_t probe_hit_tokens = 0;  ///< kvcache: tokens of attaches undone because the request did not fit
     bool has_serving = true;        ///< false for the oracle (no serving loop: no live/queue figures)
+    /// recurrent, hybrid: the most snapshots (kvcache) or checkpoints (llama-server) held at once
+    uint64_t peak_snapshots = 0;
 
     double hit_rate() const { return prompt_tokens ? static_cast<double>(hit_tokens) / prompt_tokens : 0; }
     double ns_per_token() const {

@@ -1,8 +1,11 @@
-// kvcache sim: the policies `kvcache` and `none`, the library's own kv_cache with rows of one f32 value
-// (no model: the bookkeeping, placement, index, eviction and publishing are the real code).
+// kvcache sim: the policies `kvcache` and `none`, the library's own memories with rows of one f32 value
+// (no model: the bookkeeping, placement, index, eviction, snapshots and publishing are the real code): a
+// kv_cache, a memory_recurrent (--memory recurrent) or a memory_hybrid (--memory hybrid).
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/memory_hybrid.h>
+#include <kvcache/memory_recurrent.h>
 
 #include "sim_backend.h"
 
@@ -12,20 +15,57 @@ namespace {
 class kv_backend final : public sim_backend {
 public:
     kv_backend(const sim_options& o, bool prefix)
-        : prefix_(prefix), cache_(params(o, prefix)), n_ubatch_(o.n_ubatch) {}
+        : prefix_(prefix), n_ubatch_(o.n_ubatch), block_(o.cache_block), memory_(o.memory) {
+        const kv_cache_params kp = params(o, prefix && o.memory == sim_memory::kv);
+        if (o.memory == sim_memory::kv) {
+            auto c = std::make_unique<kv_cache>(kp);
+            kv_ = c.get();
+            mem_ = std::move(c);
+        } else {
+            recurrent_params rp;
+            rp.layers = {recurrent_layer_desc{.n_embd_s = 1}};  // one value: the bookkeeping is real
+            rp.n_seq_max = o.concurrency;
+            prefix_cache_params pc{.enabled = prefix,
+                                   .block_size = o.cache_block,
+                                   .policy = o.evict,
+                                   .snapshot_interval = o.snapshot_interval,
+                                   .max_snapshots = o.snapshots};
+            // the pool's memory: a state costs state_tokens tokens of K/V; a recurrent model's cache is all
+            // snapshots, a hybrid one's gives them a tenth of the budget
+            const uint32_t share = o.memory == sim_memory::recurrent ? o.budget : o.budget / 10;
+            if (pc.max_snapshots == 0) pc.max_snapshots = std::max<uint32_t>(1, share / o.state_tokens);
+            if (o.memory == sim_memory::recurrent) {
+                rp.prefix = pc;
+                auto r = std::make_unique<memory_recurrent>(rp);
+                recr_ = r.get();
+                mem_ = std::move(r);
+            } else {
+                auto h = std::make_unique<memory_hybrid>(memory_hybrid_params{
+                    .attn = kp, .recr = rp, .iswa = std::nullopt, .memory_budget = 0, .prefix = pc});
+                kv_ = &dynamic_cast<kv_cache&>(h->get_attn());
+                recr_ = &h->get_recr();
+                mem_ = std::move(h);
+            }
+        }
+        pc_ = dynamic_cast<prefix_cache_i*>(mem_.get());
+    }
 
     std::optional<uint32_t> start(seq_id_t seq, uint64_t /*req*/, std::span<const token_t> prompt,
                                   uint32_t n_out, uint64_t reserved) override {
-        const uint64_t len = prompt.size(), size = cache_.get_size();
+        if (kv_ == nullptr)  // recurrent: a state per sequence, always room
+            return prefix_ ? pc_->prefix_attach(seq, prompt, 0, prefix_default_priority, UINT32_MAX) : 0;
+        // a hybrid memory's sequences move to cached copies of what they recompute: count what they hold
+        if (memory_ == sim_memory::hybrid) held_ = count_held();
+        const uint64_t len = prompt.size(), size = kv_->get_size();
         // room = free cells + cached cells no live request holds (evictable) = size - held_
         const auto room = [&] { return static_cast<int64_t>(size - held_ - reserved); };
         if (!prefix_)
             return room() >= static_cast<int64_t>(len + n_out) ? std::optional<uint32_t>(0) : std::nullopt;
-        const uint32_t n = cache_.prefix_attach(seq, prompt);
+        const uint32_t n = pc_->prefix_attach(seq, prompt, 0, prefix_default_priority, UINT32_MAX);
         const uint64_t took = alone(seq);  // attached cells that were cached only: no longer evictable
         held_ += took;
         if (room() < static_cast<int64_t>(len - n + n_out)) {
-            cache_.seq_rm(seq, -1, -1);  // does not fit now: undo (the blocks go back to the cache)
+            mem_->seq_rm(seq, -1, -1);  // does not fit now: undo (the blocks go back to the cache)
             held_ -= took;
             probe_hits_ += n;
             return std::nullopt;
@@ -43,39 +83,47 @@ public:
                 b.add(w.tokens[i], w.p0 + static_cast<pos_t>(i), ids, i + 1 == w.tokens.size());
         }
         batch_allocr a;
-        a.init(b.view(), positions_of(cache_), {.n_seq_max = cache_.params().n_seq_max});
-        auto ctx = cache_.init_batch(a, n_ubatch_, /*embd_all=*/false);
-        if (ctx->get_status() != memory_status::success)
-            throw error(errc::invalid_state,
-                        fmt::format("sim: a step of {} tokens found no room in {} cells ({} held by live "
-                                    "requests): the simulator's accounting is wrong",
-                                    n, cache_.get_size(), held_));
+        a.init(b.view(), positions_of(*mem_), {.n_seq_max = n_seq_max()});
+        auto ctx = mem_->init_batch(a, n_ubatch_, /*embd_all=*/false);
+        if (ctx->get_status() != memory_status::success) {
+            const prefix_stats st = kv_ ? kv_->get_prefix_stats() : prefix_stats{};
+            throw error(
+                errc::invalid_state,
+                fmt::format("sim: a step of {} tokens found no room ({} cells held by live requests; "
+                            "cached {} shared {} free {} blocks {}): the simulator's accounting is wrong",
+                            n, held_, st.cached_cells, st.shared_cells, st.free_cells, st.blocks));
+        }
         do ctx->apply();
         while (ctx->next());
+        if (recr_ != nullptr)
+            peak_snapshots_ = std::max<uint64_t>(peak_snapshots_, recr_->get_snapshots_used());
+        if (kv_ == nullptr) return;
         held_ += n;  // new cells belong to their sequence only
-        peak_ = std::max<uint64_t>(peak_, cache_.cells(0).get_used());
-        peak_committed_ = std::max(peak_committed_, cache_.committed_bytes());
+        peak_ = std::max<uint64_t>(peak_, kv_->cells(0).get_used());
+        peak_committed_ = std::max(peak_committed_, kv_->committed_bytes());
     }
 
     void finish(seq_id_t seq) override {
-        if (prefix_) cache_.prefix_publish();  // the last step's blocks (no later step publishes them)
-        held_ -= alone(seq);
-        cache_.seq_rm(seq, -1, -1);
+        if (prefix_) pc_->prefix_publish();  // the last step's blocks (no later step publishes them)
+        if (kv_ != nullptr) held_ -= alone(seq);
+        mem_->seq_rm(seq, -1, -1);
     }
 
-    uint64_t used_cells() const override { return cache_.cells(0).get_used(); }
+    uint64_t used_cells() const override { return kv_ ? kv_->cells(0).get_used() : 0; }
     uint64_t live_cells() const override { return held_; }
 
     void report(sim_result& r) const override {
-        const prefix_stats st = cache_.get_prefix_stats();
-        r.evicted_tokens = st.evicted_blocks * cache_.params().prefix.block_size;
+        const prefix_stats st = pc_->get_prefix_stats();
+        r.evicted_tokens = st.evicted_blocks * block_;
         r.bytes_copied = st.bytes_copied;
         r.probe_hit_tokens = probe_hits_;
         r.peak_cells = peak_;
-        const uint64_t cell = cache_.size_bytes() / cache_.get_size();
-        r.peak_committed_cells = peak_committed_ / cell;
-        r.final_committed_cells = cache_.committed_bytes() / cell;
         r.cache_hit_tokens = st.hit_tokens;
+        r.peak_snapshots = peak_snapshots_;
+        if (kv_ == nullptr) return;
+        const uint64_t cell = kv_->size_bytes() / kv_->get_size();
+        r.peak_committed_cells = peak_committed_ / cell;
+        r.final_committed_cells = kv_->committed_bytes() / cell;
     }
 
 private:
@@ -96,14 +144,29 @@ private:
     // Cells of seq that no other sequence holds (what leaves the live set when seq goes).
     uint64_t alone(seq_id_t seq) const {
         uint64_t n = 0;
-        const kv_cells& c = cache_.cells(0);
+        const kv_cells& c = kv_->cells(0);
         for (const auto& [pos, cell] : c.seq_entries(seq, -1, -1)) n += c.seq_count(cell) == 1;
         return n;
     }
-
+    uint64_t count_held() const {
+        const kv_cells& c = kv_->cells(0);
+        uint64_t n = 0;
+        for (uint32_t i = 0; i < c.size(); ++i) n += c.seq_count(i) > 0;
+        return n;
+    }
+    uint32_t n_seq_max() const {
+        return kv_ ? kv_->params().n_seq_max
+                   : dynamic_cast<const memory_recurrent&>(*mem_).params().n_seq_max;
+    }
     bool prefix_;
-    kv_cache cache_;
     uint32_t n_ubatch_;
+    uint32_t block_;
+    sim_memory memory_;
+    std::unique_ptr<memory_i> mem_;
+    kv_cache* kv_ = nullptr;                  // the K/V cells: the cache, or the hybrid's attention part
+    const memory_recurrent* recr_ = nullptr;  // the recurrent memory or part
+    prefix_cache_i* pc_ = nullptr;            // mem_'s prefix calls
+    uint64_t peak_snapshots_ = 0;
     uint64_t held_ = 0;  // cells held by at least one live sequence
     uint64_t peak_ = 0;
     uint64_t peak_committed_ = 0;  // bytes

@@ -10,6 +10,12 @@
 // tokens in the RAM prompt cache (`cache_ram` tokens, oldest entries dropped first, nothing shared between
 // entries) and then loads the entry with the longest common prefix, if any, into the slot. When the cells
 // run short, idle slots are purged one by one.
+//
+// Recurrent and hybrid models (--memory): a slot's state cannot go back, so a prompt that diverges from
+// the slot's tokens before their end resumes from the newest context checkpoint at or before the
+// divergence (llama.cpp's server since 2025-10): checkpoints are taken while a prompt is processed, every
+// checkpoint_every tokens and at the prompt's end, at most max_checkpoints per slot (the oldest dropped);
+// RAM cache entries keep theirs. Recurrent only: no K/V, so the budget limits nothing here.
 #include <algorithm>
 #include <list>
 
@@ -25,12 +31,18 @@ namespace {
 struct content {
     int64_t req = -1;
     uint64_t n = 0;
+    std::vector<uint64_t> ckpts;  // recurrent, hybrid: states kept after tokens [0, c), ascending
 };
 
 class llama_server final : public sim_backend {
 public:
     llama_server(const sim_options& o, const std::vector<sim_request>& reqs)
-        : o_(o), reqs_(reqs), slots_(o.concurrency), seq_slot_(o.concurrency, -1) {}
+        : o_(o),
+          reqs_(reqs),
+          slots_(o.concurrency),
+          seq_slot_(o.concurrency, -1),
+          state_(o.memory != sim_memory::kv),
+          budget_(o.memory == sim_memory::recurrent ? UINT64_MAX / 4 : o.budget) {}
 
     bool needs_tokens() const override { return false; }
 
@@ -75,11 +87,11 @@ public:
             keep_own = lcp(s.c, req) > 0 && lcp(s.c, req) >= best_lcp;
             if (!keep_own) after = from_ram != ram_.end() ? *from_ram : content{};
         }
-        const uint64_t reuse = std::min<uint64_t>(lcp(after, req), len - 1);
+        const uint64_t reuse = reusable(after, req, len - 1);
         // cells: live slots, what they will still add, this request's new tokens; idle slots may be purged
         uint64_t live_cells = 0;
         for (const slot& x : slots_) live_cells += x.live ? x.c.n : 0;
-        if (live_cells + reserved + reuse + (len - reuse) + n_out > o_.budget) return std::nullopt;
+        if (live_cells + reserved + reuse + (len - reuse) + n_out > budget_) return std::nullopt;
 
         // commit
         if (!keep_own) {  // prompt_load of the best entry (it leaves the RAM cache), prompt_save of the slot
@@ -97,11 +109,12 @@ public:
         }
         evicted_ += s.c.n - reuse;  // the tokens after the common prefix are dropped
         used_ -= s.c.n - reuse;
-        s.c = {static_cast<int64_t>(req), reuse};
+        std::erase_if(s.c.ckpts, [reuse](uint64_t c) { return c > reuse; });  // beyond what is kept
+        s.c = {static_cast<int64_t>(req), reuse, std::move(s.c.ckpts)};
         s.live = true;
         seq_slot_[seq] = best;
         // try_clear_idle_slots: purge idle slots, in slot order, until the request fits
-        for (size_t i = 0; i < slots_.size() && used_ + reserved + (len - reuse) + n_out > o_.budget; ++i) {
+        for (size_t i = 0; i < slots_.size() && used_ + reserved + (len - reuse) + n_out > budget_; ++i) {
             if (slots_[i].live || slots_[i].c.n == 0) continue;
             evicted_ += slots_[i].c.n;
             used_ -= slots_[i].c.n;
@@ -112,10 +125,26 @@ public:
 
     void step(std::span<const sim_work> work) override {
         for (const sim_work& w : work) {
-            slots_[seq_slot_[w.seq]].c.n += w.n;
+            content& c = slots_[seq_slot_[w.seq]].c;
+            const uint64_t len = reqs_[static_cast<size_t>(c.req)].input_length;
+            if (state_ &&
+                c.n < len) {  // the prompt: a checkpoint every checkpoint_every tokens, and at its end
+                const uint64_t last = c.ckpts.empty() ? 0 : c.ckpts.back();
+                for (uint64_t p = std::max(last, c.n) + o_.checkpoint_every; p < len;
+                     p += o_.checkpoint_every)
+                    c.ckpts.push_back(p);
+                c.ckpts.push_back(len);
+                if (c.ckpts.size() > o_.max_checkpoints)
+                    c.ckpts.erase(c.ckpts.begin(), c.ckpts.end() - o_.max_checkpoints);
+                uint64_t held = 0;
+                for (const slot& x : slots_) held += x.c.ckpts.size();
+                for (const content& e : ram_) held += e.ckpts.size();
+                peak_ckpts_ = std::max(peak_ckpts_, held);
+            }
+            c.n += w.n;
             used_ += w.n;
         }
-        if (used_ > o_.budget)
+        if (used_ > budget_)
             throw error(errc::invalid_state, fmt::format("sim: llama-server model holds {} cells of {}: the "
                                                          "simulator's accounting is wrong",
                                                          used_, o_.budget));
@@ -139,6 +168,7 @@ public:
         r.evicted_tokens = evicted_;
         r.copied_tokens = copied_;
         r.peak_cells = peak_;
+        r.peak_snapshots = peak_ckpts_;
     }
 
 private:
@@ -159,6 +189,17 @@ private:
         while (k < m && x.hash_ids[k] == y.hash_ids[k]) ++k;
         const uint64_t same = k == m ? UINT64_MAX : static_cast<uint64_t>(k) * o_.trace_block;
         return std::min({same, lx, static_cast<uint64_t>(y.input_length)});
+    }
+
+    // What request b may reuse of what `c` holds, at most `cap` tokens: the common prefix (K/V), or with
+    // recurrent state the whole content when the prompt continues it, else the newest checkpoint in it.
+    uint64_t reusable(const content& c, uint64_t b, uint64_t cap) const {
+        const uint64_t l = std::min(lcp(c, b), cap);
+        if (!state_ || l == c.n) return l;
+        uint64_t best = 0;
+        for (uint64_t p : c.ckpts)
+            if (p <= l) best = p;
+        return best;
     }
 
     // prompt_save: a copy of the slot's tokens into the RAM cache (not twice), oldest entries dropped.
@@ -182,6 +223,9 @@ private:
     std::list<content> ram_;     // oldest first
     uint64_t ram_used_ = 0, used_ = 0, peak_ = 0, evicted_ = 0, copied_ = 0;
     int64_t clock_ = 0;
+    bool state_;       // recurrent or hybrid: reuse goes through checkpoints
+    uint64_t budget_;  // cells (none for a recurrent model)
+    uint64_t peak_ckpts_ = 0;
 };
 
 }  // namespace
