@@ -24,8 +24,10 @@ static_assert(offsetof(kvc_rs_copy, dst) == offsetof(kvc::rs_copy, dst));
 static_assert(std::is_same_v<decltype(kvc_rs_copy::src), decltype(kvc::rs_copy::src)>);
 static_assert(std::is_same_v<decltype(kvc_rs_copy::dst), decltype(kvc::rs_copy::dst)>);
 // and kvc_rs_view::snaps at its kvc::rs_snap array
-static_assert(std::is_standard_layout_v<kvc_rs_snap> && std::is_standard_layout_v<kvc::rs_snap>);
-static_assert(sizeof(kvc_rs_snap) == sizeof(kvc::rs_snap) && alignof(kvc_rs_snap) == alignof(kvc::rs_snap));
+static_assert(std::is_standard_layout_v<kvc_rs_snap>);
+static_assert(std::is_standard_layout_v<kvc::rs_snap>);
+static_assert(sizeof(kvc_rs_snap) == sizeof(kvc::rs_snap));
+static_assert(alignof(kvc_rs_snap) == alignof(kvc::rs_snap));
 static_assert(offsetof(kvc_rs_snap, block) == offsetof(kvc::rs_snap, block));
 static_assert(offsetof(kvc_rs_snap, token) == offsetof(kvc::rs_snap, token));
 static_assert(offsetof(kvc_rs_snap, dst) == offsetof(kvc::rs_snap, dst));
