@@ -120,6 +120,9 @@ void bind_reports(py::module_& m) {
         .def_readonly("pinned_cells", &prefix_stats::pinned_cells)
         .def_readonly("free_cells", &prefix_stats::free_cells)
         .def_readonly("index_bytes", &prefix_stats::index_bytes)
+        .def_readonly("snapshots_saved", &prefix_stats::snapshots_saved)
+        .def_readonly("snapshots_dropped", &prefix_stats::snapshots_dropped)
+        .def_readonly("snapshots", &prefix_stats::snapshots)
         .def("__repr__", [](const prefix_stats& s) {
             return "PrefixStats(lookups=" + std::to_string(s.lookups) +
                    ", hit_tokens=" + std::to_string(s.hit_tokens) + ", blocks=" + std::to_string(s.blocks) +
@@ -587,6 +590,39 @@ void bind_composites(py::module_& m) {
                                [](const py_memory_hybrid& s) { return s.hybrid->size_bytes(); });
 }
 
+// The prefix calls every memory with a prefix cache offers (prefix_cache_i), on a recurrent or hybrid
+// memory (snapshots of states; a KVCache binds its own, with pins and priorities).
+template <class T>
+void bind_prefix_calls(py::module_& m, const char* name) {
+    auto c = py::reinterpret_borrow<py::class_<T, py_memory>>(m.attr(name));
+    const auto pc = [](const T& s) -> prefix_cache_i& { return dynamic_cast<prefix_cache_i&>(*s.mem); };
+    c.def(
+         "prefix_lookup",
+         [pc](const T& s, const py::object& tokens, uint64_t key) {
+             const auto t = tokens_of(tokens, "prefix_lookup tokens");
+             return s.locked([&] { return pc(s).prefix_lookup(t, key); });
+         },
+         py::arg("tokens"), py::arg("key") = 0,
+         "Tokens of the prompt prefix_attach would resume now (the deepest snapshot before its last token).")
+        .def(
+            "prefix_attach",
+            [pc](const T& s, seq_id_t seq, const py::object& tokens, uint64_t key, uint32_t priority) {
+                const auto t = tokens_of(tokens, "prefix_attach tokens");
+                const auto pr = static_cast<uint8_t>(check_u8(priority, "prefix_attach"));
+                return s.locked([&] { return pc(s).prefix_attach(seq, t, key, pr, UINT32_MAX); });
+            },
+            py::arg("seq_id"), py::arg("tokens"), py::arg("key") = 0,
+            py::arg("priority") = prefix_default_priority,
+            "Resumes the empty sequence seq_id from the deepest snapshot of tokens; returns n: decode "
+            "tokens[n:] from position n.")
+        .def(
+            "prefix_publish", [pc](const T& s) { s.locked([&] { pc(s).prefix_publish(); }); },
+            "Publishes the snapshots (and blocks) the ubatches applied so far wrote.")
+        .def(
+            "prefix_stats", [pc](const T& s) { return s.locked([&] { return pc(s).get_prefix_stats(); }); },
+            "What the prefix cache did and holds.");
+}
+
 }  // namespace
 
 void bind_memories(py::module_& m) {
@@ -594,6 +630,8 @@ void bind_memories(py::module_& m) {
     bind_memory_base(m);
     bind_kv_cache(m);
     bind_composites(m);
+    bind_prefix_calls<py_memory_recurrent>(m, "MemoryRecurrent");
+    bind_prefix_calls<py_memory_hybrid>(m, "MemoryHybrid");
     m.def(
         "read_session_header",
         [](const std::string& path) {

@@ -226,7 +226,8 @@ void bind_params(py::module_& m) {
         .def_readwrite("rope", &layer_desc::rope);
     set_fields(layer, {"n_head_kv", "n_embd_head_k", "n_embd_head_v", "is_swa", "has_kv", "rope"});
 
-    py::class_<prefix_cache_params> prefix(m, "PrefixCacheParams", "The prefix cache of a KV cache.");
+    py::class_<prefix_cache_params> prefix(m, "PrefixCacheParams",
+                                           "The prefix cache of a KV cache, recurrent or hybrid memory.");
     kwargs_init(prefix)
         .def_readwrite("enabled", &prefix_cache_params::enabled)
         .def_readwrite("block_size", &prefix_cache_params::block_size)
@@ -234,13 +235,15 @@ void bind_params(py::module_& m) {
         .def_readwrite("protected_fraction", &prefix_cache_params::protected_fraction)
         .def_readwrite("max_pinned_fraction", &prefix_cache_params::max_pinned_fraction)
         .def_readwrite("n_vocab", &prefix_cache_params::n_vocab)
+        .def_readwrite("snapshot_interval", &prefix_cache_params::snapshot_interval)
+        .def_readwrite("max_snapshots", &prefix_cache_params::max_snapshots)
         .def_property(
             "on_event", [](const prefix_cache_params& p) { return static_cast<bool>(p.on_event); },
             [](prefix_cache_params& p, const py::object& f) { p.on_event = to_event_callback(f); },
             "A callable receiving a dict (type, hash, parent_hash, depth, tokens) per index event; reads as "
             "whether one is set.");
-    set_fields(prefix,
-               {"enabled", "block_size", "policy", "protected_fraction", "max_pinned_fraction", "n_vocab"});
+    set_fields(prefix, {"enabled", "block_size", "policy", "protected_fraction", "max_pinned_fraction",
+                        "n_vocab", "snapshot_interval", "max_snapshots"});
 
     py::class_<kv_cache_params> kv(m, "KVCacheParams",
                                    "Everything a KVCache is made from (auto_update defaults to True here).");
@@ -299,8 +302,9 @@ void bind_params(py::module_& m) {
         .def_readwrite("type_s", &recurrent_params::type_s)
         .def_readwrite("n_seq_max", &recurrent_params::n_seq_max)
         .def_readwrite("n_rs_seq", &recurrent_params::n_rs_seq)
-        .def_readwrite("memory_budget", &recurrent_params::memory_budget);
-    set_fields(recr, {"layers", "type_r", "type_s", "n_seq_max", "n_rs_seq", "memory_budget"});
+        .def_readwrite("memory_budget", &recurrent_params::memory_budget)
+        .def_readwrite("prefix", &recurrent_params::prefix);
+    set_fields(recr, {"layers", "type_r", "type_s", "n_seq_max", "n_rs_seq", "memory_budget", "prefix"});
 
     py::class_<memory_hybrid_params> hybrid(m, "MemoryHybridParams",
                                             "Everything a MemoryHybrid is made from.");
@@ -308,8 +312,9 @@ void bind_params(py::module_& m) {
         .def_readwrite("attn", &memory_hybrid_params::attn)
         .def_readwrite("recr", &memory_hybrid_params::recr)
         .def_readwrite("iswa", &memory_hybrid_params::iswa)
-        .def_readwrite("memory_budget", &memory_hybrid_params::memory_budget);
-    set_fields(hybrid, {"attn", "recr", "iswa", "memory_budget"});
+        .def_readwrite("memory_budget", &memory_hybrid_params::memory_budget)
+        .def_readwrite("prefix", &memory_hybrid_params::prefix);
+    set_fields(hybrid, {"attn", "recr", "iswa", "memory_budget", "prefix"});
 }
 
 // -- batches --

@@ -70,6 +70,33 @@ def test_recurrent_models(models):
         assert rt.memory.seq_pos_max(1) == 2
 
 
+def test_recurrent_and_hybrid_prefix_caches_resume_from_snapshots(models):
+    """A later request resumes from the snapshot a finished one left: its logits equal a full decode's."""
+    prompt = [17, 42, 99, 3, 250, 128, 64, 5, 77, 200, 11, 12]
+    for arch in ("mamba", "jamba"):
+        m = models[arch]
+        pc = kvcache.PrefixCacheParams(enabled=True, block_size=4, snapshot_interval=1)
+        if arch == "mamba":
+            p = m.recr_params(n_seq_max=3)
+            p.prefix = pc
+            mem = kvcache.MemoryRecurrent(p)
+        else:
+            p = m.hybrid_params(kv_size=64, n_seq_max=3)
+            p.prefix = pc
+            mem = kvcache.MemoryHybrid(p)
+        rt = runtime.Runtime(m, mem, n_threads=2)
+        full = rt.decode(kvcache.Batch(tokens=prompt + [13], pos=list(range(13)), seq_ids=[0] * 13,
+                                       logits=[0] * 12 + [1]))["logits"]
+        assert mem.seq_rm(0, -1, -1)
+        n = mem.prefix_attach(1, prompt + [13])
+        assert n == 12, arch  # the prompt's end, where seq 0's batch left a snapshot
+        rest = rt.decode(kvcache.Batch(tokens=[13], pos=[12], seq_ids=[1], logits=[1]))["logits"]
+        assert runtime.relative_diff(rest, full) <= runtime.logits_tolerance("f32"), arch
+        st = mem.prefix_stats()
+        assert st.hit_tokens == 12 and st.snapshots_saved >= 3 and st.snapshots >= 1, arch
+        assert mem.prefix_lookup(prompt[:3]) == 0
+
+
 def test_decode_releases_the_gil(models):
     m = models["llama"]
     results, errors = {}, []
