@@ -248,7 +248,7 @@ public:
     /// Whether model layer il has an s tensor here.
     bool has_s(uint32_t il) const;
 
-    // -- sizes (every plane counted) --
+    // -- sizes (every plane and the snapshot rows counted) --
     /// Bytes of every r tensor.
     size_t size_r_bytes() const;
     /// Bytes of every s tensor.
