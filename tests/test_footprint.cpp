@@ -1,0 +1,76 @@
+// What structures cost in memory, measured by counting every allocation (counting_new.h): the bookkeeping
+// of a cache follows its cells and the sequences it holds, not n_seq_max (issue 21).
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <kvcache/kv_cache.h>
+#include <kvcache/kv_cells.h>
+
+#include "counting_new.h"
+#include "memory_test_util.h"
+
+namespace kvc {
+namespace {
+
+// One layer of 32 + 32 f16 values per cell: 128 bytes of K/V per cell.
+kv_cache_params split_params(uint32_t kv_size, uint32_t n_seq_max) {
+    kv_cache_params p;
+    p.layers = {layer_desc{.n_head_kv = 1, .n_embd_head_k = 32, .n_embd_head_v = 32}};
+    p.kv_size = kv_size;
+    p.n_seq_max = n_seq_max;
+    p.unified = false;
+    return p;
+}
+
+// Regression: each stream kept a position index for every possible sequence (n_seq_max x 32 bytes per
+// stream: 128 GiB for 65536 streams), and a cell of sequence 60000 a bit for every id below it (7.5 KB).
+TEST(footprint, one_stream_per_sequence_costs_in_proportion_to_its_cells) {
+    const uint64_t before = g_live_bytes;
+    reset_peak_bytes();
+    auto c = std::make_unique<kv_cache>(split_params(16, 65536));
+    const uint64_t created = g_peak_bytes - before;
+    const uint64_t kv = c->size_bytes();  // reserved address space, not counted by operator new
+    std::printf("65536 streams x 16 cells: %llu bytes of bookkeeping at creation, %.2f per byte of K/V\n",
+                static_cast<unsigned long long>(created),
+                static_cast<double>(created) / static_cast<double>(kv));
+    EXPECT_LT(created, kv) << "bookkeeping at creation";  // 0.5x measured (pos, shift, ext, seq_set per cell)
+
+    // one token in each of 1000 high sequences, each in its own stream
+    std::vector<test::run> runs;
+    for (seq_id_t s = 60000; s < 61000; ++s) runs.emplace_back(s, 0, 1);
+    const uint64_t placed_before = g_live_bytes;
+    {
+        memory_context_ptr ctx = test::init_runs(*c, 65536, runs, 1024);
+        ASSERT_EQ(ctx->get_status(), memory_status::success);
+        do ctx->apply();
+        while (ctx->next());
+    }
+    const uint64_t per_token = (g_live_bytes - placed_before) / runs.size();
+    std::printf("a token of a sequence >= 60000 in its stream: %llu bytes\n",
+                static_cast<unsigned long long>(per_token));
+    EXPECT_LT(per_token, 256u) << "bytes kept per placed token";
+    EXPECT_EQ(c->seq_pos_max(60999), 0);
+    EXPECT_EQ(c->cells(60999).seqs(0).to_string(), "{60999}") << "cells report global sequence ids";
+}
+
+// The same for one stream's cells on their own: one sequence among 65536, as a stream of a split cache.
+TEST(footprint, cells_of_one_high_sequence) {
+    const uint64_t before = g_live_bytes;
+    kv_cells cells(16, 65536);
+    for (uint32_t i = 0; i < 16; ++i) {
+        cells.pos_set(i, static_cast<pos_t>(i));
+        cells.seq_add(i, 65535);
+    }
+    const uint64_t bytes = g_live_bytes - before;
+    std::printf("16 cells of sequence 65535 among 65536: %llu bytes\n",
+                static_cast<unsigned long long>(bytes));
+    EXPECT_LT(bytes, 2048u);
+    EXPECT_EQ(cells.seq_pos_max(65535), 15);
+    EXPECT_EQ(cells.seq_n_cells(0), 0u);
+    cells.validate();
+}
+
+}  // namespace
+}  // namespace kvc
