@@ -3,6 +3,7 @@
 #include <limits>
 
 #include <fmt/format.h>
+#include <kvcache/limits.h>
 #include <kvcache/memory_budget.h>
 #include <kvcache/types.h>
 
@@ -54,13 +55,18 @@ std::string human(uint64_t bytes) {
 }  // namespace
 
 void check_memory_budget(std::string_view what, uint64_t need, uint64_t budget, std::string_view detail) {
-    const bool physical = budget == 0;
-    if (physical) budget = physical_memory_bytes();
+    std::string_view whence;
+    if (budget == 0) {
+        budget = get_limits().memory_bytes;
+        whence = " (memory_budget 0: kvc::limits memory_bytes)";
+    }
+    if (budget == 0) {
+        budget = physical_memory_bytes();
+        whence = " (memory_budget 0: the machine's physical memory)";
+    }
     if (need <= budget) return;
-    throw error(
-        errc::out_of_memory,
-        fmt::format("{}: {} needs {}, over the memory budget of {}{}", what, detail, human(need),
-                    human(budget), physical ? " (memory_budget 0: the machine's physical memory)" : ""));
+    throw error(errc::out_of_memory, fmt::format("{}: {} needs {}, over the memory budget of {}{}", what,
+                                                 detail, human(need), human(budget), whence));
 }
 
 }  // namespace kvc

@@ -11,6 +11,7 @@
 #include <random>
 
 #include <fmt/format.h>
+#include <kvcache/limits.h>
 #include <kvcache/state.h>
 
 #include "detail/copy.h"
@@ -232,6 +233,7 @@ uint64_t write_file_atomically(const std::string& path, const std::function<void
 
 std::vector<uint8_t> read_file_bytes(const std::string& path) {
     io_file_reader r(path);
+    check_limit("bytes in the file", "file_bytes", r.size(), file_bytes_limit());  // before reading any
     std::vector<uint8_t> out(r.size());
     r.read(out.data(), out.size());
     return out;

@@ -1,12 +1,20 @@
 // What structures cost in memory, measured by counting every allocation (counting_new.h): the bookkeeping
-// of a cache follows its cells and the sequences it holds, not n_seq_max (issue 21).
+// of a cache follows its cells and the sequences it holds, not n_seq_max, and GGUF metadata costs what the
+// file holds (issue 21).
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cells.h>
+#include <kvcache/runtime/gguf.h>
 
 #include "counting_new.h"
 #include "memory_test_util.h"
@@ -70,6 +78,46 @@ TEST(footprint, cells_of_one_high_sequence) {
     EXPECT_EQ(cells.seq_pos_max(65535), 15);
     EXPECT_EQ(cells.seq_n_cells(0), 0u);
     cells.validate();
+}
+
+// Regression: GGUF metadata arrays were held widened to 8 bytes per element, so a 256 MiB array of u8
+// peaked at 2.56 GB; now an opened (mapped) file's array costs its own bytes. 64 MiB here.
+TEST(footprint, gguf_metadata_costs_what_the_file_holds) {
+    constexpr uint64_t n = uint64_t{64} << 20;
+    const auto path =
+        (std::filesystem::temp_directory_path() / fmt::format("kvc-footprint-{}.gguf", ::getpid())).string();
+    {
+        std::FILE* f = std::fopen(path.c_str(), "wb");
+        ASSERT_NE(f, nullptr);
+        const auto put = [&](const void* p, size_t size) { ASSERT_EQ(std::fwrite(p, 1, size, f), size); };
+        const uint32_t version = 3, u8_type = 0, array_type = 9;
+        const uint64_t n_tensors = 0, n_kv = 1, key_len = 3;
+        put("GGUF", 4);
+        put(&version, 4);
+        put(&n_tensors, 8);
+        put(&n_kv, 8);
+        put(&key_len, 8);
+        put("big", 3);
+        put(&array_type, 4);
+        put(&u8_type, 4);
+        put(&n, 8);
+        const std::vector<uint8_t> chunk(1 << 20, 7);
+        for (uint64_t k = 0; k < n / chunk.size(); ++k) put(chunk.data(), chunk.size());
+        std::fclose(f);
+    }
+    const uint64_t before = g_live_bytes;
+    reset_peak_bytes();
+    {
+        const gguf_file file = gguf_file::open(path);
+        const auto& a = std::get<gguf_array>(file.find("big")->value);
+        EXPECT_EQ(a.size(), n);
+        EXPECT_EQ(a.bytes[n - 1], 7);
+    }
+    const uint64_t peak = g_peak_bytes - before;
+    std::printf("a GGUF with a %llu-byte u8 array: %.3f bytes allocated per byte of the array at peak\n",
+                static_cast<unsigned long long>(n), static_cast<double>(peak) / static_cast<double>(n));
+    EXPECT_LT(peak, n + n / 16) << "peak bytes while opening";
+    std::filesystem::remove(path);
 }
 
 }  // namespace
