@@ -15,6 +15,8 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cells.h>
 #include <kvcache/runtime/gguf.h>
+#include <kvcache/session.h>
+#include <kvcache/state.h>
 
 #include "counting_new.h"
 #include "memory_test_util.h"
@@ -78,6 +80,83 @@ TEST(footprint, cells_of_one_high_sequence) {
     EXPECT_EQ(cells.seq_pos_max(65535), 15);
     EXPECT_EQ(cells.seq_n_cells(0), 0u);
     cells.validate();
+}
+
+// Regression (issue 20: a 1 GiB session took 2.1 GB): loading a file holds no copy of it. Peak bytes
+// allocated while loading 16 MiB of K/V from a session file (plain and zstd) and a 'ggsq' file: the
+// memory's stage of the state (the payload) plus read buffers, never the file and the payload both.
+TEST(footprint, loading_a_file_holds_the_state_not_the_file) {
+    kv_cache_params p;
+    p.layers = {layer_desc{.n_head_kv = 4, .n_embd_head_k = 128, .n_embd_head_v = 128}};  // 2 KiB per cell
+    p.kv_size = 8192;
+    kv_cache src(p);
+    {
+        std::vector<test::run> runs = {{0, 0, 8192}};
+        memory_context_ptr ctx = test::init_runs(src, 1, runs, 8192);
+        ASSERT_EQ(ctx->get_status(), memory_status::success);
+        do ctx->apply();
+        while (ctx->next());
+    }
+    const auto dir = std::filesystem::temp_directory_path();
+    const std::string plain = (dir / fmt::format("kvc-footprint-{}.session", ::getpid())).string(),
+                      packed = (dir / fmt::format("kvc-footprint-{}.zstd", ::getpid())).string(),
+                      ggsq = (dir / fmt::format("kvc-footprint-{}.ggsq", ::getpid())).string();
+    save_file(src, plain, 0);
+    save_file(src, packed, 0, {.compress = true});
+    save_llama_seq_file(src, ggsq, 0, {});
+    const uint64_t payload = state_seq_get_size(src, 0) - 8;
+    for (const std::string& path : {plain, packed, ggsq}) {
+        kv_cache dst(p);
+        const uint64_t file = std::filesystem::file_size(path);
+        const uint64_t before = g_live_bytes;
+        reset_peak_bytes();
+        if (path == ggsq)
+            load_llama_seq_file(dst, path, 0);
+        else
+            load_file(dst, path, 0);
+        const uint64_t peak = g_peak_bytes - before;
+        std::printf("load of %s (%llu bytes, payload %llu): %.3f bytes allocated per payload byte at peak\n",
+                    path.c_str(), static_cast<unsigned long long>(file),
+                    static_cast<unsigned long long>(payload),
+                    static_cast<double>(peak) / static_cast<double>(payload));
+        EXPECT_LT(peak, std::max(file, payload) + (uint64_t{4} << 20)) << path;  // + read buffers
+        EXPECT_EQ(dst.seq_pos_max(0), 8191);
+        std::filesystem::remove(path);
+    }
+}
+
+// Regression (issue 20: a 3 GiB sparse file was read for 20 s before being rejected): the header decides
+// before the rest is read, and nothing of the file's size is allocated.
+TEST(footprint, a_huge_file_is_refused_from_its_header) {
+    const auto path =
+        (std::filesystem::temp_directory_path() / fmt::format("kvc-footprint-{}.sparse", ::getpid()))
+            .string();
+    {
+        std::FILE* f = std::fopen(path.c_str(), "wb");
+        ASSERT_NE(f, nullptr);
+        ASSERT_EQ(::ftruncate(::fileno(f), off_t{3} << 30), 0);  // 3 GiB of zeros, no disk
+        std::fclose(f);
+    }
+    kv_cache c(split_params(16, 1));
+    for (const bool ggsq : {false, true}) {
+        const uint64_t before = g_live_bytes;
+        reset_peak_bytes();
+        try {
+            if (ggsq)
+                load_llama_seq_file(c, path, 0);
+            else
+                load_file(c, path, 0);
+            ADD_FAILURE() << "loaded";
+        } catch (const error& e) {
+            EXPECT_EQ(e.code(), errc::corrupt_data) << e.what();
+            EXPECT_NE(std::string(e.what()).find(ggsq ? "not a llama.cpp sequence file"
+                                                      : "not a kvcache session file"),
+                      std::string::npos)
+                << e.what();
+        }
+        EXPECT_LT(g_peak_bytes - before, uint64_t{1} << 20) << (ggsq ? "ggsq" : "session");
+    }
+    std::filesystem::remove(path);
 }
 
 // Regression: GGUF metadata arrays were held widened to 8 bytes per element, so a 256 MiB array of u8
