@@ -22,10 +22,15 @@ memory_breakdown& memory_breakdown::operator+=(const memory_breakdown& o) {
 }
 
 uint64_t physical_memory_bytes() {
-    const long pages = ::sysconf(_SC_PHYS_PAGES);
-    const long page = ::sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) return std::numeric_limits<uint64_t>::max();  // unknown: no default limit
-    return mul_sat(static_cast<uint64_t>(pages), static_cast<uint64_t>(page));
+    // asked once: a system call each time would cost every batch::init one (it checks its bytes)
+    static const uint64_t bytes = [] {
+        const long pages = ::sysconf(_SC_PHYS_PAGES);
+        const long page = ::sysconf(_SC_PAGESIZE);
+        if (pages <= 0 || page <= 0)
+            return std::numeric_limits<uint64_t>::max();  // unknown: no default limit
+        return mul_sat(static_cast<uint64_t>(pages), static_cast<uint64_t>(page));
+    }();
+    return bytes;
 }
 
 uint64_t mul_sat(uint64_t a, uint64_t b) {
