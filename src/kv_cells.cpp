@@ -4,7 +4,6 @@
 #include <iterator>
 #include <limits>
 #include <map>
-#include <tuple>
 
 #include <fmt/format.h>
 #include <kvcache/kv_cells.h>
@@ -537,8 +536,8 @@ void kv_cells::seq_cp_range(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     t_->scratch.clear();
     auto [lo, hi] = range(src, p0, p1);
     if (lo == hi) return;
-    detail::seq_index& to = t_->seq_pos.get(dst, n_seq_max_);  // may grow the table: src's slice moves
-    std::tie(lo, hi) = range(src, p0, p1);
+    // may grow the table of indexes; [lo, hi) stays valid: an index moves with its buffer of entries
+    detail::seq_index& to = t_->seq_pos.get(dst, n_seq_max_);
     for (const auto* e = lo; e < hi; ++e) {
         if (seq_[e->second].contains(dst)) continue;  // idempotent
         seq_[e->second].insert(dst);

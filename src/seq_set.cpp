@@ -80,7 +80,7 @@ void seq_set::cover(size_t first, size_t last) {
         last = std::max(last, l);
         const size_t want = std::max(last - first, 2 * n);
         if (first < f)
-            first = last - want < 1 || last < want ? 1 : last - want;  // grow downwards
+            first = last > want ? std::max<size_t>(1, last - want) : 1;  // grow downwards
         else
             last = first + want;
     }
