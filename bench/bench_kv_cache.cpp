@@ -9,7 +9,10 @@
 //     a suffix by +1 and back (counted per call), next to llama.cpp's times for the same operations in the
 //     same shapes (bench/peer/llama_seq_ops.cpp, see docs/performance.md; target >= 20x faster);
 //  4. the K-shift of 32,768 cells x 32 layers x 1,024 key dims, f16 and q8_0, in GB/s of K next to a
-//     memcpy of the same bytes.
+//     memcpy of the same bytes;
+//  5. creating a cache of 65,536 sequences with one stream per sequence of 16 cells (1 layer), next to a
+//     unified one with the same cells: time, and the heap bytes it allocates per byte of its K/V (issue 21:
+//     the bookkeeping follows the cells, not n_seq_max squared; targets < 1 s and < 10x).
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +22,8 @@
 #include <set>
 #include <string>
 #include <vector>
+
+#include <malloc.h>
 
 #include <benchmark/benchmark.h>
 #include <kvcache/kv_cache.h>
@@ -268,6 +273,32 @@ void bm_k_shift(benchmark::State& state) {
     state.counters["x_memcpy"] = (static_cast<double>(state.iterations()) / shift_s) / (1.0 / memcpy_s);
 }
 
+// -- 5. creation --
+
+uint64_t heap_bytes() {  // glibc: bytes in use, from the heap and from mmap
+    const struct mallinfo2 m = mallinfo2();
+    return m.uordblks + m.hblkhd;
+}
+
+void bm_create(benchmark::State& state) {
+    const bool split = state.range(0) == 0;
+    constexpr uint32_t n_seq = 65536, per_stream = 16;
+    kv_cache_params p = one_layer(split ? per_stream : per_stream * n_seq, n_seq);
+    p.unified = !split;
+    double bytes = 0, kv = 0;
+    for (auto _ : state) {
+        const uint64_t before = heap_bytes();
+        auto c = std::make_unique<kv_cache>(p);
+        state.PauseTiming();
+        bytes = static_cast<double>(heap_bytes() - before);
+        kv = static_cast<double>(c->size_bytes());
+        c.reset();  // untimed: the benchmark times creation
+        state.ResumeTiming();
+    }
+    state.counters["bytes_per_kv"] = bytes / kv;
+    state.counters["kv_MiB"] = kv / (1 << 20);
+}
+
 }  // namespace
 
 BENCHMARK(bm_decode_step)
@@ -281,6 +312,7 @@ BENCHMARK(bm_seq_rm_partial)->UseManualTime()->Unit(benchmark::kNanosecond);
 BENCHMARK(bm_seq_cp_whole)->Unit(benchmark::kNanosecond);
 BENCHMARK(bm_seq_add_suffix)->Unit(benchmark::kNanosecond);
 BENCHMARK(bm_k_shift)->Arg(0)->Arg(1)->Iterations(3)->Unit(benchmark::kMillisecond);
+BENCHMARK(bm_create)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 namespace {
 
@@ -302,6 +334,8 @@ public:
                                                                                             : 1.0);
             const auto it = r.counters.find("x_memcpy");
             if (it != r.counters.end()) xm_[name] = it->second;
+            const auto bk = r.counters.find("bytes_per_kv");
+            if (bk != r.counters.end()) bk_[name] = bk->second;
         }
     }
     void Finalize() override {
@@ -348,12 +382,21 @@ public:
             if (xm_.count(std::string("bm_k_shift/") + t + "/iterations:3"))
                 std::printf("   %s: %.3fx memcpy\n", t[0] == '0' ? "f16" : "q8_0",
                             xm_[std::string("bm_k_shift/") + t + "/iterations:3"]);
+        std::printf(
+            "5. creating 65536 sequences x 16 cells, 1 layer (targets: split < 1 s, < 10x its K/V)\n");
+        const double split = ns("bm_create/0"), unified = ns("bm_create/1");
+        if (split > 0 && unified > 0)
+            std::printf(
+                "   one stream per sequence: %.1f ms, %.2f bytes per K/V byte; unified: %.1f ms, %.2f; "
+                "time ratio %.2f\n",
+                split / 1e6, bk_["bm_create/0"], unified / 1e6, bk_["bm_create/1"], split / unified);
     }
 
 private:
     std::set<std::string> medians_;
     std::map<std::string, double> ns_;
     std::map<std::string, double> xm_;
+    std::map<std::string, double> bk_;
 };
 
 }  // namespace

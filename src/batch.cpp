@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 #include <kvcache/batch.h>
+#include <kvcache/limits.h>
+#include <kvcache/memory_budget.h>
 
 namespace kvc {
 
@@ -31,6 +33,18 @@ batch_storage::batch_storage(int32_t n_tokens_alloc, int32_t n_embd, int32_t n_s
             errc::invalid_argument,
             fmt::format("batch::init: need n_tokens_alloc >= 1, n_embd >= 0, n_seq_max >= 1; got {}, {}, {}",
                         n_tokens_alloc, n_embd, n_seq_max));
+    // what the arguments would allocate, bounded before anything is (issue 21: INT32_MAX tokens of INT32_MAX
+    // sequences zero-filled 14.8 GB before anyone stopped it)
+    const limits lim = get_limits();
+    check_limit("batch::init: n_tokens_alloc", "batch_tokens", static_cast<uint64_t>(n_tokens_alloc),
+                lim.batch_tokens);
+    check_limit("batch::init: n_seq_max", "sequences", static_cast<uint64_t>(n_seq_max), lim.sequences);
+    const uint64_t per_token =
+        (n_embd == 0 ? sizeof(token_t) : uint64_t{sizeof(float)} * static_cast<uint64_t>(n_embd)) +
+        sizeof(pos_t) + sizeof(int32_t) + sizeof(seq_id_t*) + sizeof(int8_t) +
+        uint64_t{sizeof(seq_id_t)} * static_cast<uint64_t>(n_seq_max);
+    check_memory_budget("batch::init", mul_sat(per_token, static_cast<uint64_t>(n_tokens_alloc)), 0,
+                        fmt::format("{} tokens x {} bytes", n_tokens_alloc, per_token));
     const auto cap = static_cast<size_t>(n_tokens_alloc);
     if (n_embd == 0)
         token_.resize(cap);

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_storage_engine.h>
+#include <kvcache/limits.h>
 #include <kvcache/memory_budget.h>
 
 #include "detail/kv_cache_layer.h"
@@ -103,6 +104,7 @@ kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache: " + msg); };
     if (p.kv_size == 0) bad("kv_size must be positive");
     if (p.n_seq_max == 0) bad("n_seq_max must be at least 1");
+    check_limit("kv_cache: n_seq_max", "sequences", p.n_seq_max, get_limits().sequences);
     if (p.n_pad == 0 || p.kv_size % p.n_pad != 0)
         bad(fmt::format("kv_size {} must be a positive multiple of n_pad {}", p.kv_size, p.n_pad));
     if (p.n_pos == 0) bad("n_pos must be at least 1");

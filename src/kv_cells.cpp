@@ -3,6 +3,7 @@
 #include <cassert>
 #include <iterator>
 #include <limits>
+#include <map>
 
 #include <fmt/format.h>
 #include <kvcache/kv_cells.h>
@@ -45,7 +46,6 @@ kv_cells::~kv_cells() = default;
 kv_cells::kv_cells(uint32_t n_cells, uint32_t n_seq_max)
     : n_seq_max_(n_seq_max), t_(std::make_unique<tables>()) {
     if (n_seq_max < 1) throw error(errc::invalid_argument, "kv_cells: n_seq_max must be at least 1, got 0");
-    t_->seq_pos.resize(n_seq_max);
     resize(n_cells);
 }
 
@@ -71,7 +71,7 @@ void kv_cells::reset() {
     std::fill(t_->any_used.begin(), t_->any_used.end(), 0);
     std::fill(t_->any_free.begin(), t_->any_free.end(), 0);
     for (size_t w = 0; w < t_->used.size(); ++w) t_->any_free[w / 64] |= uint64_t{1} << (w % 64);
-    for (auto& index : t_->seq_pos) index.clear();
+    for (auto& index : t_->seq_pos.all()) index.clear();
     std::fill(t_->held.begin(), t_->held.end(), 0);
     t_->released.clear();
     n_used_ = 0;
@@ -212,7 +212,7 @@ std::optional<uint32_t> kv_cells::find_contiguous(uint32_t n, uint32_t hint) con
 // -- per-sequence index --
 
 void kv_cells::index_add(uint32_t i) {
-    for (seq_id_t s : seq_[i]) t_->seq_pos[s].insert({pos_[i], i});
+    for (seq_id_t s : seq_[i]) t_->seq_pos.get(s, n_seq_max_).insert({pos_[i], i});
 }
 
 void kv_cells::index_remove(uint32_t i) {
@@ -220,33 +220,34 @@ void kv_cells::index_remove(uint32_t i) {
 }
 
 std::pair<kv_cells::entry*, kv_cells::entry*> kv_cells::range(seq_id_t s, pos_t p0, pos_t p1) {
-    detail::seq_index& index = t_->seq_pos[s];
-    auto* lo = index.lower_bound(p0);
-    auto* hi = p1 < 0 ? index.end() : index.lower_bound(p1);
+    detail::seq_index* index = t_->seq_pos.find(s);
+    if (!index) return {nullptr, nullptr};  // s holds no cell here
+    auto* lo = index->lower_bound(p0);
+    auto* hi = p1 < 0 ? index->end() : index->lower_bound(p1);
     return {lo, std::max(lo, hi)};  // p1 <= p0: empty
 }
 
 pos_t kv_cells::seq_pos_min(seq_id_t s) const {
     check_seq(s, "seq_pos_min");
-    const detail::seq_index& index = t_->seq_pos[s];
+    const detail::seq_index& index = t_->seq_pos.at(s);
     return index.empty() ? pos_none : index.begin()->first;
 }
 
 pos_t kv_cells::seq_pos_max(seq_id_t s) const {
     check_seq(s, "seq_pos_max");
-    const detail::seq_index& index = t_->seq_pos[s];
+    const detail::seq_index& index = t_->seq_pos.at(s);
     return index.empty() ? pos_none : (index.end() - 1)->first;
 }
 
 uint32_t kv_cells::seq_pos_count(seq_id_t s, pos_t p) const {
     check_seq(s, "seq_pos_count");
-    const detail::seq_index& index = t_->seq_pos[s];
+    const detail::seq_index& index = t_->seq_pos.at(s);
     return static_cast<uint32_t>(index.lower_bound(int64_t{p} + 1) - index.lower_bound(p));
 }
 
 uint32_t kv_cells::seq_n_cells(seq_id_t s) const {
     check_seq(s, "seq_n_cells");
-    return static_cast<uint32_t>(t_->seq_pos[s].size());
+    return static_cast<uint32_t>(t_->seq_pos.at(s).size());
 }
 
 void kv_cells::seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& out) const {
@@ -255,7 +256,7 @@ void kv_cells::seq_cells(seq_id_t s, pos_t p0, pos_t p1, std::vector<uint32_t>& 
 
 std::span<const std::pair<pos_t, uint32_t>> kv_cells::seq_entries(seq_id_t s, pos_t p0, pos_t p1) const {
     check_seq(s, "seq_entries");
-    const detail::seq_index& index = t_->seq_pos[s];
+    const detail::seq_index& index = t_->seq_pos.at(s);
     const auto* lo = index.lower_bound(p0);
     const auto* hi = p1 < 0 ? index.end() : index.lower_bound(p1);
     return {lo, std::max(lo, hi)};
@@ -362,7 +363,7 @@ void kv_cells::seq_add(uint32_t i, seq_id_t s) {
     if (seq_[i].contains(s))
         throw error(errc::invalid_state,
                     fmt::format("kv_cells::seq_add: cell {} already holds seq {}", i, s));
-    t_->seq_pos[s].insert({pos_[i], i});  // first: it may allocate, and then the cell must be unchanged
+    t_->seq_pos.get(s, n_seq_max_).insert({pos_[i], i});  // first: it may allocate; the cell is unchanged
     seq_[i].insert(s);
 }
 
@@ -381,6 +382,7 @@ void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
     }
     t_->scratch.clear();
     t_->scratch.reserve(cells.size());  // allocations before the first change: a failed fill changes nothing
+    detail::seq_index& index = t_->seq_pos.get(s, n_seq_max_);
     for (size_t j = 0; j < cells.size(); ++j) {
         const uint32_t i = cells[j];
         if (pos_[i] != pos_none) {  // given twice: undo the cells filled so far
@@ -396,7 +398,7 @@ void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
     if (!std::is_sorted(t_->scratch.begin(), t_->scratch.end()))
         std::sort(t_->scratch.begin(), t_->scratch.end());
     try {
-        t_->seq_pos[s].merge(t_->scratch);  // all or nothing
+        index.merge(t_->scratch);  // all or nothing
     } catch (...) {
         for (uint32_t i : cells) make_empty(i);
         throw;
@@ -501,9 +503,9 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
     uint32_t lowest = size();
     if (s == seq_all) {
         // Every cell in the range goes, whatever its sequences: in each index that is one slice.
-        for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq_max_); ++q) {
-            auto [lo, hi] = range(q, p0, p1);
-            detail::seq_index& index = t_->seq_pos[q];
+        for (detail::seq_index& index : t_->seq_pos.all()) {
+            auto* lo = index.lower_bound(p0);
+            auto* hi = p1 < 0 ? index.end() : std::max(lo, index.lower_bound(p1));
             index.erase(static_cast<size_t>(lo - index.begin()), static_cast<size_t>(hi - index.begin()));
         }
         const int64_t hi = p1 < 0 ? std::numeric_limits<int64_t>::max() : p1;
@@ -516,6 +518,7 @@ uint32_t kv_cells::seq_rm_range(seq_id_t s, pos_t p0, pos_t p1) {
     }
     check_seq(s, "seq_rm_range");
     auto [lo, hi] = range(s, p0, p1);
+    if (lo == hi) return lowest;
     for (const auto* e = lo; e < hi; ++e) {
         const uint32_t i = e->second;
         seq_[i].erase(s);
@@ -532,12 +535,15 @@ void kv_cells::seq_cp_range(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     if (src == dst) return;
     t_->scratch.clear();
     auto [lo, hi] = range(src, p0, p1);
+    if (lo == hi) return;
+    // may grow the table of indexes; [lo, hi) stays valid: an index moves with its buffer of entries
+    detail::seq_index& to = t_->seq_pos.get(dst, n_seq_max_);
     for (const auto* e = lo; e < hi; ++e) {
         if (seq_[e->second].contains(dst)) continue;  // idempotent
         seq_[e->second].insert(dst);
         t_->scratch.push_back(*e);
     }
-    t_->seq_pos[dst].merge(t_->scratch);
+    to.merge(t_->scratch);
 }
 
 uint32_t kv_cells::seq_keep_all(seq_id_t s) {
@@ -554,8 +560,10 @@ uint32_t kv_cells::seq_keep_all(seq_id_t s) {
             if (drop(i)) lowest = std::min(lowest, i);
         }
     }
-    for (seq_id_t q = 0; q < static_cast<seq_id_t>(n_seq_max_); ++q)
-        if (q != s) t_->seq_pos[q].clear();  // no other sequence holds any cell now
+    const std::span<detail::seq_index> all = t_->seq_pos.all();
+    for (size_t k = 0; k < all.size(); ++k)
+        if (t_->seq_pos.base() + static_cast<seq_id_t>(k) != s)
+            all[k].clear();  // no other sequence holds any cell now
     return lowest;
 }
 
@@ -786,7 +794,7 @@ void kv_cells::validate() const {
         throw error(errc::invalid_state, "kv_cells::validate: " + what);
     };
     uint32_t used = 0;
-    std::vector<std::vector<std::pair<pos_t, uint32_t>>> index(n_seq_max_);
+    std::map<seq_id_t, std::vector<entry>> index;  // what each sequence's index must hold
     for (uint32_t i = 0; i < size(); ++i) {
         const bool u = pos_[i] != pos_none;
         used += u;
@@ -802,11 +810,17 @@ void kv_cells::validate() const {
         }
     }
     if (used != n_used_) fail(fmt::format("used count {} but {} cells are used", n_used_, used));
-    for (uint32_t s = 0; s < n_seq_max_; ++s) {
-        std::sort(index[s].begin(), index[s].end());
-        const detail::seq_index& have = t_->seq_pos[s];
-        if (!std::equal(index[s].begin(), index[s].end(), have.begin(), have.end()))
+    for (auto& [s, want] : index) {
+        std::sort(want.begin(), want.end());
+        const detail::seq_index* have = t_->seq_pos.find(s);
+        if (!have || !std::equal(want.begin(), want.end(), have->begin(), have->end()))
             fail(fmt::format("index of seq {} disagrees with the cells", s));
+    }
+    const std::span<const detail::seq_index> all = std::as_const(t_->seq_pos).all();
+    for (size_t k = 0; k < all.size(); ++k) {
+        const seq_id_t s = t_->seq_pos.base() + static_cast<seq_id_t>(k);
+        if (!all[k].empty() && !index.count(s))
+            fail(fmt::format("index of seq {} lists cells it does not hold", s));
     }
     for (size_t w = 0; w < t_->used.size(); ++w) {
         const uint32_t n = size();

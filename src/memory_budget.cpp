@@ -3,6 +3,7 @@
 #include <limits>
 
 #include <fmt/format.h>
+#include <kvcache/limits.h>
 #include <kvcache/memory_budget.h>
 #include <kvcache/types.h>
 
@@ -21,10 +22,15 @@ memory_breakdown& memory_breakdown::operator+=(const memory_breakdown& o) {
 }
 
 uint64_t physical_memory_bytes() {
-    const long pages = ::sysconf(_SC_PHYS_PAGES);
-    const long page = ::sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) return std::numeric_limits<uint64_t>::max();  // unknown: no default limit
-    return mul_sat(static_cast<uint64_t>(pages), static_cast<uint64_t>(page));
+    // asked once: a system call each time would cost every batch::init one (it checks its bytes)
+    static const uint64_t bytes = [] {
+        const long pages = ::sysconf(_SC_PHYS_PAGES);
+        const long page = ::sysconf(_SC_PAGESIZE);
+        if (pages <= 0 || page <= 0)
+            return std::numeric_limits<uint64_t>::max();  // unknown: no default limit
+        return mul_sat(static_cast<uint64_t>(pages), static_cast<uint64_t>(page));
+    }();
+    return bytes;
 }
 
 uint64_t mul_sat(uint64_t a, uint64_t b) {
@@ -54,13 +60,18 @@ std::string human(uint64_t bytes) {
 }  // namespace
 
 void check_memory_budget(std::string_view what, uint64_t need, uint64_t budget, std::string_view detail) {
-    const bool physical = budget == 0;
-    if (physical) budget = physical_memory_bytes();
+    std::string_view whence;
+    if (budget == 0) {
+        budget = get_limits().memory_bytes;
+        whence = " (memory_budget 0: kvc::limits memory_bytes)";
+    }
+    if (budget == 0) {
+        budget = physical_memory_bytes();
+        whence = " (memory_budget 0: the machine's physical memory)";
+    }
     if (need <= budget) return;
-    throw error(
-        errc::out_of_memory,
-        fmt::format("{}: {} needs {}, over the memory budget of {}{}", what, detail, human(need),
-                    human(budget), physical ? " (memory_budget 0: the machine's physical memory)" : ""));
+    throw error(errc::out_of_memory, fmt::format("{}: {} needs {}, over the memory budget of {}{}", what,
+                                                 detail, human(need), human(budget), whence));
 }
 
 }  // namespace kvc

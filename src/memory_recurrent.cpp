@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include <fmt/format.h>
+#include <kvcache/limits.h>
 #include <kvcache/memory_budget.h>
 #include <kvcache/memory_recurrent.h>
 
@@ -50,6 +51,7 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
     if (p.n_seq_max == 0) bad("n_seq_max must be at least 1");
     if (p.n_seq_max > static_cast<uint32_t>(std::numeric_limits<int32_t>::max()))
         bad(fmt::format("n_seq_max {} does not fit int32", p.n_seq_max));
+    check_limit("memory_recurrent: n_seq_max", "sequences", p.n_seq_max, get_limits().sequences);
     if (!is_float_type(p.type_r) || !is_float_type(p.type_s))
         bad(fmt::format("state rows must be f32, f16 or bf16, not {} / {}", to_string(p.type_r),
                         to_string(p.type_s)));

@@ -12,23 +12,42 @@ seq_set::seq_set(std::initializer_list<seq_id_t> ids) {
     for (seq_id_t id : ids) insert(id);
 }
 
+namespace {
+
+// A window of n words starting at word b, zeroed.
+uint64_t* new_window(size_t n, size_t b) {
+    auto* p = new uint64_t[2 + n]();
+    p[0] = n;
+    p[1] = b;
+    return p;
+}
+
+}  // namespace
+
 seq_set::seq_set(const seq_set& other) : lo_(other.lo_) {
-    if (other.hi_ && !other.high_empty()) {
-        const size_t n = other.capacity_words();
-        hi_ = new uint64_t[n];
-        std::memcpy(hi_, other.hi_, n * sizeof(uint64_t));  // hi_[0] (the capacity) included
-    }
+    const auto [first, last] = other.high_span();
+    if (first == last) return;
+    hi_ = new_window(last - first, first);
+    std::memcpy(hi_ + header, other.hi_ + header + other.high_slot(first), (last - first) * sizeof(uint64_t));
 }
 
 seq_set& seq_set::operator=(const seq_set& other) {
     if (this == &other) return *this;
-    lo_ = other.lo_;
-    if (hi_) std::fill(hi_ + 1, hi_ + capacity_words(), uint64_t{0});  // keep the allocation for reuse
-    if (other.hi_ && !other.high_empty()) {
-        const size_t n = other.capacity_words();
-        uint64_t* words = reserve_words(n);
-        std::memcpy(words + 1, other.hi_ + 1, (n - 1) * sizeof(uint64_t));
+    const auto [first, last] = other.high_span();
+    if (first == last) {  // no high id: keep the allocation for reuse
+        lo_ = other.lo_;
+        if (hi_) clear_high();
+        return *this;
     }
+    if (high_words() < last - first) {
+        uint64_t* p = new_window(last - first, first);  // may throw: before any change
+        delete[] hi_;
+        hi_ = p;
+    }
+    lo_ = other.lo_;
+    clear_high();
+    hi_[1] = first;
+    std::memcpy(hi_ + header, other.hi_ + header + other.high_slot(first), (last - first) * sizeof(uint64_t));
     return *this;
 }
 
@@ -42,52 +61,75 @@ seq_set& seq_set::operator=(seq_set&& other) noexcept {
     return *this;
 }
 
-uint64_t* seq_set::reserve_words(size_t words) {
-    const size_t cap = capacity_words();
-    if (words <= cap) return hi_;
-    const size_t new_cap = std::max(words, 2 * cap);
-    auto* p = new uint64_t[new_cap]();
-    p[0] = new_cap;
-    if (hi_) std::memcpy(p + 1, hi_ + 1, (cap - 1) * sizeof(uint64_t));
+std::pair<size_t, size_t> seq_set::high_span() const {
+    const size_t n = high_words();
+    size_t k0 = 0, k1 = n;
+    while (k0 < n && hi_[header + k0] == 0) ++k0;
+    if (k0 == n) return {0, 0};
+    while (hi_[header + k1 - 1] == 0) --k1;
+    const size_t b = static_cast<size_t>(hi_[1]);
+    return {b + k0, b + k1};
+}
+
+void seq_set::cover(size_t first, size_t last) {
+    const size_t n = high_words();
+    if (n > 0 && high_slot(first) < n && high_slot(last - 1) < n) return;
+    const auto [f, l] = high_span();
+    if (f != l) {  // keep the ids held: the window grows to cover both, at least doubling
+        first = std::min(first, f);
+        last = std::max(last, l);
+        const size_t want = std::max(last - first, 2 * n);
+        if (first < f)
+            first = last > want ? std::max<size_t>(1, last - want) : 1;  // grow downwards
+        else
+            last = first + want;
+    }
+    if (f == l && last - first <= n) {  // no id held: the allocation moves to the new range
+        hi_[1] = first;
+        return;
+    }
+    uint64_t* p = new_window(last - first, first);
+    if (f != l)
+        std::memcpy(p + header + (f - first), hi_ + header + high_slot(f), (l - f) * sizeof(uint64_t));
     delete[] hi_;
     hi_ = p;
-    return p;
 }
 
 void seq_set::insert_high(seq_id_t id) {
     if (id < 0) throw error(errc::out_of_range, fmt::format("seq_set: negative sequence id {}", id));
     const size_t w = static_cast<size_t>(id) / 64;
-    reserve_words(w + 1)[w] |= bit(id);
+    cover(w, w + 1);
+    hi_[header + high_slot(w)] |= bit(id);
 }
 
 bool seq_set::high_empty() const {
-    for (size_t w = 1; w < capacity_words(); ++w)
-        if (hi_[w]) return false;
+    for (size_t k = 0; k < high_words(); ++k)
+        if (hi_[header + k]) return false;
     return true;
 }
 
-void seq_set::clear() {
-    lo_ = 0;
-    if (hi_) std::fill(hi_ + 1, hi_ + capacity_words(), uint64_t{0});
+void seq_set::clear_high() {
+    std::fill(hi_ + header, hi_ + header + high_words(), uint64_t{0});
 }
 
 size_t seq_set::size() const {
     size_t n = static_cast<size_t>(std::popcount(lo_));
-    for (size_t w = 1; w < capacity_words(); ++w) n += static_cast<size_t>(std::popcount(hi_[w]));
+    for (size_t k = 0; k < high_words(); ++k) n += static_cast<size_t>(std::popcount(hi_[header + k]));
     return n;
 }
 
-seq_id_t seq_set::next_from(seq_id_t from) const {
-    if (from < 0) from = 0;
-    const size_t cap = capacity_words();
+seq_id_t seq_set::next_from_high(seq_id_t from) const {
+    const auto b = static_cast<size_t>(hi_[1]), n = static_cast<size_t>(hi_[0]);
     size_t w = static_cast<size_t>(from) / 64;
-    if (w >= cap) return -1;
-    uint64_t bits = word(w) & (~uint64_t{0} << (from % 64));
-    while (true) {
-        if (bits) return static_cast<seq_id_t>(w * 64 + static_cast<size_t>(std::countr_zero(bits)));
-        if (++w >= cap) return -1;
-        bits = hi_[w];
+    uint64_t mask = ~uint64_t{0} << (from % 64);
+    if (w < b) {  // from is before the window
+        w = b;
+        mask = ~uint64_t{0};
     }
+    for (size_t k = w - b; k < n; ++k, mask = ~uint64_t{0})
+        if (const uint64_t bits = hi_[header + k] & mask)
+            return static_cast<seq_id_t>((b + k) * 64 + static_cast<size_t>(std::countr_zero(bits)));
+    return -1;
 }
 
 seq_id_t seq_set::first() const {
@@ -97,56 +139,55 @@ seq_id_t seq_set::first() const {
 
 bool seq_set::is_only(seq_id_t id) const {
     if (id < 0) return false;
-    if (id < 64) return lo_ == (uint64_t{1} << id) && (hi_ == nullptr || high_empty());
+    if (id < 64) return lo_ == (uint64_t{1} << id) && high_empty();
     if (lo_ != 0 || !contains_high(id)) return false;
-    const size_t wid = static_cast<size_t>(id) / 64;
-    for (size_t w = 1; w < capacity_words(); ++w)
-        if (hi_[w] != (w == wid ? bit(id) : 0)) return false;
+    const size_t kid = high_slot(static_cast<size_t>(id) / 64);
+    for (size_t k = 0; k < high_words(); ++k)
+        if (hi_[header + k] != (k == kid ? bit(id) : 0)) return false;
     return true;
 }
 
 bool seq_set::intersects(const seq_set& other) const {
     if (lo_ & other.lo_) return true;
-    const size_t n = std::min(capacity_words(), other.capacity_words());
-    for (size_t w = 1; w < n; ++w)
-        if (hi_[w] & other.hi_[w]) return true;
+    for (size_t k = 0; k < high_words(); ++k) {
+        const uint64_t x = hi_[header + k];
+        if (x && (x & other.word(hi_[1] + k))) return true;
+    }
     return false;
 }
 
 bool seq_set::is_subset_of(const seq_set& other) const {
-    const size_t n = capacity_words();
-    for (size_t w = 0; w < n; ++w)
-        if (word(w) & ~other.word(w)) return false;
+    if (lo_ & ~other.lo_) return false;
+    for (size_t k = 0; k < high_words(); ++k) {
+        const uint64_t x = hi_[header + k];
+        if (x & ~other.word(hi_[1] + k)) return false;
+    }
     return true;
 }
 
 bool seq_set::operator==(const seq_set& other) const {
-    const size_t n = std::max(capacity_words(), other.capacity_words());
-    for (size_t w = 0; w < n; ++w)
-        if (word(w) != other.word(w)) return false;
-    return true;
+    return is_subset_of(other) && other.is_subset_of(*this);
 }
 
 seq_set& seq_set::operator|=(const seq_set& other) {
-    lo_ |= other.lo_;
-    const size_t n = other.capacity_words();
-    if (n > 1 && !other.high_empty()) {
-        uint64_t* words = reserve_words(n);
-        for (size_t w = 1; w < n; ++w) words[w] |= other.hi_[w];
+    const auto [first, last] = other.high_span();
+    if (first != last) {
+        cover(first, last);  // may allocate: before any change
+        for (size_t w = first; w < last; ++w) hi_[header + high_slot(w)] |= other.word(w);
     }
+    lo_ |= other.lo_;
     return *this;
 }
 
 seq_set& seq_set::operator&=(const seq_set& other) {
     lo_ &= other.lo_;
-    for (size_t w = 1; w < capacity_words(); ++w) hi_[w] &= other.word(w);
+    for (size_t k = 0; k < high_words(); ++k) hi_[header + k] &= other.word(hi_[1] + k);
     return *this;
 }
 
 seq_set& seq_set::operator-=(const seq_set& other) {
     lo_ &= ~other.lo_;
-    const size_t n = std::min(capacity_words(), other.capacity_words());
-    for (size_t w = 1; w < n; ++w) hi_[w] &= ~other.hi_[w];
+    for (size_t k = 0; k < high_words(); ++k) hi_[header + k] &= ~other.word(hi_[1] + k);
     return *this;
 }
 

@@ -1,5 +1,6 @@
 // Session files (design D11) and llama.cpp's per-sequence files.
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstring>
 #include <memory>
@@ -8,6 +9,7 @@
 #include <zstd.h>
 
 #include <fmt/format.h>
+#include <kvcache/limits.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
@@ -38,28 +40,40 @@ uint64_t xxh3(const void* p, size_t n) {
     return XXH3_64bits(p, n);
 }
 
+// XXH3-64 of bytes given in pieces (the body of a session file).
+class xxh3_stream {
+public:
+    xxh3_stream() : state_(XXH3_createState()) {
+        if (!state_) throw error(errc::out_of_memory, "session: cannot allocate a hash state");
+        XXH3_64bits_reset(state_);
+    }
+    ~xxh3_stream() { XXH3_freeState(state_); }
+    xxh3_stream(const xxh3_stream&) = delete;
+    xxh3_stream& operator=(const xxh3_stream&) = delete;
+
+    void update(const void* p, size_t n) { XXH3_64bits_update(state_, p, n); }
+    uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+private:
+    XXH3_state_t* state_;
+};
+
 // Forwards to a file and hashes what passes (the body of a session file).
 class hashing_writer final : public io_write_i {
 public:
-    explicit hashing_writer(io_write_i& down) : down_(&down), state_(XXH3_createState()) {
-        if (!state_) throw error(errc::out_of_memory, "save_file: cannot allocate a hash state");
-        XXH3_64bits_reset(state_);
-    }
-    ~hashing_writer() override { XXH3_freeState(state_); }
-    hashing_writer(const hashing_writer&) = delete;
-    hashing_writer& operator=(const hashing_writer&) = delete;
+    explicit hashing_writer(io_write_i& down) : down_(&down) {}
 
     void write(const void* src, size_t size) override {
-        XXH3_64bits_update(state_, src, size);
+        hash_.update(src, size);
         down_->write(src, size);
         n_ += size;
     }
     size_t n_bytes() const override { return n_; }
-    uint64_t digest() const { return XXH3_64bits_digest(state_); }
+    uint64_t digest() const { return hash_.digest(); }
 
 private:
     io_write_i* down_;
-    XXH3_state_t* state_;
+    xxh3_stream hash_;
     size_t n_ = 0;
 };
 
@@ -170,8 +184,13 @@ void decompress(std::span<const uint8_t> src, uint64_t declared, std::vector<uin
     out.clear();
     for (;;) {
         if (have == out.size() && have < declared) {  // full: grow, at most to the declared size
+            // doubling, until the frame has given an eighth of what it declares: then all of it at once, so
+            // that the last growth does not hold the old buffer beside one twice its size (peak 1.125x,
+            // not 1.5x), and what is zero-filled stays within 8x what the frame really produced
             const uint64_t next =
-                std::min<uint64_t>(declared, std::max<uint64_t>(uint64_t{1} << 16, 2 * have));
+                have >= declared / 8
+                    ? declared
+                    : std::min<uint64_t>(declared, std::max<uint64_t>(uint64_t{1} << 16, 2 * have));
             try {
                 out.resize(static_cast<size_t>(next));
             } catch (const std::bad_alloc&) {
@@ -225,60 +244,220 @@ uint32_t check_llama_header(std::span<const uint8_t> head, uint64_t size) {
     return n_tokens;
 }
 
-parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vector<uint8_t>& storage) {
-    const size_t size = file.size();
-    check_session_header(file.first(std::min(size, session_header_size)), size);
-    parsed_session p;
-    session_info& info = p.info;
-    info.version = load_at<uint32_t>(file, off_version);
-    info.file_flags = load_at<uint32_t>(file, off_flags);
-    info.seq_id = load_at<int32_t>(file, off_seq);
-    info.state_flags = load_at<uint32_t>(file, off_state_flags);
-    const auto n_tokens = load_at<uint32_t>(file, off_n_tokens);
-    const auto layout_len = load_at<uint32_t>(file, off_layout_len);
-    info.payload_bytes = load_at<uint64_t>(file, off_payload);
-    info.stored_bytes = load_at<uint64_t>(file, off_stored);
-    info.layout_fingerprint = load_at<uint64_t>(file, off_fingerprint);
-    info.checksum = load_at<uint64_t>(file, off_checksum);
+// The fields of a session file's header, checked (check_session_header) and checked against the size
+// of the file (truncated, trailing bytes). head: the file's first min(size, session_header_size) bytes.
+struct session_fields {
+    session_info info;  // without the layout and the tokens
+    uint32_t n_tokens = 0;
+    uint32_t layout_len = 0;
+    uint64_t before_payload = 0;  // header, layout and tokens
+};
 
-    const uint64_t before_payload = session_header_size + uint64_t{layout_len} + uint64_t{n_tokens} * 4;
-    if (info.stored_bytes > size || before_payload + info.stored_bytes > size)
+session_fields read_fields(std::span<const uint8_t> head, uint64_t size) {
+    check_session_header(head, size);
+    session_fields f;
+    session_info& info = f.info;
+    info.version = load_at<uint32_t>(head, off_version);
+    info.file_flags = load_at<uint32_t>(head, off_flags);
+    info.seq_id = load_at<int32_t>(head, off_seq);
+    info.state_flags = load_at<uint32_t>(head, off_state_flags);
+    f.n_tokens = load_at<uint32_t>(head, off_n_tokens);
+    f.layout_len = load_at<uint32_t>(head, off_layout_len);
+    info.payload_bytes = load_at<uint64_t>(head, off_payload);
+    info.stored_bytes = load_at<uint64_t>(head, off_stored);
+    info.layout_fingerprint = load_at<uint64_t>(head, off_fingerprint);
+    info.checksum = load_at<uint64_t>(head, off_checksum);
+
+    f.before_payload = session_header_size + uint64_t{f.layout_len} + uint64_t{f.n_tokens} * 4;
+    if (info.stored_bytes > size || f.before_payload + info.stored_bytes > size)
         bad_file(errc::corrupt_data, fmt::format("truncated: the header promises {} bytes, the file has {}",
-                                                 before_payload + info.stored_bytes, size));
-    const uint64_t expected = before_payload + info.stored_bytes;
+                                                 f.before_payload + info.stored_bytes, size));
+    const uint64_t expected = f.before_payload + info.stored_bytes;
     if (expected < size)
         bad_file(errc::corrupt_data, fmt::format("{} trailing bytes after the {} the header promises",
                                                  size - expected, expected));
-    const auto body = file.subspan(session_header_size);
-    const uint64_t sum = xxh3(body.data(), body.size());
+    if (!(info.file_flags & session_flag_zstd) && info.payload_bytes != info.stored_bytes)
+        bad_file(errc::corrupt_data, fmt::format("payload of {} bytes stored in {} without compression",
+                                                 info.payload_bytes, info.stored_bytes));
+    return f;
+}
+
+void check_checksum(const session_info& info, uint64_t sum) {
     if (sum != info.checksum)
         bad_file(errc::corrupt_data, fmt::format("checksum mismatch (stored {:016x}, computed {:016x}): the "
                                                  "file is damaged",
                                                  info.checksum, sum));
-    info.layout.assign(reinterpret_cast<const char*>(body.data()), layout_len);
+}
+
+// After the checksum: the layout against its fingerprint, the tokens from their bytes, and a zstd frame's
+// declared size (from the frame's first bytes, `frame_head`) against the header's.
+void check_body(session_info& info, std::string_view layout, std::span<const uint8_t> tokens,
+                std::span<const uint8_t> frame_head) {
+    info.layout.assign(layout);
     if (xxh3(info.layout.data(), info.layout.size()) != info.layout_fingerprint)
         bad_file(errc::corrupt_data, "the layout fingerprint does not match the layout");
-    info.tokens.resize(n_tokens);
-    if (n_tokens) std::memcpy(info.tokens.data(), body.data() + layout_len, size_t{n_tokens} * 4);
-
-    const auto stored = file.subspan(before_payload);
-    if (!(info.file_flags & session_flag_zstd)) {
-        if (info.payload_bytes != info.stored_bytes)
-            bad_file(errc::corrupt_data, fmt::format("payload of {} bytes stored in {} without compression",
-                                                     info.payload_bytes, info.stored_bytes));
-        p.payload = stored;
-        return p;
-    }
-    const unsigned long long frame = ZSTD_getFrameContentSize(stored.data(), stored.size());
+    info.tokens.resize(tokens.size() / 4);
+    if (!tokens.empty()) std::memcpy(info.tokens.data(), tokens.data(), tokens.size());
+    if (!(info.file_flags & session_flag_zstd)) return;
+    const unsigned long long frame = ZSTD_getFrameContentSize(frame_head.data(), frame_head.size());
     if (frame != info.payload_bytes)
         bad_file(errc::corrupt_data,
                  fmt::format("the zstd frame holds {} bytes, the header says {}",
                              frame >= ZSTD_CONTENTSIZE_ERROR ? 0 : frame, info.payload_bytes));
+}
+
+parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vector<uint8_t>& storage) {
+    const size_t size = file.size();
+    const session_fields f = read_fields(file.first(std::min(size, session_header_size)), size);
+    parsed_session p;
+    p.info = f.info;
+    session_info& info = p.info;
+    const auto body = file.subspan(session_header_size);
+    check_checksum(info, xxh3(body.data(), body.size()));
+    const auto stored = file.subspan(f.before_payload);
+    check_body(info, std::string_view(reinterpret_cast<const char*>(body.data()), f.layout_len),
+               body.subspan(f.layout_len, size_t{f.n_tokens} * 4), stored);
+    if (!(info.file_flags & session_flag_zstd)) {
+        p.payload = stored;
+        return p;
+    }
     if (!want_payload) return p;
     decompress(stored, info.payload_bytes, storage);
     p.payload = storage;
     return p;
 }
+
+// -- loading from a file in pieces --
+
+constexpr size_t read_chunk = size_t{1} << 20;  // bytes per read of a file streamed through
+
+// n bytes of f into the hash, a chunk at a time; the first bytes also into `first` (up to its size).
+void hash_through(io_file_reader& f, uint64_t n, xxh3_stream& h, std::span<uint8_t> first) {
+    std::vector<uint8_t> buf(static_cast<size_t>(std::min<uint64_t>(n, read_chunk)));
+    for (uint64_t done = 0; done < n;) {
+        const auto k = static_cast<size_t>(std::min<uint64_t>(n - done, buf.size()));
+        f.read(buf.data(), k);
+        h.update(buf.data(), k);
+        if (done < first.size())
+            std::memcpy(first.data() + done, buf.data(),
+                        std::min<size_t>(k, first.size() - static_cast<size_t>(done)));
+        done += k;
+    }
+}
+
+// The payload of a file read by a memory's state_stage straight from the file: no copy of the file is
+// held, only what the stage keeps (issue 20: a 1 GiB session took 2.1 GB). Plain payloads go from the
+// file into the stage's buffers; zstd payloads are decompressed on the way, a chunk of input at a time.
+// What passes is hashed (when `hash` is set), so that the caller can check the file did not change since
+// it was verified. Running out, or bytes left over at end_of_state, are corrupt_data as for a buffer.
+class payload_source final : public io_read_i {
+public:
+    payload_source(io_file_reader& f, uint64_t stored, uint64_t payload, bool zstd, xxh3_stream* hash)
+        : f_(&f), stored_(stored), payload_(payload), hash_(hash) {
+        if (!zstd) return;
+        ds_.reset(ZSTD_createDStream());
+        if (!ds_) bad_file(errc::out_of_memory, "cannot create a zstd stream");
+        ZSTD_initDStream(ds_.get());
+        in_buf_.resize(static_cast<size_t>(std::min<uint64_t>(stored, read_chunk)));
+    }
+
+    void read(void* dst, size_t size) override {
+        if (size > payload_ - n_)
+            throw error(errc::corrupt_data,
+                        fmt::format("state: truncated at byte {}: {} bytes needed, {} left", n_, size,
+                                    payload_ - n_));
+        if (ds_)
+            inflate(dst, size);
+        else
+            pull(dst, size);
+        n_ += size;
+    }
+    size_t n_bytes() const override { return n_; }
+
+    void end_of_state() override {
+        if (n_ != payload_)
+            throw error(errc::corrupt_data, fmt::format("state: {} trailing bytes after the state at byte {}",
+                                                        payload_ - n_, n_));
+        if (!ds_) return;
+        // the frame ends here: no more output, and no input after it
+        uint8_t extra = 0;
+        while (frame_left_ != 0) {
+            ZSTD_outBuffer out{&extra, 1, 0};
+            step(out);
+            if (out.pos != 0)
+                bad_file(
+                    errc::corrupt_data,
+                    fmt::format("the zstd frame holds more than the {} bytes the header says", payload_));
+        }
+        if (in_.pos != in_.size || taken_ != stored_)
+            bad_file(errc::corrupt_data, fmt::format("{} bytes follow the zstd frame",
+                                                     (in_.size - in_.pos) + (stored_ - taken_)));
+    }
+
+private:
+    // size bytes of the plain payload: small reads (a state's fields) come from a buffer filled a chunk
+    // at a time, large ones (rows) straight from the file.
+    void pull(void* dst, size_t size) {
+        auto* out = static_cast<uint8_t*>(dst);
+        const size_t have = std::min(size, buf_.size() - buf_at_);
+        if (have) std::memcpy(out, buf_.data() + buf_at_, have);
+        buf_at_ += have;
+        out += have;
+        size -= have;
+        if (size == 0) return;
+        if (size >= small_read) {
+            fetch(out, size);
+            return;
+        }
+        buf_.resize(static_cast<size_t>(std::min<uint64_t>(small_read, stored_ - taken_)));
+        fetch(buf_.data(), buf_.size());
+        buf_at_ = size;  // read() checked that the payload holds size more bytes
+        std::memcpy(out, buf_.data(), size);
+    }
+    void fetch(void* dst, size_t size) {
+        f_->read(dst, size);
+        if (hash_) hash_->update(dst, size);
+        taken_ += size;
+    }
+
+    // One call of the decompressor into out, refilling the input first when it is used up.
+    void step(ZSTD_outBuffer& out) {
+        if (in_.pos == in_.size) {
+            if (taken_ == stored_)
+                bad_file(errc::corrupt_data, "the payload does not decompress: the zstd frame is truncated");
+            const auto k = static_cast<size_t>(std::min<uint64_t>(stored_ - taken_, in_buf_.size()));
+            fetch(in_buf_.data(), k);
+            in_ = {in_buf_.data(), k, 0};
+        }
+        frame_left_ = ZSTD_decompressStream(ds_.get(), &out, &in_);
+        if (ZSTD_isError(frame_left_))
+            bad_file(errc::corrupt_data,
+                     fmt::format("the payload does not decompress: {}", ZSTD_getErrorName(frame_left_)));
+    }
+
+    void inflate(void* dst, size_t size) {
+        ZSTD_outBuffer out{dst, size, 0};
+        while (out.pos < out.size) {
+            if (frame_left_ == 0)  // the frame ended before the payload did
+                bad_file(errc::corrupt_data, fmt::format("the zstd frame holds {} bytes, the header says {}",
+                                                         n_ + out.pos, payload_));
+            step(out);
+        }
+    }
+
+    io_file_reader* f_;
+    uint64_t stored_, payload_;
+    xxh3_stream* hash_;
+    size_t n_ = 0;  // payload bytes given out
+    std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds_{nullptr, ZSTD_freeDStream};
+    static constexpr size_t small_read = 64 * 1024;
+    std::vector<uint8_t> buf_;  // plain payloads: bytes read ahead, from buf_at_
+    size_t buf_at_ = 0;
+    std::vector<uint8_t> in_buf_;  // zstd payloads: the compressed input
+    ZSTD_inBuffer in_{nullptr, 0, 0};
+    uint64_t taken_ = 0;     // stored bytes read from the file
+    size_t frame_left_ = 1;  // ZSTD_decompressStream's last answer: 0 once the frame is complete
+};
 
 // Runs f; a kvc::error it throws gets "load 'path': " in front.
 template <class F>
@@ -366,19 +545,62 @@ std::string current_layout(std::string layout) {
 
 }  // namespace
 
+namespace {
+
+// The first pass of load_file: the header, then the whole body through the checksum, a chunk at a time;
+// the layout and the tokens are kept. Everything parse() checks, without holding the file.
+session_info verify_file(const std::string& path, session_fields& fields) {
+    io_file_reader f(path);
+    const uint64_t size = f.size();
+    check_limit("bytes in the file", "file_bytes", size, file_bytes_limit());  // before reading any
+    std::vector<uint8_t> head(static_cast<size_t>(std::min<uint64_t>(size, session_header_size)));
+    f.read(head.data(), head.size());
+    fields = read_fields(head, size);
+    session_info info = fields.info;
+    xxh3_stream h;
+    std::string layout(fields.layout_len, '\0');  // both within the file's size (read_fields)
+    f.read(layout.data(), layout.size());
+    h.update(layout.data(), layout.size());
+    std::vector<uint8_t> tokens(size_t{fields.n_tokens} * 4);
+    f.read(tokens.data(), tokens.size());
+    h.update(tokens.data(), tokens.size());
+    std::array<uint8_t, 18> frame_head{};  // the longest zstd frame header (ZSTD_FRAMEHEADERSIZE_MAX)
+    hash_through(f, info.stored_bytes, h, frame_head);
+    check_checksum(info, h.digest());
+    check_body(info, layout, tokens,
+               std::span(frame_head)
+                   .first(static_cast<size_t>(std::min<uint64_t>(info.stored_bytes, frame_head.size()))));
+    return info;
+}
+
+}  // namespace
+
 session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens) {
     return about_file("load_file", path, [&] {
-        const std::vector<uint8_t> file = read_file_bytes(path);
-        std::vector<uint8_t> storage;
-        parsed_session p = parse(file, true, storage);
-        check_room(p.info.tokens.size(), max_tokens);
+        session_fields fields;
+        session_info info = verify_file(path, fields);
+        check_room(info.tokens.size(), max_tokens);
         const std::string layout = mem.state_layout();
-        if (current_layout(p.info.layout) != layout)
+        if (current_layout(info.layout) != layout)
             throw error(errc::invalid_state,
                         fmt::format("session: layout mismatch: the file's is \"{}\", this memory's is \"{}\"",
-                                    p.info.layout, layout));
-        state_set_payload(mem, p.payload, dest, p.info.state_flags);
-        return std::move(p.info);
+                                    info.layout, layout));
+        // Second pass: the payload from the file into the memory's stage. The body is hashed again, so that
+        // a file changed since the first pass is refused before the memory changes.
+        io_file_reader f(path);
+        if (f.size() != fields.before_payload + info.stored_bytes)
+            bad_file(errc::corrupt_data, "the file changed while it was loaded");
+        std::vector<uint8_t> head(session_header_size);
+        f.read(head.data(), head.size());
+        xxh3_stream h;
+        hash_through(f, fields.before_payload - session_header_size, h, {});
+        payload_source src(f, info.stored_bytes, info.payload_bytes, info.file_flags & session_flag_zstd, &h);
+        check_state_seq_flags(info.state_flags);
+        const state_stage_ptr stage = mem.state_stage(src, dest, info.state_flags);
+        src.end_of_state();
+        if (h.digest() != info.checksum) bad_file(errc::corrupt_data, "the file changed while it was loaded");
+        mem.state_commit(*stage);
+        return info;
     });
 }
 
@@ -400,24 +622,26 @@ uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_i
 std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest,
                                          size_t max_tokens) {
     return about_file("load_llama_seq_file", path, [&] {
-        const std::vector<uint8_t> file = read_file_bytes(path);
-        const std::span<const uint8_t> b(file);
-        const uint32_t n_tokens = check_llama_header(b, b.size());
+        io_file_reader f(path);  // one pass: the header, the tokens, then the payload into the stage
+        const uint64_t size = f.size();
+        check_limit("bytes in the file", "file_bytes", size, file_bytes_limit());  // before reading any
+        std::vector<uint8_t> head(static_cast<size_t>(std::min<uint64_t>(size, 12)));
+        f.read(head.data(), head.size());
+        const uint32_t n_tokens = check_llama_header(head, size);
+        std::vector<token_t> tokens(n_tokens);  // within the file's size (check_llama_header)
+        f.read(tokens.data(), tokens.size() * sizeof(token_t));
         // No checksum: what can be checked is structure. A token is a vocabulary index, never negative.
         for (uint32_t i = 0; i < n_tokens; ++i)
-            if (const auto t = load_at<int32_t>(b, 12 + size_t{i} * 4); t < 0)
-                bad_file(
-                    errc::corrupt_data,
-                    fmt::format("token {} of {} is {}, not a token id: the file is damaged", i, n_tokens, t));
-        const auto payload = b.subspan(12 + size_t{n_tokens} * 4);
-        if (n_tokens > max_tokens) {  // no checksum: the state's own checks tell a damaged file first
-            io_span_reader r(payload, true);
-            mem.state_check(r, dest, 0);
-            check_room(n_tokens, max_tokens);
-        }
-        std::vector<token_t> tokens(n_tokens);
-        if (n_tokens) std::memcpy(tokens.data(), b.data() + 12, size_t{n_tokens} * 4);
-        state_set_payload(mem, payload, dest, 0);
+            if (tokens[i] < 0)
+                bad_file(errc::corrupt_data,
+                         fmt::format("token {} of {} is {}, not a token id: the file is damaged", i, n_tokens,
+                                     tokens[i]));
+        const uint64_t payload = size - 12 - uint64_t{n_tokens} * 4;
+        payload_source src(f, payload, payload, false, nullptr);
+        const state_stage_ptr stage = mem.state_stage(src, dest, 0);
+        src.end_of_state();
+        check_room(n_tokens, max_tokens);  // no checksum: the state's own checks tell a damaged file first
+        mem.state_commit(*stage);
         return tokens;
     });
 }

@@ -3,14 +3,15 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <random>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
+#include <kvcache/limits.h>
 #include <kvcache/state.h>
 
 #include "detail/copy.h"
@@ -173,12 +174,17 @@ namespace {
 
 // The temporary files of earlier saves into `path` whose writer is gone (crashed or killed mid-save):
 // NAME.tmp-PID-XXXXXXXX where no process PID exists. A live PID (this process, or a writer at work, or
-// a reused PID) keeps its file. Best effort: a directory that cannot be read is left alone.
+// a reused PID) keeps its file, and so does one whose state cannot be known. Best effort: a directory
+// that cannot be read, or a file that cannot be removed, is left alone. Every call goes through file_io
+// (fault injection: tests/test_file_ops.cpp).
 void remove_stale_temps(const std::string& dir, const std::string& name) {
     const std::string prefix = name + ".tmp-";
-    std::error_code ec;
-    for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-        const std::string f = it->path().filename().string();
+    DIR* d = file_io.opendir(dir.c_str());
+    if (!d) return;
+    std::vector<std::string> stale;  // removed after the listing: a directory changing under readdir is
+                                     // allowed to skip or repeat entries
+    while (const struct dirent* e = file_io.readdir(d)) {
+        const std::string f = e->d_name;
         if (f.compare(0, prefix.size(), prefix) != 0) continue;
         const size_t dash = f.find('-', prefix.size());
         if (dash == std::string::npos || f.size() - dash != 9 || dash == prefix.size()) continue;
@@ -188,11 +194,12 @@ void remove_stale_temps(const std::string& dir, const std::string& name) {
         const long long pid = std::stoll(pid_text);
         if (pid <= 0 || pid == ::getpid()) continue;
         if (pid <= std::numeric_limits<pid_t>::max() &&
-            (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH))
+            (file_io.kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH))
             continue;
-        std::filesystem::remove(it->path(), ec);  // gone meanwhile is fine
-        ec.clear();
+        stale.push_back(fmt::format("{}/{}", dir, f));
     }
+    file_io.closedir(d);
+    for (const std::string& p : stale) file_io.unlink(p.c_str());  // gone meanwhile is fine
 }
 
 }  // namespace
@@ -232,6 +239,7 @@ uint64_t write_file_atomically(const std::string& path, const std::function<void
 
 std::vector<uint8_t> read_file_bytes(const std::string& path) {
     io_file_reader r(path);
+    check_limit("bytes in the file", "file_bytes", r.size(), file_bytes_limit());  // before reading any
     std::vector<uint8_t> out(r.size());
     r.read(out.data(), out.size());
     return out;

@@ -144,6 +144,36 @@ static void test_create(void) {
     kvc_memory_free(NULL); /* harmless */
 }
 
+/* -- limits (issue 21) -- */
+
+static void test_limits(void) {
+    const kvc_limits d = kvc_get_limits();
+    CHECK(d.file_bytes == 0 && d.metadata_bytes == (1ull << 30) && d.batch_tokens == (1u << 20) &&
+          d.sequences == 65536 && d.memory_bytes == 0);
+    /* kvc_batch_init(INT32_MAX, 0, INT32_MAX) zero-filled 14.8 GB before anyone stopped it */
+    CHECK(kvc_batch_init(INT32_MAX, 0, INT32_MAX) == NULL);
+    CHECK_MSG(
+        "kvc_batch_init: batch::init: n_tokens_alloc: 2147483647, over the limit batch_tokens of 1048576");
+
+    kvc_limits l = d;
+    l.batch_tokens = 16;
+    kvc_limits old;
+    CHECK_OK(kvc_set_limits(&l, &old));
+    CHECK(old.batch_tokens == d.batch_tokens);
+    CHECK(kvc_get_limits().batch_tokens == 16);
+    CHECK(kvc_batch_init(17, 0, 1) == NULL);
+    CHECK_MSG("over the limit batch_tokens of 16");
+    kvc_batch* b = kvc_batch_init(16, 0, 1);
+    CHECK(b != NULL);
+    kvc_batch_free(b);
+
+    l.sequences = 0; /* refused: nothing changes */
+    CHECK_ERR(kvc_set_limits(&l, NULL), KVC_ERR_INVALID_ARGUMENT, "sequences (0) must be at least 1");
+    CHECK_ERR(kvc_set_limits(NULL, NULL), KVC_ERR_INVALID_ARGUMENT, "limits is NULL");
+    CHECK(kvc_get_limits().sequences == 65536 && kvc_get_limits().batch_tokens == 16);
+    CHECK_OK(kvc_set_limits(&d, NULL));
+}
+
 /* -- batches -- */
 
 static void test_batch(void) {
@@ -799,6 +829,7 @@ int main(void) {
     test_errors_and_version();
     test_types();
     test_create();
+    test_limits();
     test_batch();
     test_decode_loop();
     test_embeddings_batch();

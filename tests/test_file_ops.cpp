@@ -140,78 +140,97 @@ size_t io_size(size_t n) {
     return g.kind == fault::short_io && g.calls == g.at && n > 1 ? n / 2 : n;
 }
 
-const file_ops injecting{
-    .open =
-        [](const char* path, int flags, mode_t mode) {
-            if (refuse(false)) return -1;
-            const int fd = g.sys->open(path, flags, mode);
-            if (fd >= 0) {
-                g.fd_path[fd] = path;
-                if (flags & O_DIRECTORY) g.dir_fds.insert(fd);
-                if (flags & (O_WRONLY | O_RDWR)) g.dirty.insert(path);
-            }
-            return fd;
-        },
-    .read = [](int fd, void* dst, size_t n) -> ssize_t {
-        if (refuse(true)) return -1;
-        return g.sys->read(fd, dst, io_size(n));
-    },
-    .write = [](int fd, const void* src, size_t n) -> ssize_t {
-        if (refuse(true)) return -1;
-        g.dirty.insert(g.fd_path[fd]);
-        return g.sys->write(fd, src, io_size(n));
-    },
-    .pwrite = [](int fd, const void* src, size_t n, off_t offset) -> ssize_t {
-        if (refuse(true)) return -1;
-        g.dirty.insert(g.fd_path[fd]);
-        return g.sys->pwrite(fd, src, io_size(n), offset);
-    },
-    .fstat =
-        [](int fd, struct stat* st) {
-            if (refuse(false)) return -1;
-            return g.sys->fstat(fd, st);
-        },
-    .fsync =
-        [](int fd) {
-            if (refuse(false)) return -1;
-            const int r = g.sys->fsync(fd);
-            if (r == 0 && g.dir_fds.count(fd))
-                g.unsynced_renames.clear();  // one directory in these tests
-            else if (r == 0)
-                g.dirty.erase(g.fd_path[fd]);
-            return r;
-        },
-    .close =
-        [](int fd) {
-            // a dead process's descriptors are closed too (closing changes nothing on disk)
-            const bool failed = refuse(false) && !g.crashed;
-            g.fd_path.erase(fd);
-            g.dir_fds.erase(fd);
-            const int r = g.sys->close(fd);
+const file_ops injecting{.open =
+                             [](const char* path, int flags, mode_t mode) {
+                                 if (refuse(false)) return -1;
+                                 const int fd = g.sys->open(path, flags, mode);
+                                 if (fd >= 0) {
+                                     g.fd_path[fd] = path;
+                                     if (flags & O_DIRECTORY) g.dir_fds.insert(fd);
+                                     if (flags & (O_WRONLY | O_RDWR)) g.dirty.insert(path);
+                                 }
+                                 return fd;
+                             },
+                         .read = [](int fd, void* dst, size_t n) -> ssize_t {
+                             if (refuse(true)) return -1;
+                             return g.sys->read(fd, dst, io_size(n));
+                         },
+                         .write = [](int fd, const void* src, size_t n) -> ssize_t {
+                             if (refuse(true)) return -1;
+                             g.dirty.insert(g.fd_path[fd]);
+                             return g.sys->write(fd, src, io_size(n));
+                         },
+                         .pwrite = [](int fd, const void* src, size_t n, off_t offset) -> ssize_t {
+                             if (refuse(true)) return -1;
+                             g.dirty.insert(g.fd_path[fd]);
+                             return g.sys->pwrite(fd, src, io_size(n), offset);
+                         },
+                         .fstat =
+                             [](int fd, struct stat* st) {
+                                 if (refuse(false)) return -1;
+                                 return g.sys->fstat(fd, st);
+                             },
+                         .fsync =
+                             [](int fd) {
+                                 if (refuse(false)) return -1;
+                                 const int r = g.sys->fsync(fd);
+                                 if (r == 0 && g.dir_fds.count(fd))
+                                     g.unsynced_renames.clear();  // one directory in these tests
+                                 else if (r == 0)
+                                     g.dirty.erase(g.fd_path[fd]);
+                                 return r;
+                             },
+                         .close =
+                             [](int fd) {
+                                 // a dead process's descriptors are closed too (closing changes nothing on
+                                 // disk)
+                                 const bool failed = refuse(false) && !g.crashed;
+                                 g.fd_path.erase(fd);
+                                 g.dir_fds.erase(fd);
+                                 const int r = g.sys->close(fd);
+                                 if (failed) errno = EIO;
+                                 return failed ? -1 : r;
+                             },
+                         .rename =
+                             [](const char* from, const char* to) {
+                                 if (refuse(false)) return -1;
+                                 injector_state::rename_record rec{to, std::nullopt};
+                                 if (fs::exists(to)) rec.old = bytes_of(to);
+                                 const int r = g.sys->rename(from, to);
+                                 if (r == 0) {
+                                     g.unsynced_renames.push_back(std::move(rec));
+                                     if (g.dirty.erase(from)) g.dirty.insert(to);
+                                     for (auto& [fd, p] : g.fd_path)
+                                         if (p == from) p = to;
+                                 }
+                                 return r;
+                             },
+                         .unlink =
+                             [](const char* path) {
+                                 if (refuse(false)) return -1;
+                                 g.dirty.erase(path);
+                                 return g.sys->unlink(path);
+                             },
+                         .opendir = [](const char* path) -> DIR* {
+                             if (refuse(false)) return nullptr;
+                             return g.sys->opendir(path);
+                         },
+                         .readdir = [](DIR * d) -> struct dirent* {if (refuse(false)) return nullptr;
+return g.sys->readdir(d);
+}  // namespace
+,
+    .closedir =
+        [](DIR* d) {
+            const bool failed = refuse(false) && !g.crashed;  // closed anyway, as close
+            const int r = g.sys->closedir(d);
             if (failed) errno = EIO;
             return failed ? -1 : r;
         },
-    .rename =
-        [](const char* from, const char* to) {
-            if (refuse(false)) return -1;
-            injector_state::rename_record rec{to, std::nullopt};
-            if (fs::exists(to)) rec.old = bytes_of(to);
-            const int r = g.sys->rename(from, to);
-            if (r == 0) {
-                g.unsynced_renames.push_back(std::move(rec));
-                if (g.dirty.erase(from)) g.dirty.insert(to);
-                for (auto& [fd, p] : g.fd_path)
-                    if (p == from) p = to;
-            }
-            return r;
-        },
-    .unlink =
-        [](const char* path) {
-            if (refuse(false)) return -1;
-            g.dirty.erase(path);
-            return g.sys->unlink(path);
-        },
-};
+    .kill = [](pid_t pid, int sig) {
+        if (refuse(false)) return -1;  // EIO: the PID's state unknown
+        return g.sys->kill(pid, sig);
+    },
+};  // namespace kvc
 
 // Swaps the table in for its lifetime, with one fault (or none: counting) at call `at`.
 class injection {
@@ -376,6 +395,79 @@ TEST_F(file_ops_faults, every_call_of_a_save_fails_or_crashes_in_turn_and_the_ta
     std::printf("injected I/O faults into saves: %llu\n", static_cast<unsigned long long>(faults));
     RecordProperty("injected_faults", static_cast<int>(faults));
     EXPECT_GT(faults, 100u);
+}
+
+// The cleanup of stale temporary files (issue 21) under the same faults: with a dead writer's temporary
+// file of the target beside it, a live writer's and another target's, every call of a save (listing the
+// directory, asking whether a PID lives, removing, then the save itself) fails or crashes in turn. The
+// target is old or new, the other files are untouched, and the dead writer's file is removed or left,
+// nothing else; a save that succeeds without a fault in its cleanup removes it.
+TEST_F(file_ops_faults, the_stale_temporary_cleanup_under_every_fault) {
+    std::mt19937 rng(3);
+    kv_cache a(big_params()), old_mem(big_params());
+    decode(a, 0, 0, 40, rng);
+    decode(old_mem, 0, 0, 20, rng);
+    const file_kind k = kinds()[0];
+    const std::string target = path("s");
+    k.save(old_mem, target);
+    const auto old_file = bytes_of(target);
+    k.save(a, target);
+    const auto new_file = bytes_of(target);
+    const std::string dead = target + fmt::format(".tmp-{}-0badc0de", 2147483646);  // no such process
+    const std::string live = target + fmt::format(".tmp-{}-00c0ffee", ::getpid());  // a writer at work
+    const std::string other = path("t") + fmt::format(".tmp-{}-0badc0de", 2147483646);
+    const std::vector<uint8_t> junk = {1, 2, 3};
+    const auto prepare = [&] {
+        put_bytes(target, old_file);
+        for (const std::string& p : {dead, live, other}) put_bytes(p, junk);
+    };
+    uint64_t total = 0;
+    {
+        prepare();
+        const injection counting(fault::none, 0);
+        k.save(a, target);
+        total = counting.calls();
+    }
+    EXPECT_FALSE(fs::exists(dead)) << "a save removes a dead writer's temporary file";
+    ASSERT_GE(total, 16u) << "opendir, readdir of each entry, kill, closedir, unlink, then the save";
+    uint64_t faults = 0, left = 0;
+    for (const fault f : {fault::fail, fault::crash, fault::power_loss})
+        for (uint64_t n = 1; n <= total; ++n) {
+            const std::string where = fmt::format("{} at call {} of {}", name(f), n, total);
+            prepare();
+            bool injected = false;
+            {
+                const injection inj(f, n);
+                try {
+                    k.save(a, target);
+                } catch (const error& e) {
+                    EXPECT_EQ(e.code(), errc::io) << where << ": " << e.what();
+                }
+                injected = inj.injected();
+            }
+            if (!injected) continue;
+            ++faults;
+            const auto file = bytes_of(target);
+            EXPECT_TRUE(file == old_file || file == new_file) << where << ": a torn file";
+            EXPECT_EQ(bytes_of(live), junk) << where << ": a live writer's file";
+            EXPECT_EQ(bytes_of(other), junk) << where << ": another target's file";
+            if (fs::exists(dead)) {
+                EXPECT_EQ(bytes_of(dead), junk) << where;
+                ++left;
+            }
+            for (const auto& e : fs::directory_iterator(dir_)) {  // nothing else: no temporary of this save
+                const std::string p = e.path().string();
+                if (p != target && p != dead && p != live && p != other && f == fault::fail)
+                    ADD_FAILURE() << where << ": " << p << " left behind";
+            }
+            fs::remove(dead);
+            remove_temporaries();
+        }
+    std::printf(
+        "injected I/O faults into saves with stale temporary files: %llu (the dead writer's file left by "
+        "%llu)\n",
+        static_cast<unsigned long long>(faults), static_cast<unsigned long long>(left));
+    EXPECT_EQ(faults, 3 * total);  // every call is reached in each mode: the calls before it are unchanged
 }
 
 TEST_F(file_ops_faults, every_call_of_a_load_fails_in_turn_and_the_memory_is_unchanged) {

@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <kvcache/limits.h>
 #include <kvcache/runtime/gguf.h>
 #include <kvcache/state.h>
 
@@ -193,10 +194,10 @@ TEST(gguf, round_trip_every_metadata_type) {
     EXPECT_EQ(std::get<std::vector<std::string>>(strs->value),
               (std::vector<std::string>{"", "x", "long string with spaces"}));
     EXPECT_EQ(f.find("f32s")->elem_type, gguf_type::f32);
-    EXPECT_EQ(std::get<std::vector<double>>(f.find("f32s")->value), (std::vector<double>{1.0, -0.5, 3.25}));
+    EXPECT_EQ(std::get<gguf_array>(f.find("f32s")->value).floats(), (std::vector<double>{1.0, -0.5, 3.25}));
     EXPECT_EQ(f.find("i32s")->elem_type, gguf_type::i32);
-    EXPECT_EQ(std::get<std::vector<int64_t>>(f.find("i32s")->value),
-              (std::vector<int64_t>{-1, 0, 2147483647}));
+    EXPECT_EQ(std::get<gguf_array>(f.find("i32s")->value).ints(), (std::vector<int64_t>{-1, 0, 2147483647}));
+    EXPECT_THROW((void)std::get<gguf_array>(f.find("i32s")->value).uints(), error) << "not unsigned";
     EXPECT_TRUE(std::get<std::vector<std::string>>(f.find("no_strs")->value).empty());
     EXPECT_EQ(f.find("absent"), nullptr);
 }
@@ -226,15 +227,47 @@ TEST(gguf, reads_every_scalar_and_array_type) {
     EXPECT_EQ(f.get_int("i16"), -30000);
     EXPECT_EQ(f.get_int("i64"), std::numeric_limits<int64_t>::min());
     EXPECT_EQ(f.get_float("f64"), 1e300);
-    EXPECT_EQ(std::get<std::vector<uint64_t>>(f.find("u8s")->value), (std::vector<uint64_t>{1, 2, 255}));
+    const auto array = [&](const char* key) { return std::get<gguf_array>(f.find(key)->value); };
+    EXPECT_EQ(array("u8s").uints(), (std::vector<uint64_t>{1, 2, 255}));
+    EXPECT_EQ(array("u8s").bytes, (std::vector<uint8_t>{1, 2, 255})) << "held as the file stores them";
     EXPECT_EQ(f.find("u8s")->elem_type, gguf_type::u8);
-    EXPECT_EQ(std::get<std::vector<int64_t>>(f.find("i16s")->value), (std::vector<int64_t>{-1, 7}));
-    EXPECT_EQ(std::get<std::vector<uint64_t>>(f.find("u64s")->value), (std::vector<uint64_t>{~uint64_t{0}}));
-    EXPECT_EQ(std::get<std::vector<double>>(f.find("f64s")->value), (std::vector<double>{0.25, -8}));
-    EXPECT_EQ(std::get<std::vector<bool>>(f.find("bools")->value), (std::vector<bool>{true, false, true}));
-    EXPECT_TRUE(std::get<std::vector<uint64_t>>(f.find("u32s")->value).empty());
+    EXPECT_EQ(array("i16s").ints(), (std::vector<int64_t>{-1, 7}));
+    EXPECT_EQ(array("i16s").size(), 2u);
+    EXPECT_EQ(array("u64s").uints(), (std::vector<uint64_t>{~uint64_t{0}}));
+    EXPECT_EQ(array("f64s").floats(), (std::vector<double>{0.25, -8}));
+    EXPECT_EQ(array("bools").bools(), (std::vector<bool>{true, false, true}));
+    EXPECT_TRUE(array("u32s").uints().empty());
     // no tensors and no padding after the metadata: still a file
     EXPECT_EQ(f.file_size(), bytes.size());
+}
+
+// kvc::limits::metadata_bytes (issue 21): the metadata section is bounded before the value that would pass
+// the limit is allocated, by a string, an array or the count of entries; the limit and both values are
+// named. The tensors and their data do not count.
+TEST(gguf, metadata_over_the_limit_is_refused) {
+    raw kv;
+    kv.str("a").u32(8).str(std::string(100, 'x'));  // 8 + 1 + 4 + 8 + 100 = 121 bytes
+    kv.str("b").u32(9).u32(0).u64(200).zeros(200);  // 8 + 1 + 4 + 4 + 8 + 200 = 225 bytes
+    const auto bytes = header(0, 2).bytes(kv.b).b;
+    const limits saved = get_limits();
+    limits l = saved;
+    l.metadata_bytes = 346;  // exactly both entries
+    set_limits(l);
+    EXPECT_NO_THROW(gguf_file::parse(bytes));
+    l.metadata_bytes = 345;
+    set_limits(l);
+    expect_rejected(
+        bytes, {"array: metadata bytes: 346, over the limit metadata_bytes of 345 (kvc::limits)", "key 'b'"},
+        errc::out_of_range);
+    l.metadata_bytes = 100;
+    set_limits(l);
+    expect_rejected(bytes, {"string value: metadata bytes: 121, over the limit metadata_bytes of 100"},
+                    errc::out_of_range);
+    l.metadata_bytes = 20;  // 2 entries of at least 13 bytes each cannot fit
+    set_limits(l);
+    expect_rejected(bytes, {"the metadata count: metadata bytes: 26, over the limit metadata_bytes of 20"},
+                    errc::out_of_range);
+    set_limits(saved);
 }
 
 TEST(gguf, round_trip_every_tensor_type) {

@@ -437,10 +437,10 @@ struct model {
         std::set<seq_id_t> seqs;
     };
     std::vector<cell> cells;
-    uint32_t n_seq_max;
+    std::vector<seq_id_t> ids;  // the sequence ids in play
     bool has_shift = false;
 
-    model(uint32_t n, uint32_t n_seq) : cells(n), n_seq_max(n_seq) {}
+    model(uint32_t n, std::vector<seq_id_t> seq_ids) : cells(n), ids(std::move(seq_ids)) {}
 
     void empty(uint32_t i) { cells[i] = cell{}; }
     uint32_t used() const {
@@ -525,7 +525,7 @@ void expect_equal(const kv_cells& c, const model& m, std::mt19937& rng, uint64_t
     ASSERT_EQ(c.used_max_p1(), umax) << "step " << step;
     ASSERT_EQ(c.get_has_shift(), m.has_shift) << "step " << step;
     std::uniform_int_distribution<pos_t> pos(-2, 40);
-    for (seq_id_t s = 0; s < static_cast<seq_id_t>(m.n_seq_max); ++s) {
+    for (seq_id_t s : m.ids) {
         ASSERT_EQ(c.seq_pos_min(s), m.pos_min(s)) << "step " << step << " seq " << s;
         ASSERT_EQ(c.seq_pos_max(s), m.pos_max(s)) << "step " << step << " seq " << s;
         const pos_t p0 = pos(rng), p1 = pos(rng);
@@ -557,17 +557,24 @@ TEST(kv_cells_property, random_operations_match_a_simple_model) {
     std::mt19937 rng(20261122);
     struct shape {
         uint32_t cells, seqs;
+        seq_id_t first = 0, stride = 1;  // the ids are first + stride * k, k < seqs
     };
-    const shape shapes[] = {{1, 1}, {7, 3}, {64, 4}, {65, 70}, {130, 5}};
+    // The last shape: a few sparse high ids among 65536, as one stream per sequence holds (the tables
+    // follow the ids held, not n_seq_max; issue 21).
+    const shape shapes[] = {{1, 1}, {7, 3}, {64, 4}, {65, 70}, {130, 5}, {40, 4, 60000, 1845}};
     uint64_t step = 0;
     for (const shape& sh : shapes) {
-        kv_cells c(sh.cells, sh.seqs);
-        model m(sh.cells, sh.seqs);
+        std::vector<seq_id_t> ids;
+        for (uint32_t k = 0; k < sh.seqs; ++k) ids.push_back(sh.first + sh.stride * static_cast<seq_id_t>(k));
+        const auto n_seq_max = static_cast<uint32_t>(ids.back()) + 1;
+        kv_cells c(sh.cells, n_seq_max);
+        model m(sh.cells, ids);
         std::uniform_int_distribution<uint32_t> cell(0, sh.cells - 1);
-        std::uniform_int_distribution<seq_id_t> seq(0, static_cast<seq_id_t>(sh.seqs) - 1);
+        std::uniform_int_distribution<size_t> pick(0, ids.size() - 1);
+        const auto seq = [&](std::mt19937& r) { return ids[pick(r)]; };
         std::uniform_int_distribution<pos_t> pos(0, 30), delta(-12, 12), rpos(-1, 32);
         std::uniform_int_distribution<int> op(0, 19), div(1, 4);
-        for (uint64_t k = 0; k < total / std::size(shapes); ++k, ++step) {
+        for (uint64_t k = 0; k < (total + std::size(shapes) - 1) / std::size(shapes); ++k, ++step) {
             const uint32_t i = cell(rng);
             const seq_id_t s = seq(rng);
             model::cell& mc = m.cells[i];
@@ -757,13 +764,13 @@ TEST(kv_cells_property, random_operations_match_a_simple_model) {
                     }
                     break;
                 case 18:  // invalid sequence ids change nothing
-                    ASSERT_THROW(c.seq_add(i, static_cast<seq_id_t>(sh.seqs)), error);
+                    ASSERT_THROW(c.seq_add(i, static_cast<seq_id_t>(n_seq_max)), error);
                     ASSERT_THROW((void)c.seq_keep_all(-1), error);
                     break;
                 default:
                     if (k % 2000 == 0) {
                         c.reset();
-                        m = model(sh.cells, sh.seqs);
+                        m = model(sh.cells, ids);
                     }
                     break;
             }

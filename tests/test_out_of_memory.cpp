@@ -1,10 +1,10 @@
 // Out-of-memory injection: this binary replaces the global operator new with one that counts allocations
-// and, when armed, throws std::bad_alloc at the Nth. Every allocation of a state load (from a buffer, from
-// session and 'ggsq' files, through C++ and the C API), of a batch (batch storage, kvc_batch_init, the
-// batch allocator) and of a placement (init_batch, then each ubatch's apply) fails in turn. After each:
-// a clean error (std::bad_alloc or kvc::error(out_of_memory) in C++, KVC_ERR_OUT_OF_MEMORY in C) and the
-// memory exactly as before (every stream's cells, heads, every sequence's positions, the whole state with
-// its K/V bytes).
+// and, when armed, throws std::bad_alloc at the Nth (counting_new.h). Every allocation of a state load (from
+// a buffer, from session and 'ggsq' files, through C++ and the C API), of a batch (batch storage,
+// kvc_batch_init, the batch allocator) and of a placement (init_batch, then each ubatch's apply) fails in
+// turn. After each: a clean error (std::bad_alloc or kvc::error(out_of_memory) in C++, KVC_ERR_OUT_OF_MEMORY
+// in C) and the memory exactly as before (every stream's cells, heads, every sequence's positions, the whole
+// state with its K/V bytes).
 #include <unistd.h>
 
 #include <cstdio>
@@ -29,81 +29,9 @@
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
+#include "counting_new.h"
 #include "memory_test_util.h"
 #include "state_test_util.h"
-
-namespace {
-
-// Armed when fail_at > 0: allocation number fail_at (counted from arming) throws. One thread only.
-uint64_t g_count = 0;
-uint64_t g_fail_at = 0;
-bool g_failed = false;  // the armed allocation was reached
-
-void* counted_alloc(size_t size, size_t align) {
-    if (g_fail_at != 0 && ++g_count == g_fail_at) {
-        g_failed = true;
-        throw std::bad_alloc();
-    }
-    if (size == 0) size = 1;
-    void* p = align <= alignof(std::max_align_t)
-                  ? std::malloc(size)
-                  : std::aligned_alloc(align, (size + align - 1) / align * align);
-    if (!p) throw std::bad_alloc();
-    return p;
-}
-
-void* counted_alloc_nothrow(size_t size, size_t align) noexcept {
-    try {
-        return counted_alloc(size, align);
-    } catch (const std::bad_alloc&) {
-        return nullptr;
-    }
-}
-
-}  // namespace
-
-void* operator new(size_t size) {
-    return counted_alloc(size, 0);
-}
-void* operator new[](size_t size) {
-    return counted_alloc(size, 0);
-}
-void* operator new(size_t size, std::align_val_t a) {
-    return counted_alloc(size, static_cast<size_t>(a));
-}
-void* operator new[](size_t size, std::align_val_t a) {
-    return counted_alloc(size, static_cast<size_t>(a));
-}
-void* operator new(size_t size, const std::nothrow_t&) noexcept {
-    return counted_alloc_nothrow(size, 0);
-}
-void* operator new[](size_t size, const std::nothrow_t&) noexcept {
-    return counted_alloc_nothrow(size, 0);
-}
-void operator delete(void* p) noexcept {
-    std::free(p);
-}
-void operator delete[](void* p) noexcept {
-    std::free(p);
-}
-void operator delete(void* p, size_t) noexcept {
-    std::free(p);
-}
-void operator delete[](void* p, size_t) noexcept {
-    std::free(p);
-}
-void operator delete(void* p, std::align_val_t) noexcept {
-    std::free(p);
-}
-void operator delete[](void* p, std::align_val_t) noexcept {
-    std::free(p);
-}
-void operator delete(void* p, size_t, std::align_val_t) noexcept {
-    std::free(p);
-}
-void operator delete[](void* p, size_t, std::align_val_t) noexcept {
-    std::free(p);
-}
 
 namespace kvc {
 namespace {

@@ -576,12 +576,18 @@ void expect_refused(const std::function<bool(std::string_view key, gguf_writer&)
             w.set_string(kv.key, *t);
         else if (const auto* ss = std::get_if<std::vector<std::string>>(&v.value))
             w.set_string_array(kv.key, *ss);
-        else if (const auto* fs_ = std::get_if<std::vector<double>>(&v.value))
-            w.set_f32_array(kv.key, std::vector<float>(fs_->begin(), fs_->end()));
-        else if (const auto* is = std::get_if<std::vector<int64_t>>(&v.value))
-            w.set_i32_array(kv.key, std::vector<int32_t>(is->begin(), is->end()));
-        else if (const auto* us = std::get_if<std::vector<uint64_t>>(&v.value))
-            w.set_u32_array(kv.key, std::vector<uint32_t>(us->begin(), us->end()));
+        else if (const auto* a = std::get_if<gguf_array>(&v.value)) {
+            if (a->elem_type == gguf_type::f32) {
+                const auto fs_ = a->floats();
+                w.set_f32_array(kv.key, std::vector<float>(fs_.begin(), fs_.end()));
+            } else if (a->elem_type == gguf_type::i32) {
+                const auto is = a->ints();
+                w.set_i32_array(kv.key, std::vector<int32_t>(is.begin(), is.end()));
+            } else {
+                const auto us = a->uints();
+                w.set_u32_array(kv.key, std::vector<uint32_t>(us.begin(), us.end()));
+            }
+        }
     }
     for (const gguf_tensor_info& t : f.tensors()) {
         if (!keep(t, w)) continue;

@@ -56,7 +56,9 @@ TEST(tiny_model, mamba_and_jamba_bytes_are_the_reference) {
     const auto f = gguf_file::parse(jamba);
     EXPECT_EQ(f.get_string("general.architecture"), "jamba");
     EXPECT_EQ(f.find("jamba.attention.head_count_kv")->value,
-              (gguf_value{gguf_type::array, gguf_type::u32, std::vector<uint64_t>{0, 2, 0, 2}}).value);
+              (gguf_value{gguf_type::array, gguf_type::u32,
+                          gguf_array{gguf_type::u32, {0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0}}})
+                  .value);
 }
 
 TEST(tiny_model, mamba_and_jamba_bytes_equal_the_peer_files) {

@@ -19,6 +19,9 @@
 ///    per-sequence index; range operations on one sequence O(cells touched) plus a memmove of its index;
 ///    free-cell searches go by 64-cell words with a summary level above them, so a search never walks
 ///    cell by cell through a full or empty region.
+///  - Memory follows the cells and the sequences held, not n_seq_max: per-sequence indexes exist for a window
+///    of ids grown (doubling) to include every id held so far (a stream of one sequence keeps one),
+///    and a cell's seq_set keeps words only for the ids it holds.
 ///
 /// Differences from llama.cpp (see docs/concepts.md): pos_div records shift = new - old (design D1);
 /// any number of sequences; pos_add that drops a cell below 0 clears its M-RoPE extension too; snapshots

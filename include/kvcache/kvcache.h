@@ -121,6 +121,37 @@ KVC_API void kvc_set_log_callback(kvc_log_callback callback, void* user_data) KV
 KVC_API const char* kvc_version_string(void) KVC_NOEXCEPT;
 
 // ---------------------------------------------------------------------------------------------------------
+// Limits
+// ---------------------------------------------------------------------------------------------------------
+
+/// @brief The largest inputs kvcache accepts, process-wide (kvc::limits; in the spirit of sqlite3_limit).
+///
+/// What an input declares is checked against them before anything is allocated for it: the size of a
+/// file a state or session load reads, the metadata of a GGUF file, the capacity of a batch, the number
+/// of sequences of a memory or a batch. A refusal is #KVC_ERR_OUT_OF_RANGE (#KVC_ERR_OUT_OF_MEMORY for
+/// memory_bytes) and kvc_last_error() names the limit and both values.
+typedef struct kvc_limits {
+    uint64_t file_bytes;      ///< largest file a state, session or 'ggsq' load reads (0: physical memory)
+    uint64_t metadata_bytes;  ///< largest GGUF metadata section (default 1 GiB)
+    uint32_t batch_tokens;    ///< largest batch capacity in tokens (default 1,048,576)
+    uint32_t sequences;       ///< largest n_seq_max of a memory or a batch (default 65,536)
+    /// Budget of a memory whose memory_budget is 0, and the most bytes one batch may take (0: physical
+    /// memory; the default).
+    uint64_t memory_bytes;
+} kvc_limits;
+
+/// @brief The limits in force (the defaults until kvc_set_limits()).
+KVC_API kvc_limits kvc_get_limits(void) KVC_NOEXCEPT;
+
+/// @brief Replaces every limit, process-wide. Set them at start-up: each field is read atomically, so a
+/// call running meanwhile sees each limit either before or after.
+/// @param limits The new limits (start from kvc_get_limits()); batch_tokens and sequences >= 1.
+/// @param old Receives the previous limits; may be NULL.
+/// @return #KVC_OK, or #KVC_ERR_INVALID_ARGUMENT (NULL limits, batch_tokens or sequences 0; nothing
+/// changes then).
+KVC_API kvc_status kvc_set_limits(const kvc_limits* limits, kvc_limits* old) KVC_NOEXCEPT;
+
+// ---------------------------------------------------------------------------------------------------------
 // Element types
 // ---------------------------------------------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 ///
 /// llama.cpp uses a fixed 256-bit bitset; kvcache has no compile-time cap on sequences. Ids below 64
 /// live in one inline machine word (the common case costs what a std::bitset<64> costs); higher ids go
-/// to a heap-allocated word array that grows on demand and is never shrunk by erase(), so that a cell
-/// reused by the same high sequence does not allocate again.
+/// to a heap-allocated window of words covering only the ids the set holds (a cell of sequence 60000
+/// costs one word, not 938): it grows on demand, moves to a new id range when its ids are all gone, and
+/// is never shrunk by erase(), so that a cell reused by the same high sequence does not allocate again.
 ///
 /// 16 bytes per set. Iteration is in ascending id order.
 #pragma once
@@ -15,6 +16,7 @@
 #include <initializer_list>
 #include <iterator>
 #include <string>
+#include <utility>
 
 #include <kvcache/types.h>
 
@@ -57,6 +59,13 @@ public:
             lo_ |= uint64_t{1} << id;
             return;
         }
+        if (hi_ && id > 0) {  // inside the window: no allocation
+            const size_t k = static_cast<size_t>(id) / 64 - static_cast<size_t>(hi_[1]);
+            if (k < hi_[0]) {
+                hi_[header + k] |= bit(id);
+                return;
+            }
+        }
         insert_high(id);
     }
     /// Removes id (no effect if absent); never frees memory.
@@ -65,9 +74,16 @@ public:
             lo_ &= ~(uint64_t{1} << id);
             return;
         }
-        if (id > 0 && static_cast<size_t>(id / 64) < capacity_words()) hi_[id / 64] &= ~bit(id);
+        if (hi_ && id > 0) {
+            const size_t k = static_cast<size_t>(id) / 64 - static_cast<size_t>(hi_[1]);
+            if (k < hi_[0]) hi_[header + k] &= ~bit(id);
+        }
     }
-    void clear();                               ///< removes every id
+    /// Removes every id; never frees memory.
+    void clear() {
+        lo_ = 0;
+        if (hi_) clear_high();
+    }
     seq_set& operator|=(const seq_set& other);  ///< add other's ids
     seq_set& operator&=(const seq_set& other);  ///< keep only the ids also in other
     seq_set& operator-=(const seq_set& other);  ///< remove other's ids
@@ -107,26 +123,48 @@ public:
     iterator end() const { return iterator(this, -1); }              ///< past the largest id
 
     /// Smallest id >= from, or -1 when none.
-    seq_id_t next_from(seq_id_t from) const;
+    seq_id_t next_from(seq_id_t from) const {
+        const uint32_t f = from < 0 ? 0 : static_cast<uint32_t>(from);
+        if (f < 64) {
+            const uint64_t bits = lo_ & (~uint64_t{0} << f);
+            if (bits) return static_cast<seq_id_t>(std::countr_zero(bits));
+            from = 64;
+        }
+        return hi_ ? next_from_high(from) : -1;
+    }
 
     /// "{0, 3, 70}" for messages and pictures.
     std::string to_string() const;
 
 private:
     static uint64_t bit(seq_id_t id) { return uint64_t{1} << (id % 64); }
-    // Heap words cover ids [64, 64 * capacity_words()); hi_[0] holds the number of words incl. word 0.
-    size_t capacity_words() const { return hi_ ? static_cast<size_t>(hi_[0]) : 1; }
+    // The heap window: hi_[0] = its length n in words, hi_[1] = its first word b (>= 1); hi_[header + k]
+    // holds ids [64 (b + k), 64 (b + k) + 64) for k < n. Word 0 (ids below 64) is lo_.
+    static constexpr size_t header = 2;
+    size_t high_words() const { return hi_ ? static_cast<size_t>(hi_[0]) : 0; }
+    // Slot of word w in the window; >= high_words() when outside (unsigned wrap below the first word).
+    size_t high_slot(size_t w) const { return w - (hi_ ? static_cast<size_t>(hi_[1]) : 1); }
     bool contains_high(seq_id_t id) const {
-        const size_t w = static_cast<size_t>(id) / 64;
-        return w < capacity_words() && (hi_[w] & bit(id));
+        if (!hi_) return false;
+        const size_t k = static_cast<size_t>(id) / 64 - static_cast<size_t>(hi_[1]);
+        return k < hi_[0] && (hi_[header + k] & bit(id));
     }
+    seq_id_t next_from_high(seq_id_t from) const;  // from >= 64, hi_ not null
     bool high_empty() const;
+    void clear_high();
     void insert_high(seq_id_t id);
-    uint64_t* reserve_words(size_t words);  // words incl. the inline one (>= 2); returns hi_
-    uint64_t word(size_t w) const { return w == 0 ? lo_ : (w < capacity_words() ? hi_[w] : 0); }
+    // Makes the window cover words [first, last) (1 <= first < last), keeping its ids.
+    void cover(size_t first, size_t last);
+    // [first, last) words of the window holding an id; first == last when none.
+    std::pair<size_t, size_t> high_span() const;
+    uint64_t word(size_t w) const {
+        if (w == 0) return lo_;
+        const size_t k = high_slot(w);
+        return k < high_words() ? hi_[header + k] : 0;
+    }
 
     uint64_t lo_ = 0;         // ids [0, 64)
-    uint64_t* hi_ = nullptr;  // [capacity] hi_[0] = capacity in words, hi_[w] = ids [64w, 64w + 64)
+    uint64_t* hi_ = nullptr;  // the window of words for ids >= 64, or null
 };
 
 }  // namespace kvc

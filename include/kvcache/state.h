@@ -128,7 +128,8 @@ private:
 /// rethrown. Returns the size of the file.
 uint64_t write_file_atomically(const std::string& path, const std::function<void(io_file_writer&)>& fill);
 
-/// Every byte of a file (kvc::error(io) when it cannot be read).
+/// Every byte of a file (kvc::error(io) when it cannot be read; kvc::error(out_of_range) for a file larger
+/// than kvc::limits::file_bytes, before a byte is read).
 std::vector<uint8_t> read_file_bytes(const std::string& path);
 
 // -- raw payloads --

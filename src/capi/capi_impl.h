@@ -28,6 +28,7 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/kv_storage_engine.h>
+#include <kvcache/limits.h>
 #include <kvcache/memory.h>
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>

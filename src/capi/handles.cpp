@@ -385,6 +385,25 @@ const char* kvc_version_string(void) noexcept {
     return kvc::version_string();
 }
 
+// -- limits --
+
+kvc_limits kvc_get_limits(void) noexcept {
+    const kvc::limits l = kvc::get_limits();
+    return {l.file_bytes, l.metadata_bytes, l.batch_tokens, l.sequences, l.memory_bytes};
+}
+
+kvc_status kvc_set_limits(const kvc_limits* limits, kvc_limits* old) noexcept {
+    return guarded(__func__, [&] {
+        need_ptr(limits, "limits");
+        const kvc::limits prev =
+            kvc::set_limits({limits->file_bytes, limits->metadata_bytes, limits->batch_tokens,
+                             limits->sequences, limits->memory_bytes});
+        if (old)
+            *old = {prev.file_bytes, prev.metadata_bytes, prev.batch_tokens, prev.sequences,
+                    prev.memory_bytes};
+    });
+}
+
 // -- element types --
 
 const char* kvc_type_name(kvc_type type) noexcept {

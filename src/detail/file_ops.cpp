@@ -1,6 +1,8 @@
 #include "detail/file_ops.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -19,6 +21,10 @@ constexpr file_ops system_ops{
     .close = ::close,
     .rename = std::rename,
     .unlink = ::unlink,
+    .opendir = ::opendir,
+    .readdir = ::readdir,
+    .closedir = ::closedir,
+    .kill = ::kill,
 };
 
 }  // namespace

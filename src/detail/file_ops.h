@@ -4,6 +4,7 @@
 // SQLite's I/O error and crash tests). Not public: only the core and its tests see src/detail/.
 #pragma once
 
+#include <dirent.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 
@@ -21,6 +22,11 @@ struct file_ops {
     int (*close)(int fd);
     int (*rename)(const char* from, const char* to);
     int (*unlink)(const char* path);
+    // the stale-temporary cleanup of a save: listing the target's directory, asking whether a PID lives
+    DIR* (*opendir)(const char* path);
+    struct dirent* (*readdir)(DIR* d);
+    int (*closedir)(DIR* d);
+    int (*kill)(pid_t pid, int sig);
 };
 
 /// The system's calls.

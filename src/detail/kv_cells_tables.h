@@ -44,6 +44,44 @@ private:
     size_t head_ = 0;
 };
 
+// The position indexes of the sequences one stream holds, by id, in a window of ids [base, base + n)
+// that grows (at least doubling) to cover the ids added. A stream of one sequence among 65536 (one
+// stream per sequence) keeps one index, not 65536; a stream shared by ids 0..n-1 keeps n, as a table
+// by id would.
+class seq_indexes {
+public:
+    // The index of s, or null when s is outside the window (then s holds no cell here).
+    const seq_index* find(seq_id_t s) const {
+        const size_t k = static_cast<size_t>(s) - base_;
+        return k < v_.size() ? &v_[k] : nullptr;
+    }
+    seq_index* find(seq_id_t s) { return const_cast<seq_index*>(std::as_const(*this).find(s)); }
+    // The index of s; an empty one when s is outside the window.
+    const seq_index& at(seq_id_t s) const {
+        const size_t k = static_cast<size_t>(s) - base_;
+        return k < v_.size() ? v_[k] : none_;
+    }
+    // The index of s, which is in the window (s holds a cell, or cover() included it).
+    seq_index& operator[](seq_id_t s) { return v_[static_cast<size_t>(s) - base_]; }
+    // Grows the window to include ids [lo, hi] (0 <= lo <= hi < n_seq_max). May throw bad_alloc, and
+    // then changes nothing.
+    void cover(seq_id_t lo, seq_id_t hi, uint32_t n_seq_max);
+    seq_index& get(seq_id_t s, uint32_t n_seq_max) {
+        if (seq_index* index = find(s)) return *index;
+        cover(s, s, n_seq_max);
+        return (*this)[s];
+    }
+
+    seq_id_t base() const { return static_cast<seq_id_t>(base_); }
+    std::span<seq_index> all() { return v_; }  // entry k: id base() + k
+    std::span<const seq_index> all() const { return v_; }
+
+private:
+    std::vector<seq_index> v_;
+    size_t base_ = 0;
+    static inline const seq_index none_{};
+};
+
 }  // namespace detail
 
 struct kv_cells::tables {
@@ -53,7 +91,7 @@ struct kv_cells::tables {
     std::vector<uint64_t> any_used;
     std::vector<uint64_t> any_free;
 
-    std::vector<detail::seq_index> seq_pos;  // [n_seq_max]
+    detail::seq_indexes seq_pos;  // by sequence id, for the ids this stream has held
 
     std::vector<uint64_t> held;      // bit i: cell i is held by the prefix cache
     std::vector<uint32_t> released;  // held cells whose last sequence left (kv_cells::released())

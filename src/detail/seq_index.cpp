@@ -64,4 +64,24 @@ void seq_index::merge(std::span<const entry> sorted) {
     head_ = 0;
 }
 
+void seq_indexes::cover(seq_id_t lo, seq_id_t hi, uint32_t n_seq_max) {
+    const auto l = static_cast<size_t>(lo), h = static_cast<size_t>(hi) + 1;
+    const size_t n = v_.size();
+    if (l >= base_ && h <= base_ + n) return;
+    size_t first = l, last = h;
+    if (n > 0) {  // at least double, towards the side that grows
+        first = std::min(first, base_);
+        last = std::max(last, base_ + n);
+        const size_t want = std::max(last - first, 2 * n);
+        if (first < base_)
+            first = last > want ? last - want : 0;
+        else
+            last = std::min<size_t>(first + want, std::max<size_t>(n_seq_max, last));
+    }
+    std::vector<seq_index> grown(last - first);  // may throw: before any change
+    for (size_t k = 0; k < n; ++k) grown[base_ - first + k] = std::move(v_[k]);
+    v_ = std::move(grown);
+    base_ = first;
+}
+
 }  // namespace kvc::detail

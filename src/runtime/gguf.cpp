@@ -18,6 +18,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <kvcache/limits.h>
 #include <kvcache/runtime/gguf.h>
 #include <kvcache/state.h>
 
@@ -88,9 +89,35 @@ public:
         throw error(code, fmt::format("{}at byte {}: {}", prefix_, at, what));
     }
 
+    // Until end_section(): the bytes from here on count against a limit of max bytes (the metadata).
+    void begin_section(uint64_t max) {
+        section_at_ = pos_;
+        section_max_ = max;
+    }
+    void end_section() { section_max_ = UINT64_MAX; }
+    // n more bytes from the current position stay within the section's limit; what: the field at `at`.
+    // Checked before what they would allocate is allocated.
+    void within_limit(uint64_t at, uint64_t n, const char* what) const {
+        const uint64_t used = pos_ - section_at_;
+        if (section_max_ != UINT64_MAX && n > section_max_ - std::min(used, section_max_))
+            fail(at,
+                 fmt::format("{}: metadata bytes: {}, over the limit metadata_bytes of {} (kvc::limits)",
+                             what, used > UINT64_MAX - n ? UINT64_MAX : used + n, section_max_),
+                 errc::out_of_range);
+    }
+
     void need(uint64_t n, const char* what) const {
         if (n > remaining())
             fail(pos_, fmt::format("{} needs {} bytes, the file has {} left", what, n, remaining()));
+        within_limit(pos_, n, what);
+    }
+
+    // n bytes, in place; advances past them.
+    const uint8_t* take(uint64_t n, const char* what) {
+        need(n, what);
+        const uint8_t* p = data_ + pos_;
+        pos_ += n;
+        return p;
     }
 
     template <class T>
@@ -108,6 +135,7 @@ public:
         if (len > remaining())
             fail(at, fmt::format("{} of {} bytes is longer than the {} bytes left in the file", what, len,
                                  remaining()));
+        within_limit(at, len, what);
         std::string s(reinterpret_cast<const char*>(data_ + pos_), static_cast<size_t>(len));
         pos_ += len;
         return s;
@@ -118,6 +146,8 @@ private:
     uint64_t size_;
     const std::string& prefix_;
     uint64_t pos_ = 0;
+    uint64_t section_at_ = 0;
+    uint64_t section_max_ = UINT64_MAX;  // UINT64_MAX: no section
 };
 
 uint64_t read_unsigned(cursor& c, gguf_type t, const char* what) {
@@ -158,14 +188,13 @@ bool read_bool(cursor& c, const char* what) {
     return b != 0;
 }
 
-template <class T>
-std::vector<T> reserve_checked(cursor& c, uint64_t at, uint64_t count, uint64_t min_elem_bytes) {
+// The count of an array of elements of at least min_elem_bytes each, checked against the bytes left
+// in the file and in the metadata's limit before anything is allocated for them.
+void check_count(cursor& c, uint64_t at, uint64_t count, uint64_t min_elem_bytes) {
     if (count > c.remaining() / min_elem_bytes)
         c.fail(at, fmt::format("array of {} elements needs at least {} bytes each, the file has {} left",
                                count, min_elem_bytes, c.remaining()));
-    std::vector<T> v;
-    v.reserve(static_cast<size_t>(count));
-    return v;
+    c.within_limit(at, count * min_elem_bytes, "array");
 }
 
 gguf_value read_value(cursor& c, gguf_type type) {
@@ -193,26 +222,19 @@ gguf_value read_value(cursor& c, gguf_type type) {
         const uint64_t count_at = c.pos();
         const auto count = c.read<uint64_t>("array length");
         const uint64_t min_bytes = elem == gguf_type::string ? 8 : fixed_size(elem);
-        if (is_unsigned(elem)) {
-            auto v = reserve_checked<uint64_t>(c, count_at, count, min_bytes);
-            for (uint64_t i = 0; i < count; ++i) v.push_back(read_unsigned(c, elem, "array element"));
-            out.value = std::move(v);
-        } else if (is_signed(elem)) {
-            auto v = reserve_checked<int64_t>(c, count_at, count, min_bytes);
-            for (uint64_t i = 0; i < count; ++i) v.push_back(read_signed(c, elem, "array element"));
-            out.value = std::move(v);
-        } else if (is_float(elem)) {
-            auto v = reserve_checked<double>(c, count_at, count, min_bytes);
-            for (uint64_t i = 0; i < count; ++i) v.push_back(read_float(c, elem, "array element"));
-            out.value = std::move(v);
-        } else if (elem == gguf_type::boolean) {
-            auto v = reserve_checked<bool>(c, count_at, count, min_bytes);
-            for (uint64_t i = 0; i < count; ++i) v.push_back(read_bool(c, "bool array element"));
-            out.value = std::move(v);
-        } else {
-            auto v = reserve_checked<std::string>(c, count_at, count, min_bytes);
+        check_count(c, count_at, count, min_bytes);
+        if (elem == gguf_type::string) {
+            std::vector<std::string> v;
+            v.reserve(static_cast<size_t>(count));
             for (uint64_t i = 0; i < count; ++i) v.push_back(c.read_string("string array element"));
             out.value = std::move(v);
+        } else {  // the elements' bytes as they are: no widening (a u8 costs one byte)
+            const uint64_t at = c.pos();
+            const uint8_t* p = c.take(count * min_bytes, "array elements");
+            if (elem == gguf_type::boolean)
+                for (uint64_t i = 0; i < count; ++i)
+                    if (p[i] > 1) c.fail(at + i, fmt::format("bool array element is {}, not 0 or 1", p[i]));
+            out.value = gguf_array{elem, std::vector<uint8_t>(p, p + count * min_bytes)};
         }
     }
     return out;
@@ -339,6 +361,80 @@ std::optional<ggml_type_traits> ggml_type_info(uint32_t ggml_type) {
     }
 }
 
+// -- arrays --
+
+size_t gguf_array::size() const {
+    const uint64_t w = fixed_size(elem_type);
+    return w == 0 ? 0 : bytes.size() / static_cast<size_t>(w);
+}
+
+namespace {
+
+template <class T, class F>
+std::vector<T> widen(const gguf_array& a, bool kind, const char* wanted, F element) {
+    if (!kind)
+        throw error(errc::invalid_argument,
+                    fmt::format("gguf: an array of {}, not of {}", to_string(a.elem_type), wanted));
+    std::vector<T> out(a.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = element(a.bytes.data() + i * fixed_size(a.elem_type));
+    return out;
+}
+
+template <class T>
+T load(const uint8_t* p) {
+    T v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+}  // namespace
+
+std::vector<uint64_t> gguf_array::uints() const {
+    return widen<uint64_t>(*this, is_unsigned(elem_type), "unsigned integers",
+                           [&](const uint8_t* p) -> uint64_t {
+                               switch (elem_type) {
+                                   case gguf_type::u8:
+                                       return *p;
+                                   case gguf_type::u16:
+                                       return load<uint16_t>(p);
+                                   case gguf_type::u32:
+                                       return load<uint32_t>(p);
+                                   default:
+                                       return load<uint64_t>(p);
+                               }
+                           });
+}
+
+std::vector<int64_t> gguf_array::ints() const {
+    return widen<int64_t>(*this, is_signed(elem_type), "signed integers", [&](const uint8_t* p) -> int64_t {
+        switch (elem_type) {
+            case gguf_type::i8:
+                return load<int8_t>(p);
+            case gguf_type::i16:
+                return load<int16_t>(p);
+            case gguf_type::i32:
+                return load<int32_t>(p);
+            default:
+                return load<int64_t>(p);
+        }
+    });
+}
+
+std::vector<double> gguf_array::floats() const {
+    return widen<double>(*this, is_float(elem_type), "floats", [&](const uint8_t* p) -> double {
+        return elem_type == gguf_type::f32 ? load<float>(p) : load<double>(p);
+    });
+}
+
+std::vector<bool> gguf_array::bools() const {
+    if (elem_type != gguf_type::boolean)
+        throw error(errc::invalid_argument,
+                    fmt::format("gguf: an array of {}, not of bools", to_string(elem_type)));
+    std::vector<bool> out(bytes.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = bytes[i] != 0;
+    return out;
+}
+
 int64_t gguf_tensor_info::n_elements() const {
     int64_t n = 1;
     for (const int64_t d : ne) n *= d;  // the reader checked that the product fits
@@ -406,7 +502,9 @@ void gguf_file::impl::parse(const std::string& prefix) {
                                     c.remaining()));
 
     // -- metadata --
-    kv.reserve(static_cast<size_t>(n_kv));
+    c.begin_section(get_limits().metadata_bytes);
+    c.within_limit(n_kv_at, n_kv * min_kv_bytes, "the metadata count");
+    kv.reserve(static_cast<size_t>(std::min<uint64_t>(n_kv, 4096)));  // grows with what the file holds
     for (uint64_t i = 0; i < n_kv; ++i) {
         const uint64_t key_at = c.pos();
         std::string key = c.read_string("metadata key");
@@ -434,6 +532,7 @@ void gguf_file::impl::parse(const std::string& prefix) {
         kv_index.emplace(key, kv.size());
         kv.push_back(gguf_kv{std::move(key), std::move(value)});
     }
+    c.end_section();
 
     // -- tensor infos --
     struct placed {

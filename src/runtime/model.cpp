@@ -82,13 +82,18 @@ std::vector<uint32_t> per_layer_u32(const gguf_file& f, const std::string& key, 
         return std::vector<uint32_t>(n_layer, static_cast<uint32_t>(*one));
     }
     std::vector<uint64_t> vals;
-    if (const auto* u = std::get_if<std::vector<uint64_t>>(&v->value))
-        vals = *u;
-    else if (const auto* i = std::get_if<std::vector<int64_t>>(&v->value))
-        for (const int64_t x : *i) vals.push_back(x < 0 ? max + 1 : static_cast<uint64_t>(x));
-    else
+    const auto* a = std::get_if<gguf_array>(&v->value);
+    if (a && a->elem_type != gguf_type::boolean && a->elem_type != gguf_type::f32 &&
+        a->elem_type != gguf_type::f64) {
+        if (a->elem_type == gguf_type::u8 || a->elem_type == gguf_type::u16 ||
+            a->elem_type == gguf_type::u32 || a->elem_type == gguf_type::u64)
+            vals = a->uints();
+        else
+            for (const int64_t x : a->ints()) vals.push_back(x < 0 ? max + 1 : static_cast<uint64_t>(x));
+    } else {
         bad_model(errc::corrupt_data,
                   fmt::format("key '{}' is an array of {}, not of integers", key, to_string(v->elem_type)));
+    }
     if (vals.size() != n_layer)
         bad_model(errc::corrupt_data,
                   fmt::format("key '{}' has {} values for {} layers", key, vals.size(), n_layer));

@@ -58,15 +58,9 @@ uint64_t touch(const gguf_value& v) {
                 for (const auto& s : x)
                     for (const char c : s) h = h * 31 + static_cast<uint8_t>(c);
                 return h;
-            } else if constexpr (std::is_same_v<T, std::vector<bool>>) {
+            } else if constexpr (std::is_same_v<T, gguf_array>) {
                 uint64_t h = x.size();
-                for (const bool b : x) h = h * 3 + b;
-                return h;
-            } else if constexpr (std::is_same_v<T, std::vector<uint64_t>> ||
-                                 std::is_same_v<T, std::vector<int64_t>> ||
-                                 std::is_same_v<T, std::vector<double>>) {
-                uint64_t h = x.size();
-                for (const auto e : x) h = h * 31 + static_cast<uint64_t>(e != 0);
+                for (const uint8_t b : x.bytes) h = h * 31 + b;
                 return h;
             } else {
                 return static_cast<uint64_t>(x != 0);

@@ -2,7 +2,13 @@
 // per-sequence files ('ggsq'), per-sequence state buffers (state_seq_get_data) and raw payloads, of KV
 // caches, recurrent memories and the composite memories made of them (kv_cache_iswa, memory_hybrid), part
 // by part. Exit status 0 for a valid file, 1 (with the reason) for anything else.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -13,6 +19,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <kvcache/limits.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 #include <kvcache/state_summary.h>
@@ -48,14 +55,51 @@ bool single(const memory_state_summary& m) {
 }
 
 template <class T>
-T load_at(const std::vector<uint8_t>& b, size_t at) {
+T load_at(std::span<const uint8_t> b, size_t at) {
     T v;
     std::memcpy(&v, b.data() + at, sizeof v);
     return v;
 }
 
+// A file mapped read-only: its bytes without a copy in the process's memory (issue 20: inspect read whole
+// files). Its size is checked against kvc::limits::file_bytes first.
+class mapped_file {
+public:
+    explicit mapped_file(const std::string& path) {
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) throw error(errc::io, fmt::format("cannot open '{}': {}", path, std::strerror(errno)));
+        struct stat st {};
+        const int rc = ::fstat(fd, &st);
+        const int e = errno;
+        size_ = rc == 0 ? static_cast<size_t>(st.st_size) : 0;
+        void* m = nullptr;
+        try {
+            if (rc != 0) throw error(errc::io, fmt::format("cannot stat '{}': {}", path, std::strerror(e)));
+            check_limit("bytes in the file", "file_bytes", size_, file_bytes_limit());
+            if (size_ > 0 && (m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED)
+                throw error(errc::io, fmt::format("cannot map '{}': {}", path, std::strerror(errno)));
+        } catch (...) {
+            ::close(fd);
+            throw;
+        }
+        ::close(fd);
+        data_ = static_cast<const uint8_t*>(m);
+    }
+    ~mapped_file() {
+        if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+    }
+    mapped_file(const mapped_file&) = delete;
+    mapped_file& operator=(const mapped_file&) = delete;
+    std::span<const uint8_t> bytes() const { return {data_, data_ ? size_ : 0}; }
+
+private:
+    const uint8_t* data_ = nullptr;
+    size_t size_ = 0;
+};
+
 report examine(const std::string& path) {
-    const std::vector<uint8_t> file = read_file_bytes(path);
+    const mapped_file mapped(path);
+    const std::span<const uint8_t> file = mapped.bytes();
     report r;
     r.file_bytes = file.size();
     const uint32_t magic = file.size() >= 4 ? load_at<uint32_t>(file, 0) : 0;
@@ -63,11 +107,15 @@ report examine(const std::string& path) {
     std::vector<uint8_t> storage;
     if (magic == session_magic) {
         r.format = "kvcache-session";
-        r.session = read_session(file, &storage);
+        // a plain payload is read in place, a zstd one inflated (read_session verifies the flags too)
+        const bool zstd = file.size() >= 12 && (load_at<uint32_t>(file, 8) & session_flag_zstd);
+        r.session = read_session(file, zstd ? &storage : nullptr);
+        const std::span<const uint8_t> data = zstd ? std::span<const uint8_t>(storage)
+                                                   : file.last(static_cast<size_t>(r.session->stored_bytes));
         r.source_seq = r.session->seq_id;
         r.n_tokens = r.session->tokens.size();
         try {
-            r.memory = summarize_memory_state(storage, r.session->layout, r.session->state_flags);
+            r.memory = summarize_memory_state(data, r.session->layout, r.session->state_flags);
         } catch (const error& e) {
             if (e.code() != errc::unsupported) throw;
             r.payload_note = "not the payload of a memory kvcache knows (kv, recurrent, iswa, hybrid)";

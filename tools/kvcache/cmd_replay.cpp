@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 #include <kvcache/batch.h>
+#include <kvcache/limits.h>
 
 #include "commands.h"
 #include "replay_engine.h"
@@ -29,6 +30,34 @@ namespace {
 void op_memory(replay_memory& m, const words& w) {
     if (m.mem) fail("'memory' given twice");
     m = make_replay_memory(w);
+}
+
+// kvc::limits for the rest of the script (any line; the keys not given keep their value)
+void op_limits(replay_memory&, const words& w) {
+    const keys k(w, 1, {"file_bytes", "metadata_bytes", "batch_tokens", "sequences", "memory_bytes"},
+                 "limits");
+    limits l = get_limits();
+    const auto value = [&](const char* name, uint64_t def) {
+        const int64_t v = k.get_int(name, static_cast<int64_t>(def));
+        if (v < 0) fail(fmt::format("limits: {} must not be negative, got {}", name, v));
+        return static_cast<uint64_t>(v);
+    };
+    const auto narrow = [&](const char* name, uint32_t def) {
+        const uint64_t v = value(name, def);
+        if (v > UINT32_MAX) fail(fmt::format("limits: {} {} does not fit 32 bits", name, v));
+        return static_cast<uint32_t>(v);
+    };
+    l.file_bytes = value("file_bytes", l.file_bytes);
+    l.metadata_bytes = value("metadata_bytes", l.metadata_bytes);
+    l.batch_tokens = narrow("batch_tokens", l.batch_tokens);
+    l.sequences = narrow("sequences", l.sequences);
+    l.memory_bytes = value("memory_bytes", l.memory_bytes);
+    try {
+        set_limits(l);
+        fmt::print("limits ok\n");
+    } catch (const error& e) {
+        fmt::print("limits failed: {}\n", e.what());
+    }
 }
 
 // -- decode --
@@ -99,7 +128,15 @@ void op_decode(replay_memory& m, const words& w) {
         n += g.tokens.size();
         max_seqs = std::max(max_seqs, g.seqs.size());
     }
-    batch_storage b = batch::init(static_cast<int32_t>(n), 0, static_cast<int32_t>(max_seqs));
+    std::optional<batch_storage> made;
+    try {  // a batch over kvc::limits (batch_tokens, sequences) is refused like any invalid batch
+        made.emplace(batch::init(static_cast<int32_t>(std::min<size_t>(n, INT32_MAX)), 0,
+                                 static_cast<int32_t>(std::min<size_t>(max_seqs, INT32_MAX))));
+    } catch (const error& e) {
+        fmt::print("decode failed invalid-batch: {}\n", e.what());
+        return;
+    }
+    batch_storage& b = *made;
     std::vector<uint64_t> seq_key;  // per token: its sequence set, for the synthetic rows
     try {
         for (const group& g : groups) {
@@ -291,6 +328,8 @@ constexpr size_t any = SIZE_MAX;
 // The op table: docs/op-scripts.md describes each op.
 const op ops[] = {
     {"memory", "memory [type=kv|iswa|hybrid|recurrent] [KEY=VALUE...]", 1, any, op_memory, false},
+    {"limits", "limits [file_bytes=N] [metadata_bytes=N] [batch_tokens=N] [sequences=N] [memory_bytes=N]", 1,
+     6, op_limits, false},
     {"decode", "decode SEQS@POS:TOKENS [...] [out=last|all|none]", 2, any, op_decode},
     {"rm", "rm SEQ P0 P1", 4, 4, op_rm},
     {"cp", "cp SRC DST P0 P1", 5, 5, op_cp},

@@ -69,16 +69,23 @@ void op_load(replay_memory& m, const words& w) {
     const std::string path(w[2]);
     const state_seq_flags flags = flags_of(keys(w, 3, {"partial"}, "load"));
     try {
-        const std::vector<uint8_t> bytes = read_file_bytes(path);
         uint32_t magic = 0;
-        if (bytes.size() >= 4) std::memcpy(&magic, bytes.data(), 4);
-        if (magic == session_magic)
+        uint64_t size = 0;
+        {
+            io_file_reader r(path);  // the magic only: session files load from the file in pieces
+            size = r.size();
+            if (size >= 4) r.read(&magic, 4);
+        }
+        if (magic == session_magic) {
             load_file(*m.mem, path, s);
-        else if (magic == llama_seq_file_magic)
+        } else if (magic == llama_seq_file_magic) {
             load_llama_seq_file(*m.mem, path, s);
-        else
+        } else {
+            const std::vector<uint8_t> bytes = read_file_bytes(path);
+            size = bytes.size();
             state_seq_set_data(*m.mem, bytes, s, flags);
-        fmt::print("load {}\n", bytes.size());
+        }
+        fmt::print("load {}\n", size);
     } catch (const error& e) {
         fmt::print("load failed: {}\n", e.what());
     }

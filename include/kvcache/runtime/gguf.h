@@ -48,14 +48,29 @@ enum class gguf_type : uint32_t {
 };
 const char* to_string(gguf_type t);  ///< "u8", "i8", ..., "string", "array", ...
 
-/// One metadata value. Integers of every width are held widened (signed in i64, unsigned in u64);
+/// An array of numbers or booleans as the file stores it: the elements' bytes in file order
+/// (little-endian, of the width of elem_type; one byte, 0 or 1, per bool). It costs what it costs in the
+/// file (issue 21: elements held widened to 8 bytes made a 256 MiB array of u8 cost 2.56 GB).
+struct gguf_array {
+    gguf_type elem_type = gguf_type::u8;  ///< an integer, float or boolean type
+    std::vector<uint8_t> bytes;           ///< size() elements of fixed width
+
+    size_t size() const;  ///< number of elements
+    /// The elements widened, for arrays of the matching kind; kvc::error(invalid_argument) otherwise.
+    std::vector<uint64_t> uints() const;                 ///< u8, u16, u32, u64
+    std::vector<int64_t> ints() const;                   ///< i8, i16, i32, i64
+    std::vector<double> floats() const;                  ///< f32, f64
+    std::vector<bool> bools() const;                     ///< bool
+    bool operator==(const gguf_array&) const = default;  ///< same type and bytes
+};
+
+/// One metadata value. Scalar integers of every width are held widened (signed in i64, unsigned in u64);
 /// `type` says what the file stored.
 struct gguf_value {
     gguf_type type = gguf_type::u32;       ///< what the file stored
     gguf_type elem_type = gguf_type::u32;  ///< arrays: the type of the elements
-    std::variant<uint64_t, int64_t, double, bool, std::string, std::vector<uint64_t>, std::vector<int64_t>,
-                 std::vector<double>, std::vector<bool>, std::vector<std::string>>
-        value;  ///< the value (arrays as vectors of the widened element type)
+    std::variant<uint64_t, int64_t, double, bool, std::string, gguf_array, std::vector<std::string>>
+        value;  ///< the value (arrays of strings as strings, other arrays as gguf_array)
 };
 
 /// One metadata entry.
@@ -83,7 +98,10 @@ struct ggml_type_traits {
 };
 std::optional<ggml_type_traits> ggml_type_info(uint32_t ggml_type);  ///< see ggml_type_traits
 
-/// A GGUF file, validated: its metadata and tensor infos, with tensor data in the mapped file.
+/// A GGUF file, validated: its metadata and tensor infos, with tensor data in the mapped file. The
+/// metadata section may not exceed kvc::limits::metadata_bytes (kvc::error(out_of_range) naming it,
+/// before the value that would pass it is allocated); held in memory, it costs about what it does in the
+/// file (strings of arrays up to 32 bytes each more).
 class gguf_file {
 public:
     /// Maps and validates a file (kvc::error(io) when it cannot be opened or mapped).
