@@ -43,16 +43,7 @@ void kv_cache::prefix_init() {
 
 void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
     if (!prefix_) throw error(errc::unsupported, fmt::format("{}: the cache has no prefix cache", what));
-    if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
-        throw error(errc::invalid_argument,
-                    fmt::format("{}: {} tokens, more than {}", what, tokens.size(), INT32_MAX));
-    const int32_t n_vocab = params_.prefix.n_vocab;  // a token id is never negative, vocabulary known or not
-    for (size_t i = 0; i < tokens.size(); ++i)
-        if (tokens[i] < 0 || (n_vocab > 0 && tokens[i] >= n_vocab))
-            throw error(errc::invalid_argument,
-                        n_vocab > 0
-                            ? fmt::format("{}: token[{}] = {} not in [0, {})", what, i, tokens[i], n_vocab)
-                            : fmt::format("{}: token[{}] = {} is negative", what, i, tokens[i]));
+    detail::check_prompt_tokens(tokens, params_.prefix.n_vocab, what);
 }
 
 // -- the API --

@@ -40,22 +40,11 @@ memory_recurrent::prefix_state::prefix_state(const prefix_cache_params& p, uint3
 }
 
 void memory_recurrent::prefix_state::call(const prefix_event& e) {
-    if (!on_event) return;
-    try {
-        on_event(e);
-    } catch (...) {  // the memory's state must not depend on the listener
-        ++stats.event_errors;
-    }
+    detail::notify(on_event, e, stats.event_errors);
 }
 
 void memory_recurrent::prefix_state::emit(prefix_event::kind type, uint32_t id) {
-    if (!on_event) return;
-    const detail::prefix_index::block& b = index.at(id);
-    call({.type = type,
-          .hash = b.hash,
-          .parent_hash = index.seed(id),
-          .depth = b.depth,
-          .tokens = index.tokens(id)});
+    if (on_event) call(index.event(type, id));
 }
 
 void memory_recurrent::prefix_state::grow() {
@@ -184,16 +173,7 @@ size_t memory_recurrent::snapshot_bytes() const {
 
 void memory_recurrent::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
     if (!prefix_) throw error(errc::unsupported, fmt::format("{}: the memory has no prefix cache", what));
-    if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
-        throw error(errc::invalid_argument,
-                    fmt::format("{}: {} tokens, more than {}", what, tokens.size(), INT32_MAX));
-    const int32_t n_vocab = params_.prefix.n_vocab;
-    for (size_t i = 0; i < tokens.size(); ++i)
-        if (tokens[i] < 0 || (n_vocab > 0 && tokens[i] >= n_vocab))
-            throw error(errc::invalid_argument,
-                        n_vocab > 0
-                            ? fmt::format("{}: token[{}] = {} not in [0, {})", what, i, tokens[i], n_vocab)
-                            : fmt::format("{}: token[{}] = {} is negative", what, i, tokens[i]));
+    detail::check_prompt_tokens(tokens, params_.prefix.n_vocab, what);
 }
 
 int64_t memory_recurrent::prefix_state::deepest(std::span<const token_t> tokens, uint64_t key,

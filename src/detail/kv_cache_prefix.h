@@ -36,22 +36,9 @@ struct kv_cache::prefix_state {
 
     // Tells on_event that block id was stored or removed (its record still intact).
     void emit(prefix_event::kind type, uint32_t id) {
-        if (!on_event) return;
-        const detail::prefix_index::block& b = index.at(id);
-        call({.type = type,
-              .hash = b.hash,
-              .parent_hash = index.seed(id),
-              .depth = b.depth,
-              .tokens = index.tokens(id)});
+        if (on_event) call(index.event(type, id));
     }
-    void call(const prefix_event& e) {
-        if (!on_event) return;
-        try {
-            on_event(e);
-        } catch (...) {  // the cache's state must not depend on the listener
-            ++stats.event_errors;
-        }
-    }
+    void call(const prefix_event& e) { detail::notify(on_event, e, stats.event_errors); }
 
     prefix_state(const prefix_cache_params& p, uint32_t kv_size, uint32_t n_stream, uint32_t n_seq_max)
         : index(p.block_size, n_stream, p.policy, max_protected(p, kv_size)),

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cassert>
 #include <cstring>
+#include <limits>
 
+#include <fmt/format.h>
 #include <xxhash.h>
 
 namespace kvc::detail {
@@ -404,6 +406,28 @@ size_t prefix_index::bytes() const {
            chunks_.capacity() * sizeof(chunk_data) + root_keys_.size() * node +
            root_keys_.bucket_count() * sizeof(void*) + free_ids_.capacity() * sizeof(uint32_t) +
            slots_.capacity() * sizeof(uint32_t);
+}
+
+void check_prompt_tokens(std::span<const token_t> tokens, int32_t n_vocab, const char* what) {
+    if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+        throw error(errc::invalid_argument,
+                    fmt::format("{}: {} tokens, more than {}", what, tokens.size(), INT32_MAX));
+    for (size_t i = 0; i < tokens.size(); ++i)  // a token id is never negative, vocabulary known or not
+        if (tokens[i] < 0 || (n_vocab > 0 && tokens[i] >= n_vocab))
+            throw error(errc::invalid_argument,
+                        n_vocab > 0
+                            ? fmt::format("{}: token[{}] = {} not in [0, {})", what, i, tokens[i], n_vocab)
+                            : fmt::format("{}: token[{}] = {} is negative", what, i, tokens[i]));
+}
+
+void notify(const std::function<void(const prefix_event&)>& listener, const prefix_event& e,
+            uint64_t& errors) {
+    if (!listener) return;
+    try {
+        listener(e);
+    } catch (...) {
+        ++errors;
+    }
 }
 
 }  // namespace kvc::detail

@@ -17,6 +17,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <unordered_map>
@@ -115,6 +116,12 @@ public:
 
     void clear();
     size_t bytes() const;  // memory of the index (records, tokens, cells, table)
+    // The event of block id (its record intact: before it is removed).
+    prefix_event event(prefix_event::kind type, uint32_t id) const {
+        const block& b = at(id);
+        return {
+            .type = type, .hash = b.hash, .parent_hash = seed(id), .depth = b.depth, .tokens = tokens(id)};
+    }
 
 private:
     struct queue {
@@ -171,5 +178,14 @@ private:
     uint32_t n_live_ = 0;
     std::vector<stream_queues> streams_;
 };
+
+// Checks the tokens of a prefix call: at most INT32_MAX, none negative, with a vocabulary (n_vocab > 0) each
+// below it; kvc::error(invalid_argument) naming `what`, the token and the bound.
+void check_prompt_tokens(std::span<const token_t> tokens, int32_t n_vocab, const char* what);
+
+// Calls the listener with e, if there is one; what it throws is caught and counted in `errors` (the
+// cache's state must not depend on the listener).
+void notify(const std::function<void(const prefix_event&)>& listener, const prefix_event& e,
+            uint64_t& errors);
 
 }  // namespace kvc::detail
