@@ -419,12 +419,12 @@ TEST(memory_hybrid_property, parts_stay_in_step_with_an_oracle_of_token_lists) {
 
 // -- the prefix cache: evictions keep the parts together --
 
-// seq decodes `prompt` from position 0 in one batch (bookkeeping only: the rows are not written).
-void decode_prompt(memory_hybrid& m, seq_id_t seq, const std::vector<token_t>& prompt) {
-    batch_storage b = batch::init(static_cast<int32_t>(prompt.size()), 0, 1);
+// seq decodes `tokens` from position p0 in one batch (bookkeeping only: the rows are not written).
+void decode_prompt(memory_hybrid& m, seq_id_t seq, const std::vector<token_t>& tokens, pos_t p0 = 0) {
+    batch_storage b = batch::init(static_cast<int32_t>(tokens.size()), 0, 1);
     const seq_id_t ids[] = {seq};
-    for (size_t i = 0; i < prompt.size(); ++i)
-        b.add(prompt[i], static_cast<pos_t>(i), ids, i + 1 == prompt.size());
+    for (size_t i = 0; i < tokens.size(); ++i)
+        b.add(tokens[i], p0 + static_cast<pos_t>(i), ids, i + 1 == tokens.size());
     batch_allocr a;
     a.init(b.view(), positions_of(m), {.n_seq_max = m.params().attn.n_seq_max});
     memory_context_ptr ctx = m.init_batch(a, 512, false);
@@ -467,6 +467,36 @@ TEST(memory_hybrid, prefix_evictions_keep_the_parts_together) {
         again.push_back(7);
         EXPECT_EQ(m.prefix_lookup(again), 0u);
     }
+}
+
+// A sequence resumed at a snapshot before the end of the cached K/V recomputes blocks the attention part
+// has: when it publishes them it moves onto the cached cells, so the K/V is not held twice (and the cached
+// blocks do not wait, unevictable, for children of the duplicate).
+TEST(memory_hybrid, a_sequence_recomputing_cached_blocks_moves_onto_them) {
+    memory_hybrid_params p = make_params(256, 2);
+    p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0, .max_snapshots = 1};
+    memory_hybrid m(p);
+    std::vector<token_t> t(16);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(10 + i);
+    // seq 0: a 12-token prompt (its snapshot at 12 takes the one row), then 4 tokens one at a time: the
+    // K/V of 16 tokens, no snapshot at 16 (the pool is full)
+    decode_prompt(m, 0, {t.begin(), t.begin() + 12});
+    for (pos_t q = 12; q < 16; ++q) decode_prompt(m, 0, {t[static_cast<size_t>(q)]}, q);
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
+    EXPECT_EQ(kv.get_prefix_stats().cached_cells, 16u);
+    // seq 1 resumes at 12 and recomputes block 3 (positions 12-15) before its own two tokens
+    std::vector<token_t> prompt = t;
+    prompt.insert(prompt.end(), {900, 901});
+    ASSERT_EQ(m.prefix_attach(1, prompt), 12u);
+    decode_prompt(m, 1, {prompt.begin() + 12, prompt.end()}, 12);
+    m.prefix_publish();
+    EXPECT_EQ(kv.cells(0).get_used(), 18u);  // the 4 cached blocks and positions 16-17 (not 22)
+    const prefix_stats st = kv.get_prefix_stats();
+    EXPECT_EQ(st.shared_cells, 16u);
+    EXPECT_EQ(st.cached_cells, 0u);
+    EXPECT_EQ(kv.seq_pos_min(1), 0);  // its K/V positions are all there, cached cells included
+    EXPECT_EQ(m.seq_pos_max(1), 17);
 }
 
 }  // namespace

@@ -187,5 +187,16 @@ TEST(sim_engine, recurrent_and_hybrid_memories_resume_at_states_kept) {
     }
 }
 
+TEST(sim_engine, state_options_must_be_positive) {
+    const std::vector<sim_request> reqs{{0, 32, 4, {1, 2}}};
+    for (const auto bad :
+         {&sim_options::state_tokens, &sim_options::checkpoint_every, &sim_options::max_checkpoints}) {
+        sim_options o = small(256, 1);
+        o.memory = sim_memory::hybrid;
+        o.*bad = 0;
+        EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, o), error);
+    }
+}
+
 }  // namespace
 }  // namespace kvc::cli

@@ -102,7 +102,8 @@ public:
     uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
     /// Gives the empty sequence seq_id the K/V of [0, n) (shared) and the snapshot at n (copied), and
     /// returns n (what prefix_lookup returns, or less when one stream per sequence lacks room for the
-    /// K/V copies). Throws, nothing changed, for a sequence that is not empty, a bad token or priority.
+    /// K/V copies; at most max_tokens). Throws, nothing changed, for a sequence that is not empty, a bad
+    /// token or priority.
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
                            uint8_t priority = prefix_default_priority,
                            uint32_t max_tokens = UINT32_MAX) override;

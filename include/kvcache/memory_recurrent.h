@@ -92,7 +92,7 @@ struct recurrent_params {
     /// allocating anything. 0: the machine's physical memory.
     uint64_t memory_budget = 0;
     /// Keep snapshots of states at block boundaries for prefix_attach (see the file comment): block_size
-    /// (any size >= 1), snapshot_interval, max_snapshots, policy, protected_fraction, n_vocab and on_event
+    /// (1 to 65536), snapshot_interval, max_snapshots, policy, protected_fraction, n_vocab and on_event
     /// apply; pins do not. Events report blocks (chains of tokens) as kv_cache's do.
     prefix_cache_params prefix;
 };
