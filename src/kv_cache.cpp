@@ -330,7 +330,9 @@ bool kv_cache::find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vect
         if (cells.is_empty(idx)) return true;
         if (cells.seq_count(idx) != 1) return false;
         const seq_id_t q = cells.seq_get(idx);
-        return is_masked_swa(params_.n_swa, params_.swa, cells.pos_get(idx), cells.seq_pos_max(q) + 1);
+        // a cell the prefix cache holds keeps its rows for other sequences
+        return !cells.is_held(idx) &&
+               is_masked_swa(params_.n_swa, params_.swa, cells.pos_get(idx), cells.seq_pos_max(q) + 1);
     };
     const size_t start = out.size();
     const uint32_t n_test = cont ? n : 1;
@@ -460,18 +462,22 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
             ++i;
         }
     }
-    // Keep every sequence gap-free: a reused cell took an old position, so drop anything older.
+    // Keep every sequence gap-free: a reused cell took an old position, so drop anything older. Only
+    // cells slid out of the window go, so a prefix tracker need not hear of it (its blocks over them are
+    // skipped when published); a trial placement rolls it back, and keeps its memory.
     for (const auto& [q, m] : max_rm) {
-        kv_cells& cells = streams_[seq_to_stream(q)];
+        const uint32_t st = seq_to_stream(q);
+        kv_cells& cells = streams_[st];
         const pos_t pmin = cells.seq_pos_min(q);
         if (pmin < 0 || pmin > m) continue;
         if (j) {
             std::vector<uint32_t> idxs;
             cells.seq_cells(q, pmin, m + 1, idxs);
             auto snap = cells.cp(idxs);
-            j->entries.push_back({seq_to_stream(q), std::move(idxs), std::move(snap)});
+            j->entries.push_back({st, std::move(idxs), std::move(snap)});
         }
-        remove(q, pmin, m + 1);  // a trial placement rolls it back: its memory stays
+        lower_head(st, cells.seq_rm_range(q, pmin, m + 1));
+        if (!j) prefix_sync(q);  // held cells it left are cached now
     }
     for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
 }

@@ -61,7 +61,21 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
         bad(fmt::format("the layers kept hold no {} layer; use a plain kv_cache",
                         any_full ? "sliding-window" : "full-attention"));
     // both caches' bytes against the one budget, before either allocates
-    const kv_cache_params base = half(params_, false), swa = half(params_, true);
+    kv_cache_params base = half(params_, false), swa = half(params_, true);
+    if (k.prefix.enabled) {  // the user hears the base cache's blocks; both parts' removals reach the other
+        const auto queue = [this](bool is_base, const prefix_event& e) {
+            if (e.type != prefix_event::kind::removed) return;
+            removed_block& r = removed_.emplace_back();
+            r.base = is_base;
+            r.e = e;
+            r.tokens.assign(e.tokens.begin(), e.tokens.end());
+        };
+        base.prefix.on_event = [queue, user = k.prefix.on_event](const prefix_event& e) {
+            queue(true, e);
+            if (user) user(e);
+        };
+        swa.prefix.on_event = [queue](const prefix_event& e) { queue(false, e); };
+    }
     check_memory_budget(
         "kv_cache_iswa", reserve_bytes(params_), k.memory_budget,
         fmt::format("a base cache of {} cells and an SWA cache of {} cells", base.kv_size, swa.kv_size));
@@ -80,6 +94,75 @@ memory_breakdown kv_cache_iswa::get_memory_breakdown() const {
 }
 
 kv_cache_iswa::~kv_cache_iswa() = default;
+
+// -- prefix cache --
+
+uint32_t kv_cache_iswa::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
+    const uint32_t n_base = base_->prefix_lookup(tokens, key);  // checks the tokens
+    ++stats_.lookups;
+    stats_.tokens_looked_up += tokens.size();
+    return swa_->prefix_lookup(tokens.first(std::min<size_t>(tokens.size(), uint64_t{n_base} + 1)), key);
+}
+
+uint32_t kv_cache_iswa::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
+                                      uint8_t priority, uint32_t max_tokens) {
+    if (!prefix_enabled()) throw error(errc::unsupported, "prefix_attach: the cache has no prefix cache");
+    check_seq(seq_id, "prefix_attach");
+    if (base_->seq_pos_min(seq_id) >= 0 || swa_->seq_pos_min(seq_id) >= 0)
+        throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
+    if (priority > prefix_max_priority)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
+    // the deepest boundary with both parts; the base cache attaches up to it (fewer when copies across
+    // streams find no room), the SWA cache the deepest window at or before where that stopped
+    const uint32_t n_both =
+        std::min(prefix_lookup(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key),
+                 max_tokens);
+    const uint32_t n_base = base_->prefix_attach(seq_id, tokens, key, priority, n_both);
+    const uint32_t n = swa_->prefix_attach(seq_id, tokens, key, priority, n_base);
+    if (n < n_base) base_->seq_rm(seq_id, static_cast<pos_t>(n), -1);
+    sync_parts();  // what copies across streams evicted
+    stats_.hit_tokens += n;
+    return n;
+}
+
+void kv_cache_iswa::prefix_publish() {
+    if (!prefix_enabled()) return;
+    base_->prefix_publish();
+    swa_->prefix_publish();
+    sync_parts();
+}
+
+void kv_cache_iswa::sync_parts() {
+    const auto has_window = [this](const prefix_event& b) { return swa_->prefix_has_window(b); };
+    while (!removed_.empty()) {
+        std::vector<removed_block> now;
+        now.swap(removed_);  // what these calls remove is queued again
+        for (removed_block& r : now) {
+            r.e.tokens = r.tokens;
+            if (r.base)
+                swa_->prefix_trim(r.e, {});  // no hit reaches past the base cache's blocks
+            else
+                base_->prefix_trim(r.e, has_window);
+        }
+    }
+}
+
+prefix_stats kv_cache_iswa::get_prefix_stats() const {
+    if (!prefix_enabled()) return {};
+    prefix_stats s = base_->get_prefix_stats();
+    const prefix_stats w = swa_->get_prefix_stats();
+    s.lookups = stats_.lookups;
+    s.tokens_looked_up = stats_.tokens_looked_up;
+    s.hit_tokens = stats_.hit_tokens;
+    s.swa_blocks = w.blocks;
+    s.swa_published_blocks = w.published_blocks;
+    s.swa_evicted_blocks = w.evicted_blocks;
+    s.bytes_copied += w.bytes_copied;
+    s.event_errors += w.event_errors;
+    s.index_bytes += w.index_bytes;
+    return s;
+}
 
 void kv_cache_iswa::check_seq(seq_id_t s, const char* what) const {
     if (s < 0 || static_cast<uint32_t>(s) >= params_.kv.n_seq_max)
@@ -121,6 +204,7 @@ memory_context_ptr kv_cache_iswa::init_ubatches(std::vector<ubatch> ubatches, st
     memory_context_ptr base = base_->init_ubatches(ubatches, out_ids);
     if (is_fail(base->get_status())) return std::make_unique<kv_cache_iswa_context>(base->get_status());
     memory_context_ptr swa = swa_->init_ubatches(ubatches, out_ids);
+    sync_parts();  // what the caches evicted to make room
     if (is_fail(swa->get_status())) return std::make_unique<kv_cache_iswa_context>(swa->get_status());
     return std::make_unique<kv_cache_iswa_context>(as_kv(std::move(base)), as_kv(std::move(swa)),
                                                    std::move(ubatches), std::move(out_ids));
@@ -150,27 +234,33 @@ void kv_cache_iswa::clear(bool data) {
 }
 
 bool kv_cache_iswa::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
+    prefix_publish();  // the last step's blocks, which a sequence that ends leaves behind
     const bool a = base_->seq_rm(seq_id, p0, p1);
     const bool b = swa_->seq_rm(seq_id, p0, p1);
     return a && b;
 }
 
 void kv_cache_iswa::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
+    prefix_publish();
     base_->seq_cp(src, dst, p0, p1);
     swa_->seq_cp(src, dst, p0, p1);
+    sync_parts();  // a copy across streams may evict
 }
 
 void kv_cache_iswa::seq_keep(seq_id_t seq_id) {
+    prefix_publish();
     base_->seq_keep(seq_id);
     swa_->seq_keep(seq_id);
 }
 
 void kv_cache_iswa::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
+    prefix_publish();
     base_->seq_add(seq_id, p0, p1, shift);
     swa_->seq_add(seq_id, p0, p1, shift);
 }
 
 void kv_cache_iswa::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
+    prefix_publish();
     base_->seq_div(seq_id, p0, p1, d);
     swa_->seq_div(seq_id, p0, p1, d);
 }
@@ -218,6 +308,7 @@ void kv_cache_iswa::state_commit(state_stage_i& stage) {
     auto& st = static_cast<staged_state&>(stage);
     if (!st.base) {
         swa_->state_commit(*st.swa);
+        sync_parts();
         return;
     }
     // both or neither: the base's commit is taken back when the SWA cache's fails (an allocation, issue 21)
@@ -229,6 +320,7 @@ void kv_cache_iswa::state_commit(state_stage_i& stage) {
         throw;
     }
     base_->fit_storage_of(seq_all);  // an undoable commit gives no memory back until it stands
+    sync_parts();
 }
 
 std::string kv_cache_iswa::state_layout() const {

@@ -21,8 +21,9 @@ void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) 
     const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache: " + msg); };
     const prefix_cache_params& q = p.prefix;
     if (n_stream > 65536) bad(fmt::format("the prefix cache allows at most 65536 streams, not {}", n_stream));
-    if (p.swa != swa_type::none)
-        bad(fmt::format("the prefix cache needs no sliding window, not {}", to_string(p.swa)));
+    if (p.swa == swa_type::symmetric)
+        bad("the prefix cache needs a causal window (standard or chunked), not symmetric");
+    if (p.swa != swa_type::none && p.n_swa == 0) bad("the prefix cache needs n_swa > 0 with a window");
     if (p.n_pos != 1)
         bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
     if (q.block_size == 0 || q.block_size > p.kv_size || p.kv_size % q.block_size != 0)
@@ -38,13 +39,66 @@ void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) 
 
 void kv_cache::prefix_init() {
     prefix_ = std::make_unique<prefix_state>(params_.prefix, params_.kv_size,
-                                             static_cast<uint32_t>(streams_.size()), params_.n_seq_max);
+                                             static_cast<uint32_t>(streams_.size()), params_.n_seq_max,
+                                             params_.swa, params_.n_swa);
 }
 
 void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
     if (!prefix_) throw error(errc::unsupported, fmt::format("{}: the cache has no prefix cache", what));
     detail::check_prompt_tokens(tokens, params_.prefix.n_vocab, what);
 }
+
+namespace {
+
+// What the index holds of a prompt's whole blocks: blocks[d] is block d's record (none: absent).
+// Without a window they are the chain of the longest cached prefix; with one, every block is looked up
+// on its own (design D30) and hashes[d] is its chain hash.
+struct found_blocks {
+    std::vector<uint32_t> blocks;
+    std::vector<uint64_t> hashes;  // with a window
+    std::vector<uint32_t> run;     // with a window: blocks found in a row ending at d
+
+    found_blocks(const kv_cache::prefix_state& ps, std::span<const token_t> tokens, uint64_t key) {
+        if (!ps.windowed()) {
+            ps.index.match(key, tokens, blocks);
+            return;
+        }
+        const uint32_t bs = ps.bs();
+        const size_t n = tokens.size() / bs;
+        blocks.resize(n);
+        hashes.resize(n);
+        run.resize(n);
+        uint64_t seed = key;
+        for (size_t d = 0; d < n; ++d) {
+            const auto toks = tokens.subspan(d * bs, bs);
+            hashes[d] = detail::prefix_index::chain_hash(seed, toks);
+            blocks[d] = ps.index.find_hash(hashes[d], seed, toks);
+            run[d] = blocks[d] == none ? 0 : (d > 0 ? run[d - 1] : 0) + 1;
+            seed = hashes[d];
+        }
+    }
+
+    // A sequence resumed at n has every cell it needs: blocks [attach_from(n) / bs, ceil(n / bs)).
+    bool usable(const kv_cache::prefix_state& ps, uint32_t n) const {
+        if (n == 0) return true;
+        const uint32_t bs = ps.bs(), end = (n + bs - 1) / bs;
+        if (end > blocks.size()) return false;
+        if (!ps.windowed()) return true;
+        return run[end - 1] >= end - ps.attach_from(n) / bs;
+    }
+
+    // The deepest usable n <= cap (tokens.size() - 1 at most: the engine computes the last token).
+    uint32_t deepest(const kv_cache::prefix_state& ps, size_t n_tokens, uint32_t cap) const {
+        if (n_tokens == 0) return 0;
+        const uint32_t bs = ps.bs();
+        uint32_t n = std::min<uint32_t>(
+            {static_cast<uint32_t>(blocks.size()) * bs, static_cast<uint32_t>(n_tokens - 1), cap});
+        while (n > 0 && !usable(ps, n)) n = (n - 1) / bs * bs;
+        return n;
+    }
+};
+
+}  // namespace
 
 // -- the API --
 
@@ -54,10 +108,7 @@ uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) 
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
-    std::vector<uint32_t> chain;
-    ps.index.match(key, tokens, chain);
-    const auto n = static_cast<uint32_t>(chain.size()) * ps.bs();
-    return tokens.empty() ? 0 : std::min<uint32_t>(n, static_cast<uint32_t>(tokens.size() - 1));
+    return found_blocks(ps, tokens, key).deepest(ps, tokens.size(), UINT32_MAX);
 }
 
 uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
@@ -78,16 +129,14 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
     const uint32_t bs = ps.bs();
-    std::vector<uint32_t> chain;
-    ps.index.match(key, tokens, chain);
-    uint32_t n = tokens.empty() ? 0
-                                : std::min<uint32_t>({static_cast<uint32_t>(chain.size()) * bs,
-                                                      static_cast<uint32_t>(tokens.size() - 1), max_tokens});
+    const found_blocks found(ps, tokens, key);
+    const std::vector<uint32_t>& chain = found.blocks;
+    uint32_t n = found.deepest(ps, tokens.size(), max_tokens);
     // Blocks of other streams are copied into free cells of the sequence's stream (evicting cached blocks
     // other than those it attaches): as much of the prefix as fits.
     const auto copies_needed = [&](uint32_t m) {
         uint32_t k = 0;
-        for (uint32_t d = 0; d * bs < m; ++d)
+        for (uint32_t d = ps.attach_from(m) / bs; d * bs < m; ++d)
             if (ps.index.at(chain[d]).stream != st) k += std::min(bs, m - d * bs);
         return k;
     };
@@ -95,23 +144,25 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
         const uint32_t k = copies_needed(n);
         if (k == 0) break;
         std::vector<uint32_t> keep;  // the blocks it shares in its own stream
-        for (uint32_t d = 0; d * bs < n; ++d)
+        for (uint32_t d = ps.attach_from(n) / bs; d * bs < n; ++d)
             if (ps.index.at(chain[d]).stream == st) keep.push_back(chain[d]);
         std::sort(keep.begin(), keep.end());
         std::vector<uint32_t> plan;
         const uint32_t free = cells.size() - cells.get_used();
         if (k <= free || ps.index.plan_eviction(st, k - free, plan, keep)) break;
-        n = (n - 1) / bs * bs;  // one block less
+        do n = (n - 1) / bs * bs;  // one block less
+        while (n > 0 && !found.usable(ps, n));
     }
-    const uint32_t n_blocks = (n + bs - 1) / bs;
+    const uint32_t lo = n == 0 ? 0 : ps.attach_from(n), n_blocks = (n + bs - 1) / bs;
     // the blocks it reuses count a hit and are worth at least its priority
-    for (uint32_t d = 0; d < n_blocks; ++d) {
+    for (uint32_t d = lo / bs; d < n_blocks; ++d) {
         ps.index.hit(chain[d]);
         if (ps.index.at(chain[d]).priority < priority) ps.index.set_priority(chain[d], priority);
     }
-    // the sequence joins the cells of its own stream's blocks at positions [0, n): block p / bs, cell p % bs
-    std::vector<uint32_t> at(n);  // its cell of each position
-    for (uint32_t p = 0; p < n; ++p) {
+    // the sequence joins the cells of its own stream's blocks at positions [lo, n): block p / bs, cell
+    // p % bs (with a window, what a query at n cannot see stays behind)
+    std::vector<uint32_t> at(n, none);  // its cell of each position
+    for (uint32_t p = lo; p < n; ++p) {
         const uint32_t id = chain[p / bs];
         if (ps.index.at(id).stream != st) continue;
         const uint32_t c = ps.index.cells(id)[p % bs];
@@ -128,7 +179,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
         cells.find_free(k, heads_[st], fresh);
         std::vector<row_copy> copies;
         copies.reserve(k);
-        for (uint32_t p = 0, j = 0; p < n; ++p) {
+        for (uint32_t p = lo, j = 0; p < n; ++p) {
             const uint32_t id = chain[p / bs];
             const uint32_t from = ps.index.at(id).stream;
             if (from == st) continue;
@@ -149,7 +200,10 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
     t.priority = priority;
     if (key != 0) t.prompt.assign(tokens.begin(), tokens.end());  // what embeddings at [n, size) stand for
     t.n_full = n / bs;
-    ps.set_tail(t, t.n_full == 0 ? none : chain[t.n_full - 1]);
+    if (ps.windowed())
+        t.hashes.assign(found.hashes.begin(), found.hashes.begin() + t.n_full);
+    else
+        ps.set_tail(t, t.n_full == 0 ? none : chain[t.n_full - 1]);
     for (uint32_t p = t.n_full * bs; p < n; ++p) {
         t.toks.push_back(tokens[p]);
         t.cells.push_back(at[p]);
@@ -165,19 +219,23 @@ size_t kv_cache::cell_bytes() const {
     return b;
 }
 
-// The blocks of the longest cached prefix of tokens in whole blocks (the last token included).
-static std::vector<uint32_t> whole_blocks(const detail::prefix_index& index, std::span<const token_t> tokens,
+// The blocks of the longest cached prefix of tokens in whole blocks (the last token included); with a
+// window, those a sequence resumed there needs.
+static std::vector<uint32_t> whole_blocks(const kv_cache::prefix_state& ps, std::span<const token_t> tokens,
                                           uint64_t key) {
-    std::vector<uint32_t> chain;
-    index.match(key, tokens, chain);
-    return chain;
+    found_blocks found(ps, tokens, key);
+    if (!ps.windowed()) return std::move(found.blocks);
+    const uint32_t bs = ps.bs();
+    auto n = static_cast<uint32_t>(found.blocks.size()) * bs;
+    while (n > 0 && !found.usable(ps, n)) n -= bs;
+    return {found.blocks.begin() + (n == 0 ? 0 : ps.attach_from(n) / bs), found.blocks.begin() + n / bs};
 }
 
 uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
     check_prefix_tokens(tokens, "prefix_pin");
     prefix_publish();
     prefix_state& ps = *prefix_;
-    const std::vector<uint32_t> chain = whole_blocks(ps.index, tokens, key);
+    const std::vector<uint32_t> chain = whole_blocks(ps, tokens, key);
     uint64_t more = 0;
     for (uint32_t id : chain) {
         more += ps.index.at(id).pins == 0;
@@ -203,7 +261,7 @@ uint32_t kv_cache::prefix_unpin(std::span<const token_t> tokens, uint64_t key) {
     prefix_publish();
     prefix_state& ps = *prefix_;
     uint32_t n = 0;
-    for (uint32_t id : whole_blocks(ps.index, tokens, key)) {
+    for (uint32_t id : whole_blocks(ps, tokens, key)) {
         if (ps.index.at(id).pins == 0) break;  // pins cover a chain from its root
         ps.index.unpin(id);
         n += ps.bs();
@@ -218,7 +276,7 @@ uint32_t kv_cache::prefix_set_priority(std::span<const token_t> tokens, uint64_t
                     fmt::format("prefix_set_priority: priority {} above {}", priority, prefix_max_priority));
     prefix_publish();
     prefix_state& ps = *prefix_;
-    const std::vector<uint32_t> chain = whole_blocks(ps.index, tokens, key);
+    const std::vector<uint32_t> chain = whole_blocks(ps, tokens, key);
     for (uint32_t id : chain) ps.index.set_priority(id, priority);
     return static_cast<uint32_t>(chain.size()) * ps.bs();
 }
@@ -233,6 +291,12 @@ void kv_cache::prefix_publish() {
         const uint32_t st = seq_to_stream(s);
         kv_cells& cells = streams_[st];
         size_t done = 0;
+        if (ps.windowed()) {
+            done = publish_windowed(s, t);
+            t.toks.erase(t.toks.begin(), t.toks.begin() + static_cast<ptrdiff_t>(done));
+            t.cells.erase(t.cells.begin(), t.cells.begin() + static_cast<ptrdiff_t>(done));
+            continue;
+        }
         while (t.toks.size() - done >= bs) {
             if (!ps.tail_alive(t)) {  // its chain was evicted or edited away
                 ps.stop(t);
@@ -272,6 +336,47 @@ void kv_cache::prefix_publish() {
         }
     }
     ps.pending.clear();
+}
+
+// With a window a block is published on its own when its cells are still what the sequence decoded, and
+// skipped otherwise (the window slid over them, or they belong to another block): the sequence goes on.
+size_t kv_cache::publish_windowed(seq_id_t s, prefix_tracker& t) {
+    prefix_state& ps = *prefix_;
+    const uint32_t bs = ps.bs(), st = seq_to_stream(s);
+    kv_cells& cells = streams_[st];
+    size_t done = 0;
+    for (; t.toks.size() - done >= bs; done += bs, ++t.n_full) {
+        const std::span<const token_t> toks(t.toks.data() + done, bs);
+        const std::span<const uint32_t> cs(t.cells.data() + done, bs);
+        const uint64_t seed = t.hashes.empty() ? t.key : t.hashes.back();
+        t.hashes.push_back(detail::prefix_index::chain_hash(seed, toks));
+        const pos_t p0 = static_cast<pos_t>(t.n_full * bs);
+        bool intact = true;
+        for (uint32_t j = 0; j < bs && intact; ++j)
+            intact = cs[j] != none && !cells.is_held(cs[j]) &&
+                     cells.pos_get(cs[j]) == p0 + static_cast<pos_t>(j) && cells.seq_has(cs[j], s) &&
+                     cells.get_shift(cs[j]) == 0;
+        if (!intact || ps.index.find_hash(t.hashes.back(), seed, toks) != none) continue;
+        const uint32_t id =
+            ps.index.add(none, seed, toks, cs, st, t.priority, static_cast<uint16_t>(bs), t.n_full);
+        for (uint32_t c : cs) cells.hold(c, id);
+        ++ps.stats.published_blocks;
+        ps.emit(prefix_event::kind::stored, id);
+    }
+    return done;
+}
+
+bool kv_cache::prefix_has_window(const prefix_event& e) const {
+    if (!prefix_ || !prefix_->windowed()) return false;
+    const prefix_state& ps = *prefix_;
+    const uint32_t d0 = ps.attach_from((e.depth + 1) * ps.bs()) / ps.bs();
+    uint64_t h = e.hash;
+    for (uint32_t d = e.depth + 1; d-- > d0;) {  // the chain's blocks by hash, from e's down
+        const uint32_t id = ps.index.find_any(h);
+        if (id == none || ps.index.at(id).depth != d) return false;
+        h = ps.index.seed(id);
+    }
+    return true;
 }
 
 uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep) {
@@ -362,6 +467,7 @@ void kv_cache::prefix_record(const slot_info& sinfo, const ubatch& ub) {
         room(t.cells, ub.n_tokens);
     }
     room(ps.pending, ub.seq_id_unq.size());
+    if (ps.windowed()) room(ps.placed, ub.seq_id_unq.size());
     uint32_t i = 0;
     for (size_t k = 0; k < sinfo.n_stream(); ++k)
         for (uint32_t c : sinfo.idxs[k]) {
@@ -382,6 +488,7 @@ void kv_cache::prefix_record(const slot_info& sinfo, const ubatch& ub) {
             }
             ++i;
         }
+    if (ps.windowed()) ps.placed.insert(ps.placed.end(), ub.seq_id_unq.begin(), ub.seq_id_unq.end());
 }
 
 bool kv_cache::prefix_room_possible(uint32_t stream, uint32_t n) const {
@@ -416,6 +523,7 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
 
 bool kv_cache::prefix_make_room_for(std::span<const ubatch> ubatches) {
     prefix_publish();
+    if (prefix_->windowed()) return window_make_room_for(ubatches);
     if (streams_.size() == 1) {
         uint64_t need = 0;
         for (const ubatch& ub : ubatches) need += ub.n_tokens;
@@ -435,6 +543,75 @@ bool kv_cache::prefix_make_room_for(std::span<const ubatch> ubatches) {
     for (const auto& [st, n] : need)  // check every stream before evicting in any
         if (n > params_.kv_size || !prefix_room_possible(st, static_cast<uint32_t>(n))) return false;
     for (const auto& [st, n] : need) prefix_make_room(st, static_cast<uint32_t>(n));
+    return true;
+}
+
+// With a window, the cells every later query of a sequence is masked from leave it first (held ones stay
+// cached, the others go free: design D30), so that no cell of the index is ever overwritten. Then a
+// sequence of T tokens in the batch needs at most min(T, n_swa) cells at once besides the ubatch being
+// placed, since its own cells that slide out of the window during the batch are reused.
+bool kv_cache::window_make_room_for(std::span<const ubatch> ubatches) {
+    prefix_state& ps = *prefix_;
+    std::vector<seq_id_t> slid;
+    slid.swap(ps.placed);
+    for (const ubatch& ub : ubatches) slid.insert(slid.end(), ub.seq_id_unq.begin(), ub.seq_id_unq.end());
+    std::sort(slid.begin(), slid.end());
+    slid.erase(std::unique(slid.begin(), slid.end()), slid.end());
+    for (seq_id_t s : slid) {
+        const uint32_t st = seq_to_stream(s);
+        kv_cells& cells = streams_[st];
+        const pos_t max = cells.seq_pos_max(s);
+        if (max < 0) continue;
+        // the newest cell stays: the sequence's positions go on from it
+        const auto cut = std::min(max, static_cast<pos_t>(ps.first(static_cast<uint32_t>(max) + 1)));
+        if (cells.seq_pos_min(s) >= cut) continue;
+        lower_head(st, cells.seq_rm_range(s, 0, cut));
+        prefix_sync(s);
+    }
+    struct need_of {
+        uint32_t stream;
+        uint64_t tokens = 0, window = 0, ubatch = 0;
+    };
+    std::vector<need_of> need;  // few streams per batch
+    const auto of = [&](uint32_t st) -> need_of& {
+        auto it = std::find_if(need.begin(), need.end(), [st](const need_of& e) { return e.stream == st; });
+        return it == need.end() ? need.emplace_back(need_of{.stream = st}) : *it;
+    };
+    std::vector<std::pair<seq_id_t, uint64_t>> per_seq;
+    for (const ubatch& ub : ubatches) {
+        std::vector<std::pair<uint32_t, uint64_t>> in_ub;
+        for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+            const auto ids = ub.seq_ids(i);
+            if (streams_.size() == 1) {
+                ++of(0).tokens;
+            } else {
+                for (seq_id_t q : ids) ++of(seq_to_stream(q)).tokens;
+            }
+            for (seq_id_t q : ids) {
+                auto it =
+                    std::find_if(per_seq.begin(), per_seq.end(), [q](const auto& e) { return e.first == q; });
+                if (it == per_seq.end()) it = per_seq.insert(per_seq.end(), {q, 0});
+                ++it->second;
+            }
+        }
+        for (need_of& e : need) {  // the largest ubatch, per stream
+            uint64_t n = 0;
+            for (uint32_t i = 0; i < ub.n_tokens; ++i)
+                for (seq_id_t q : ub.seq_ids(i))
+                    if (seq_to_stream(q) == e.stream) {
+                        ++n;
+                        break;
+                    }
+            e.ubatch = std::max(e.ubatch, n);
+        }
+    }
+    for (const auto& [q, n] : per_seq) of(seq_to_stream(q)).window += std::min<uint64_t>(n, params_.n_swa);
+    for (const need_of& e : need) {  // check every stream before evicting in any
+        const uint64_t n = std::min(e.tokens, e.window + e.ubatch);
+        if (n > params_.kv_size || !prefix_room_possible(e.stream, static_cast<uint32_t>(n))) return false;
+    }
+    for (const need_of& e : need)
+        prefix_make_room(e.stream, static_cast<uint32_t>(std::min(e.tokens, e.window + e.ubatch)));
     return true;
 }
 
@@ -492,6 +669,10 @@ void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
             t.cells.resize(t.toks.size());
             return;
         }
+        if (ps.windowed()) {
+            cut_windowed(s, t, static_cast<uint32_t>(keep));
+            return;
+        }
         if (!ps.tail_alive(t)) {
             ps.stop(t);
             return;
@@ -520,6 +701,36 @@ void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     }
 }
 
+// A window's tracker backs up to block keep / bs by its hashes; the first keep % bs tokens of that block
+// come from its record (the sequence stops publishing if it was evicted), their cells from the sequence.
+void kv_cache::cut_windowed(seq_id_t s, prefix_tracker& t, uint32_t keep) {
+    prefix_state& ps = *prefix_;
+    const uint32_t bs = ps.bs(), k = keep / bs, rem = keep % bs;
+    t.toks.clear();
+    if (rem > 0) {
+        const uint32_t id = ps.index.find_any(t.hashes[k]);
+        const uint64_t seed = k == 0 ? t.key : t.hashes[k - 1];
+        if (id == none || ps.index.seed(id) != seed) {
+            ps.stop(t);
+            return;
+        }
+        const auto toks = ps.index.tokens(id);
+        t.toks.assign(toks.begin(), toks.begin() + rem);
+    }
+    t.hashes.resize(k);
+    t.n_full = k;
+    t.cells.assign(rem, none);
+    for (const auto& [p, c] :
+         streams_[seq_to_stream(s)].seq_entries(s, static_cast<pos_t>(k * bs), static_cast<pos_t>(keep))) {
+        uint32_t& slot = t.cells[static_cast<size_t>(p) - size_t{k} * bs];
+        if (slot != none) {
+            ps.stop(t);  // a position held twice: not a plain prefix
+            return;
+        }
+        slot = c;
+    }
+}
+
 void kv_cache::prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
@@ -541,20 +752,18 @@ void kv_cache::prefix_copied(seq_id_t dst, std::span<const std::pair<pos_t, uint
     if (!prefix_) return;
     prefix_tracker& d = prefix_->seqs[static_cast<size_t>(dst)];
     if (!d.active || d.cells.empty()) return;
-    // the tracker's cells are src's at positions next() - size() ..; entries are sorted by position
+    // the tracker's cells are src's at positions next() - size() .. (none: gone with the window);
+    // entries are sorted by position
     const pos_t p0 = prefix_->next(d) - static_cast<pos_t>(d.cells.size());
-    const auto it = std::lower_bound(entries.begin(), entries.end(), std::pair<pos_t, uint32_t>{p0, 0});
-    if (static_cast<size_t>(entries.end() - it) < d.cells.size()) {
-        prefix_->stop(d);
-        return;
-    }
+    auto it = std::lower_bound(entries.begin(), entries.end(), std::pair<pos_t, uint32_t>{p0, 0});
     for (size_t j = 0; j < d.cells.size(); ++j) {
-        const auto k = static_cast<size_t>(it - entries.begin()) + j;
-        if (entries[k].first != p0 + static_cast<pos_t>(j) || entries[k].second != d.cells[j]) {
+        if (d.cells[j] == none) continue;
+        if (it == entries.end() || it->first != p0 + static_cast<pos_t>(j) || it->second != d.cells[j]) {
             prefix_->stop(d);  // not the plain prefix the tracker saw in src
             return;
         }
-        d.cells[j] = cells[k];
+        d.cells[j] = cells[static_cast<size_t>(it - entries.begin())];
+        ++it;
     }
 }
 

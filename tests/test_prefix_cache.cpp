@@ -150,9 +150,14 @@ TEST(prefix_cache, bad_configurations_and_calls_are_errors_that_change_nothing) 
     p.prefix.block_size = 0;
     EXPECT_THROW(kv_cache{p}, error);
     p = prefix_params(64, 2);
-    p.swa = swa_type::standard;
+    p.swa = swa_type::symmetric;  // a window both ways: no boundary has a past of its own
     p.n_swa = 4;
     EXPECT_THROW(kv_cache{p}, error);
+    p.swa = swa_type::standard;
+    p.n_swa = 0;
+    EXPECT_THROW(kv_cache{p}, error);
+    p.n_swa = 4;
+    EXPECT_NO_THROW(kv_cache{p});
 
     engine e(64, 2);
     const auto prompt = seq_of({1, 2, 3, 4, 5, 6, 7, 8, 9});

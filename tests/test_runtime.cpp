@@ -528,6 +528,131 @@ TEST(cache_equals_recompute_iswa, window_layers_and_full_layers_see_the_same_key
             }
 }
 
+// -- sliding windows with a prefix cache (design D30) --
+
+// A plain cache with SWA layers (llama.cpp's swa_full): a hit resumes at a boundary whose window is
+// cached, and a sequence longer than the cache keeps sliding (the cells it left stay cached or go).
+TEST(prefix_equals_recompute_swa, a_window_cache_resumes_prefixes_and_keeps_sliding) {
+    for (const swa_type t : {swa_type::standard, swa_type::chunked})
+        for (const bool unified : {true, false})
+            for (const bool engine : {false, true}) {
+                setup s;
+                s.n_swa = 6;
+                s.swa = t;
+                s.unified = unified;
+                s.prefix = true;
+                s.engine = engine;
+                pair_run r(s, 4, 64);
+                const auto end = [&r](seq_id_t q) {
+                    r.both([q](auto& c, auto& f) {
+                        c.seq_rm(q, -1, -1);
+                        f.seq_rm(q, -1, -1);
+                    });
+                };
+                const auto sys = r.tokens(30);
+                r.decode({{{0}, 0, sys}});
+                for (int i = 0; i < 3; ++i) r.decode({{{0}, -1, r.tokens(1)}});
+                EXPECT_GT(r.cache().seq_pos_min(0), 0) << "cells out of the window left the sequence";
+                end(0);
+                auto q = sys;
+                for (token_t x : r.tokens(5)) q.push_back(x);
+                ASSERT_EQ(r.attach(1, q), 28u) << s.name();  // 7 blocks of 4; only the window is attached
+                EXPECT_EQ(r.cache().seq_pos_min(1), static_cast<pos_t>(t == swa_type::standard ? 23 : 24));
+                r.decode({{{1}, 28, {q.begin() + 28, q.end()}}});
+                for (int i = 0; i < 12; ++i) r.decode({{{1}, -1, r.tokens(8)}});  // 131 tokens, 64 cells
+                const uint32_t n = r.attach(2, q);
+                EXPECT_LE(n, 28u);
+                r.decode({{{2}, static_cast<pos_t>(n), {q.begin() + n, q.end()}}, {{1}, -1, r.tokens(1)}});
+                end(1);
+                end(2);
+                EXPECT_GT(r.cache().get_prefix_stats().evicted_blocks, 0u) << s.name();
+                EXPECT_LE(r.worst(), r.limit()) << s.name();
+            }
+}
+
+// iSWA with a window-sized SWA cache (256 cells for a 1024-cell base): conversations share a system
+// prompt; the SWA cache evicts the windows of old ones, and the base cache lets go of the chain ends
+// those served (nothing else would evict there). Every hit decodes like recomputation.
+TEST(prefix_equals_recompute_iswa, hits_need_the_base_prefix_and_the_window_before_it) {
+    const model& m = tiny(false);
+    for (const swa_type t : {swa_type::standard, swa_type::chunked})
+        for (const bool unified : {true, false})
+            for (const bool engine : {false, true}) {
+                const std::string name =
+                    fmt::format("{} unified {} engine {}", to_string(t), unified, engine);
+                kv_tensors tensors;
+                kv_cache_iswa_params p;
+                p.kv = m.cache_params(1024, 4);
+                p.kv.layers[0].is_swa = true;
+                p.kv.unified = unified;
+                p.kv.n_swa = 8;
+                p.kv.swa = t;
+                p.kv.prefix = {.enabled = true, .block_size = 4};
+                p.sizing = {.swa_full = false, .n_ubatch = 16};
+                if (engine) p.kv.engine = &tensors;
+                kv_cache_iswa mem(p);
+                ASSERT_EQ(mem.get_swa().get_size(), 256u);
+                runtime rt(
+                    m, mem,
+                    runtime_params{.n_threads = 2, .n_ubatch = 16, .tensors = engine ? &tensors : nullptr});
+                reference_memory ref(m, 4, 2);
+                ref.set_swa(8, t, {true, false});
+                std::mt19937 rng(11);
+                const auto tokens = [&](size_t n) {
+                    std::vector<token_t> v(n);
+                    for (auto& x : v) x = static_cast<token_t>(rng() % m.hparams().n_vocab);
+                    return v;
+                };
+                double worst = 0;
+                const auto decode = [&](seq_id_t s, pos_t pos, std::span<const token_t> toks, bool out) {
+                    if (toks.empty()) return;
+                    batch_storage b = batch::init(static_cast<int32_t>(toks.size()), 0, 1);
+                    const seq_id_t ids[] = {s};
+                    for (token_t x : toks) b.add(x, pos++, ids, true);
+                    const decode_result r = ref.decode(b.view());
+                    if (!out) return;
+                    const decode_result a = rt.decode(b.view());
+                    ASSERT_EQ(a.status, memory_status::success) << name;
+                    ASSERT_EQ(a.logits.size(), r.logits.size());
+                    worst = std::max(worst, relative_diff(a.logits, r.logits));
+                };
+                const auto end = [&](seq_id_t s) {
+                    mem.seq_rm(s, -1, -1);
+                    ref.seq_rm(s, -1, -1);
+                };
+                const auto sys = tokens(20);
+                std::vector<std::vector<token_t>> prompts;
+                for (int k = 0; k < 12; ++k) {  // 12 conversations of 63 tokens
+                    auto prompt = sys;
+                    for (token_t x : tokens(40)) prompt.push_back(x);
+                    const seq_id_t s = unified ? k % 4 : 0;  // a stream each: all in one
+                    const uint32_t n = mem.prefix_attach(s, prompt);
+                    EXPECT_GE(n, k == 0 ? 0u : 16u) << name << " the system prompt's window is cached";
+                    decode(s, 0, std::span(prompt).first(n), false);  // the reference recomputes it
+                    decode(s, static_cast<pos_t>(n), std::span(prompt).subspan(n), true);
+                    for (int i = 0; i < 3; ++i) decode(s, mem.seq_pos_max(s) + 1, tokens(1), true);
+                    end(s);
+                    prompts.push_back(prompt);
+                }
+                const prefix_stats st = mem.get_prefix_stats();
+                EXPECT_GT(st.swa_evicted_blocks, 0u) << name;
+                EXPECT_GT(st.evicted_blocks, 0u) << name << ": chain ends without a window were let go";
+                EXPECT_LT(st.blocks, 12u * 63 / 4) << name;
+                // the newest conversation resumes at its end, the oldest at most at the system prompt
+                EXPECT_EQ(mem.prefix_lookup(prompts[11]), 59u) << name;
+                EXPECT_LE(mem.prefix_lookup(prompts[0]), 20u) << name;
+                for (const int k : {11, 0}) {
+                    auto q = prompts[static_cast<size_t>(k)];
+                    for (token_t x : tokens(3)) q.push_back(x);
+                    const uint32_t n = mem.prefix_attach(1, q);
+                    decode(1, 0, std::span(q).first(n), false);
+                    decode(1, static_cast<pos_t>(n), std::span(q).subspan(n), true);
+                    end(1);
+                }
+                EXPECT_LE(worst, logits_tolerance(dtype::f16)) << name;
+            }
+}
+
 // The tolerances are not vacuous: a cache that loses a key differs from the reference by far more.
 TEST(cache_equals_recompute_oracle, a_missing_key_is_detected) {
     for (const bool engine : {false, true}) {

@@ -123,6 +123,8 @@ struct kq_mask_options {
 /// The attention KV cache (llama_kv_cache): K/V rows of every own layer, placed in cells of one or
 /// several streams. Implements memory_i. Engines reach the per-ubatch operations (K/V rows, views,
 /// masks) only through the kv_cache_context that init_batch returns.
+struct prefix_tracker;  // internal: what a sequence decoded in order (src/detail/kv_cache_prefix.h)
+
 class kv_cache final : public memory_i, public prefix_cache_i {
 public:
     explicit kv_cache(kv_cache_params params);  ///< throws kvc::error on an invalid configuration
@@ -225,6 +227,9 @@ public:
     /// parent hash and tokens) and then its ancestors, as long as each is evictable (no sequence, pin or
     /// cached child holds it) and keep(block) is false. Returns the blocks evicted.
     uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
+    /// For kv_cache_iswa, on a cache with a sliding window: whether the blocks a sequence resumed at the
+    /// end of block e needs (its window) are all cached.
+    bool prefix_has_window(const prefix_event& e) const;
     /// For memory_hybrid: a sequence that decoded the tokens of a cached block again (it resumed at an
     /// earlier snapshot) moves to the block's cells when it publishes, and its own copies go free.
     void prefix_share_duplicates(bool on);
@@ -243,6 +248,9 @@ public:
     /// Empty cells below the last used one, as a fraction of it (0 when nothing can be compacted).
     float fragmentation() const;
 
+    /// Internal: the prefix cache's state (src/detail/kv_cache_prefix.h).
+    struct prefix_state;
+
 private:
     friend class kv_cache_context;
     // tests only: places ubatches at chosen cells, as the design notes' examples draw them
@@ -252,7 +260,6 @@ private:
     struct journal;       // cell snapshots taken by a trial placement, for its rollback
     struct commit_undo;   // what a state commit changed (cells, heads, overwritten rows), to take it back
     struct staged_state;  // a parsed, checked state waiting to be applied
-    struct prefix_state;  // the prefix cache: index, per-sequence trackers (src/kv_cache_prefix.cpp)
 
     // -- state commits that can be taken back (src/kv_cache_state.cpp) --
     void state_commit(state_stage_i& stage, commit_undo* undo);
@@ -306,6 +313,10 @@ private:
     void share_block(seq_id_t seq, uint32_t id, std::span<const uint32_t> mine);
     void prefix_reset();                                             // everything the memory held is gone
     void prefix_moved(uint32_t stream, uint32_t from, uint32_t to);  // compaction moved a cell
+    // with a sliding window (design D30)
+    size_t publish_windowed(seq_id_t s, prefix_tracker& t);           // the tokens it went over
+    void cut_windowed(seq_id_t s, prefix_tracker& t, uint32_t keep);  // a rollback to [0, keep)
+    bool window_make_room_for(std::span<const ubatch> ubatches);
 
     kv_cache_params params_;
     std::vector<layer> layers_;       // own layers, ascending model index

@@ -16,6 +16,11 @@
 /// caches or in neither; the context gives each layer the child context of its cache (for_layer).
 /// State: the base cache's then the SWA cache's (kv_cache layout each); state_seq_flag_partial_only
 /// saves and restores the SWA part alone.
+///
+/// Prefix cache (kv.prefix; docs/prefix-cache.md, "Sliding-window models"): both caches publish the same
+/// blocks; the SWA cache keeps a block only while it lies in the window of some boundary it may serve
+/// (design D30). A hit at n needs the base cache's blocks for [0, n) and the SWA cache's for the window
+/// before n; evictions of either part take the other's blocks that no longer serve a hit with them.
 #pragma once
 
 #include <cstdint>
@@ -53,7 +58,7 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p);
 
 /// Two KV caches, one for the full-attention layers and one for the sliding-window layers, driven as one
 /// memory. See the file comment.
-class kv_cache_iswa final : public memory_i {
+class kv_cache_iswa final : public memory_i, public prefix_cache_i {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration: what kv_cache refuses, no
     /// full-attention layer or no SWA layer kept (use a plain kv_cache), swa none or n_swa 0.
@@ -99,6 +104,21 @@ public:
     /// K/V bytes both caches made from p would reserve, saturating; p need not be valid.
     static uint64_t reserve_bytes(const kv_cache_iswa_params& p);
 
+    // -- prefix cache (kv.prefix.enabled; see the file comment) --
+    bool prefix_enabled() const override { return params_.kv.prefix.enabled; }
+    /// Tokens prefix_attach would resume now: the deepest n < tokens.size() with the base cache's blocks
+    /// for [0, n) and the SWA cache's for the window before n.
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
+    /// Gives the empty sequence seq_id both parts of the deepest such prefix (at most max_tokens) and
+    /// returns its length; the engine decodes the rest. Throws as kv_cache::prefix_attach does.
+    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
+                           uint8_t priority = prefix_default_priority,
+                           uint32_t max_tokens = UINT32_MAX) override;
+    /// Publishes what the last step computed in both caches (sequence operations do it first too).
+    void prefix_publish() override;
+    /// The base cache's counters with this memory's lookups and hits and the SWA cache's blocks.
+    prefix_stats get_prefix_stats() const override;
+
     // -- parts --
     kv_cache& get_base() { return *base_; }                         ///< the full-attention layers' cache
     const kv_cache& get_base() const { return *base_; }             ///< the full-attention layers' cache
@@ -109,11 +129,22 @@ public:
 
 private:
     struct staged_state;
+    // a block one cache removed, for the other (sync_parts)
+    struct removed_block {
+        bool base = false;
+        prefix_event e;  // tokens point into `tokens`
+        std::vector<token_t> tokens;
+    };
     void check_seq(seq_id_t s, const char* what) const;
+    // Each cache drops what the other's removals left useless: the SWA cache a block the base cache no
+    // longer has, the base cache a cached chain end whose window the SWA cache no longer has.
+    void sync_parts();
 
     kv_cache_iswa_params params_;
     std::unique_ptr<kv_cache> base_;
     std::unique_ptr<kv_cache> swa_;
+    prefix_stats stats_;  // lookups and hits
+    std::vector<removed_block> removed_;
 };
 
 /// The context kv_cache_iswa returns: a child context per cache over the same ubatches. Engines build the

@@ -71,22 +71,25 @@ struct prefix_cache_params {
 
 /// What the prefix cache did and holds (kv_cache::get_prefix_stats()).
 struct prefix_stats {
-    uint64_t lookups = 0;             ///< prefix_lookup and prefix_attach calls
-    uint64_t tokens_looked_up = 0;    ///< prompt tokens they were given
-    uint64_t hit_tokens = 0;          ///< tokens prefix_attach gave a sequence without recomputation
-    uint64_t published_blocks = 0;    ///< blocks added to the index
-    uint64_t evicted_blocks = 0;      ///< blocks whose cells were freed for new tokens
-    uint64_t unpublished_blocks = 0;  ///< blocks taken out because a sequence edit changed their cells
-    uint64_t bytes_copied = 0;        ///< K/V bytes attaches and edits of shared cells copied
-    uint64_t event_errors = 0;        ///< exceptions thrown by on_event (caught)
-    uint64_t snapshots_saved = 0;     ///< recurrent: snapshots published (state at a block boundary)
-    uint64_t snapshots_dropped = 0;   ///< recurrent: snapshots evicted, superseded or made stale
-    uint32_t blocks = 0;              ///< blocks in the index now
+    uint64_t lookups = 0;               ///< prefix_lookup and prefix_attach calls
+    uint64_t tokens_looked_up = 0;      ///< prompt tokens they were given
+    uint64_t hit_tokens = 0;            ///< tokens prefix_attach gave a sequence without recomputation
+    uint64_t published_blocks = 0;      ///< blocks added to the index
+    uint64_t evicted_blocks = 0;        ///< blocks whose cells were freed for new tokens
+    uint64_t unpublished_blocks = 0;    ///< blocks taken out because a sequence edit changed their cells
+    uint64_t bytes_copied = 0;          ///< K/V bytes attaches and edits of shared cells copied
+    uint64_t event_errors = 0;          ///< exceptions thrown by on_event (caught)
+    uint64_t snapshots_saved = 0;       ///< recurrent: snapshots published (state at a block boundary)
+    uint64_t snapshots_dropped = 0;     ///< recurrent: snapshots evicted, superseded or made stale
+    uint64_t swa_published_blocks = 0;  ///< iSWA: blocks the SWA cache kept (those in some window)
+    uint64_t swa_evicted_blocks = 0;    ///< iSWA: blocks the SWA cache evicted
+    uint32_t blocks = 0;                ///< blocks in the index now
     uint32_t cached_cells = 0;  ///< cells held by the index and by no sequence (evictable unless pinned)
     uint32_t shared_cells = 0;  ///< cells held by the index and by sequences
     uint32_t pinned_cells = 0;  ///< cells of pinned blocks
     uint32_t free_cells = 0;    ///< empty cells
     uint32_t snapshots = 0;     ///< recurrent: snapshots in the pool now (published or being written)
+    uint32_t swa_blocks = 0;    ///< iSWA: blocks in the SWA cache's index now
     /// Memory of the index: block records, their tokens and cells, the hash table, the per-cell owner
     /// map and the sequences' trackers.
     size_t index_bytes = 0;

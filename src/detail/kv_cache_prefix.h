@@ -2,6 +2,7 @@
 // sequence has decoded in order.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -24,6 +25,9 @@ struct prefix_tracker {
     std::vector<token_t> toks;    // positions [n_full * block_size, next())
     std::vector<uint32_t> cells;  // their cells
     std::vector<token_t> prompt;  // with a key: the attached prompt, which embeddings fed later stand for
+    // With a window: the chain hash of each block [0, n_full) (blocks may be missing from the index), and
+    // cells holds `none` for positions the sequence no longer has.
+    std::vector<uint64_t> hashes;
 };
 
 struct kv_cache::prefix_state {
@@ -33,6 +37,11 @@ struct kv_cache::prefix_state {
     prefix_stats stats;
     std::function<void(const prefix_event&)> on_event;
     bool share_duplicates = false;  // kv_cache::prefix_share_duplicates
+    // With a sliding window (design D30): blocks are kept on their own, each near the boundaries it
+    // serves; a sequence resumed at n needs only the cells of [first(n), n).
+    swa_type swa = swa_type::none;
+    uint32_t n_swa = 0;
+    std::vector<seq_id_t> placed;  // sequences placed since the last prune (their window slid)
 
     // Tells on_event that block id was stored or removed (its record still intact).
     void emit(prefix_event::kind type, uint32_t id) {
@@ -40,10 +49,24 @@ struct kv_cache::prefix_state {
     }
     void call(const prefix_event& e) { detail::notify(on_event, e, stats.event_errors); }
 
-    prefix_state(const prefix_cache_params& p, uint32_t kv_size, uint32_t n_stream, uint32_t n_seq_max)
+    prefix_state(const prefix_cache_params& p, uint32_t kv_size, uint32_t n_stream, uint32_t n_seq_max,
+                 swa_type swa_rule, uint32_t window)
         : index(p.block_size, n_stream, p.policy, max_protected(p, kv_size)),
           seqs(n_seq_max),
-          on_event(p.on_event) {}
+          on_event(p.on_event),
+          swa(swa_rule),
+          n_swa(window) {}
+
+    bool windowed() const { return swa != swa_type::none; }
+    // The first position a query at position n (and every later one) can see.
+    uint32_t first(uint32_t n) const {
+        if (swa == swa_type::standard) return n >= n_swa ? n - n_swa + 1 : 0;
+        if (swa == swa_type::chunked) return n / n_swa * n_swa;
+        return 0;
+    }
+    // The first position a sequence resumed at n > 0 holds: what a query at n can see, and at least the
+    // last position (so that the sequence's positions go on from n).
+    uint32_t attach_from(uint32_t n) const { return std::min(first(n), n - 1); }
 
     // SLRU: the protected blocks of a stream (kv_size / block_size blocks at most)
     static uint32_t max_protected(const prefix_cache_params& p, uint32_t kv_size) {
@@ -58,6 +81,7 @@ struct kv_cache::prefix_state {
         t.toks.clear();
         t.cells.clear();
         t.prompt = {};
+        t.hashes = {};
     }
     bool tail_alive(const prefix_tracker& t) const {
         return t.tail == detail::prefix_index::none || index.alive(t.tail, t.tail_gen);

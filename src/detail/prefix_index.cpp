@@ -16,7 +16,7 @@ prefix_index::prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy 
     slots_.assign(64, none);
 }
 
-uint64_t prefix_index::hash_of(uint64_t seed, std::span<const token_t> toks) const {
+uint64_t prefix_index::chain_hash(uint64_t seed, std::span<const token_t> toks) {
     return XXH3_64bits_withSeed(toks.data(), toks.size_bytes(), seed);
 }
 
@@ -94,6 +94,13 @@ uint32_t prefix_index::find_hash(uint64_t h, uint64_t parent_hash, std::span<con
     return none;
 }
 
+uint32_t prefix_index::find_any(uint64_t h) const {
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = h & mask; slots_[i] != none; i = (i + 1) & mask)
+        if (at(slots_[i]).hash == h) return slots_[i];
+    return none;
+}
+
 void prefix_index::match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const {
     const size_t n = toks.size() / bs_;
     if (n == 0) return;
@@ -131,8 +138,8 @@ void prefix_index::add_chunk() {
 }
 
 uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
-                           std::span<const uint32_t> cells, uint32_t stream, uint8_t priority,
-                           uint16_t held) {
+                           std::span<const uint32_t> cells, uint32_t stream, uint8_t priority, uint16_t held,
+                           uint32_t root_depth) {
     assert(toks.size() == bs_ && cells.size() == bs_ && stream < streams_.size());
     uint32_t id;
     if (!free_ids_.empty()) {
@@ -149,7 +156,7 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
     b.hash = hash_of(seed_of(parent, key), toks);
     b.parent = parent;
     b.held = held;
-    b.depth = parent == none ? 0 : at(parent).depth + 1;
+    b.depth = parent == none ? root_depth : at(parent).depth + 1;
     b.stream = static_cast<uint16_t>(stream);
     b.priority = std::min(priority, prefix_max_priority);
     b.st = state::held;

@@ -13,6 +13,10 @@
 // priority (0-100) and, with the SLRU policy, its segment: a block that was hit since it was published
 // joins the protected segment of its priority, which goes after the probationary one; the protected
 // blocks of a stream are bounded (the oldest of the lowest priority drop back to probation).
+//
+// A cache with a sliding window keeps only the blocks near each boundary (design D30), so its chains
+// have gaps: it adds every block as a root whose key is its parent's hash (root_depth gives its depth).
+// Such blocks never wait for children, and a lookup finds each one by (hash, parent hash, tokens).
 #pragma once
 
 #include <array>
@@ -85,11 +89,17 @@ public:
     // hashes of a chain depend on the tokens only, so they are computed first and the table, records and
     // tokens of the blocks ahead are fetched while a block is verified.
     void match(uint64_t key, std::span<const token_t> toks, std::vector<uint32_t>& out) const;
-    // A new block after `parent` (none: a root of `key`) with `held` holders (block_size: every cell has a
-    // sequence; a recurrent memory counts its trackers, 0: evictable at once). The caller checked that
-    // find() has none.
+    // A block with hash h, whatever its parent and tokens (none if absent): for checks that a chain the
+    // caller already verified still has its blocks.
+    uint32_t find_any(uint64_t h) const;
+    // XXH3 of the tokens seeded with the parent's hash (a root's key): a block's chain hash.
+    static uint64_t chain_hash(uint64_t seed, std::span<const token_t> toks);
+    // A new block after `parent` (none: a root of `key`, at depth root_depth) with `held` holders
+    // (block_size: every cell has a sequence; a recurrent memory counts its trackers, 0: evictable at
+    // once). The caller checked that find() has none.
     uint32_t add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
-                 std::span<const uint32_t> cells, uint32_t stream, uint8_t priority, uint16_t held);
+                 std::span<const uint32_t> cells, uint32_t stream, uint8_t priority, uint16_t held,
+                 uint32_t root_depth = 0);
 
     // held 0 -> 1 (a sequence joined a cell of a block without any): out of the queue
     void acquire(uint32_t id);
@@ -144,7 +154,7 @@ private:
     };
     block& rec(uint32_t id) { return chunks_[id / chunk].blocks[id % chunk]; }
     void add_chunk();
-    uint64_t hash_of(uint64_t seed, std::span<const token_t> toks) const;
+    uint64_t hash_of(uint64_t seed, std::span<const token_t> toks) const { return chain_hash(seed, toks); }
     uint64_t seed_of(uint32_t parent, uint64_t key) const { return parent == none ? key : at(parent).hash; }
     uint64_t root_key(uint32_t id) const {
         const auto it = root_keys_.find(id);
