@@ -330,9 +330,12 @@ bool kv_cache::find_slot_group(uint32_t stream, uint32_t n, bool cont, std::vect
         if (cells.is_empty(idx)) return true;
         if (cells.seq_count(idx) != 1) return false;
         const seq_id_t q = cells.seq_get(idx);
-        // a cell the prefix cache holds keeps its rows for other sequences
-        return !cells.is_held(idx) &&
-               is_masked_swa(params_.n_swa, params_.swa, cells.pos_get(idx), cells.seq_pos_max(q) + 1);
+        // a cell the prefix cache holds keeps its rows for other sequences; with a prefix cache, a
+        // sequence keeps its newest cell (a chunked window masks it at a chunk's end), so that its
+        // positions go on from there (design D30)
+        const pos_t max = cells.seq_pos_max(q);
+        return !cells.is_held(idx) && !(prefix_ && cells.pos_get(idx) == max) &&
+               is_masked_swa(params_.n_swa, params_.swa, cells.pos_get(idx), max + 1);
     };
     const size_t start = out.size();
     const uint32_t n_test = cont ? n : 1;

@@ -233,6 +233,8 @@ static std::vector<uint32_t> whole_blocks(const kv_cache::prefix_state& ps, std:
 
 uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
     check_prefix_tokens(tokens, "prefix_pin");
+    if (prefix_->windowed())  // which blocks a pin holds would move with every window
+        throw error(errc::unsupported, "prefix_pin: a cache with a sliding window does not pin prefixes");
     prefix_publish();
     prefix_state& ps = *prefix_;
     const std::vector<uint32_t> chain = whole_blocks(ps, tokens, key);
@@ -258,6 +260,8 @@ uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
 
 uint32_t kv_cache::prefix_unpin(std::span<const token_t> tokens, uint64_t key) {
     check_prefix_tokens(tokens, "prefix_unpin");
+    if (prefix_->windowed())
+        throw error(errc::unsupported, "prefix_unpin: a cache with a sliding window does not pin prefixes");
     prefix_publish();
     prefix_state& ps = *prefix_;
     uint32_t n = 0;
@@ -467,7 +471,6 @@ void kv_cache::prefix_record(const slot_info& sinfo, const ubatch& ub) {
         room(t.cells, ub.n_tokens);
     }
     room(ps.pending, ub.seq_id_unq.size());
-    if (ps.windowed()) room(ps.placed, ub.seq_id_unq.size());
     uint32_t i = 0;
     for (size_t k = 0; k < sinfo.n_stream(); ++k)
         for (uint32_t c : sinfo.idxs[k]) {
@@ -488,7 +491,12 @@ void kv_cache::prefix_record(const slot_info& sinfo, const ubatch& ub) {
             }
             ++i;
         }
-    if (ps.windowed()) ps.placed.insert(ps.placed.end(), ub.seq_id_unq.begin(), ub.seq_id_unq.end());
+    if (ps.windowed())
+        for (seq_id_t s : ub.seq_id_unq)
+            if (!ps.is_placed[static_cast<size_t>(s)]) {
+                ps.is_placed[static_cast<size_t>(s)] = 1;
+                ps.placed.push_back(s);
+            }
 }
 
 bool kv_cache::prefix_room_possible(uint32_t stream, uint32_t n) const {
@@ -546,72 +554,67 @@ bool kv_cache::prefix_make_room_for(std::span<const ubatch> ubatches) {
     return true;
 }
 
-// With a window, the cells every later query of a sequence is masked from leave it first (held ones stay
-// cached, the others go free: design D30), so that no cell of the index is ever overwritten. Then a
-// sequence of T tokens in the batch needs at most min(T, n_swa) cells at once besides the ubatch being
-// placed, since its own cells that slide out of the window during the batch are reused.
+// With a window, room is counted as without one, except that a sequence of T tokens in the batch needs
+// at most min(T, n_swa) cells at once besides the ubatch being placed: its own cells that slide out of
+// the window during the batch are reused. When empty and cached cells are too few, the cells that every
+// later query of the sequences placed so far is masked from leave them (held ones stay cached, the others
+// go free: design D30), so that no cell of the index is ever overwritten. Until then they stay, as in
+// llama.cpp, for a rollback that needs them again.
 bool kv_cache::window_make_room_for(std::span<const ubatch> ubatches) {
     prefix_state& ps = *prefix_;
-    std::vector<seq_id_t> slid;
-    slid.swap(ps.placed);
-    for (const ubatch& ub : ubatches) slid.insert(slid.end(), ub.seq_id_unq.begin(), ub.seq_id_unq.end());
-    std::sort(slid.begin(), slid.end());
-    slid.erase(std::unique(slid.begin(), slid.end()), slid.end());
-    for (seq_id_t s : slid) {
-        const uint32_t st = seq_to_stream(s);
-        kv_cells& cells = streams_[st];
-        const pos_t max = cells.seq_pos_max(s);
-        if (max < 0) continue;
-        // the newest cell stays: the sequence's positions go on from it
-        const auto cut = std::min(max, static_cast<pos_t>(ps.first(static_cast<uint32_t>(max) + 1)));
-        if (cells.seq_pos_min(s) >= cut) continue;
-        lower_head(st, cells.seq_rm_range(s, 0, cut));
-        prefix_sync(s);
-    }
     struct need_of {
         uint32_t stream;
         uint64_t tokens = 0, window = 0, ubatch = 0;
+        uint32_t cells() const { return static_cast<uint32_t>(std::min(tokens, window + ubatch)); }
     };
     std::vector<need_of> need;  // few streams per batch
     const auto of = [&](uint32_t st) -> need_of& {
         auto it = std::find_if(need.begin(), need.end(), [st](const need_of& e) { return e.stream == st; });
         return it == need.end() ? need.emplace_back(need_of{.stream = st}) : *it;
     };
-    std::vector<std::pair<seq_id_t, uint64_t>> per_seq;
+    std::vector<std::pair<seq_id_t, uint64_t>> per_seq;  // tokens of each sequence
     for (const ubatch& ub : ubatches) {
-        std::vector<std::pair<uint32_t, uint64_t>> in_ub;
+        std::vector<std::pair<uint32_t, uint64_t>> in_ub;  // tokens of each stream in this ubatch
         for (uint32_t i = 0; i < ub.n_tokens; ++i) {
             const auto ids = ub.seq_ids(i);
-            if (streams_.size() == 1) {
-                ++of(0).tokens;
-            } else {
-                for (seq_id_t q : ids) ++of(seq_to_stream(q)).tokens;
-            }
             for (seq_id_t q : ids) {
-                auto it =
-                    std::find_if(per_seq.begin(), per_seq.end(), [q](const auto& e) { return e.first == q; });
+                auto it = std::find_if(per_seq.begin(), per_seq.end(), [q](const auto& e) { return e.first == q; });
                 if (it == per_seq.end()) it = per_seq.insert(per_seq.end(), {q, 0});
                 ++it->second;
             }
+            for (size_t k = 0; k < (streams_.size() == 1 ? 1 : ids.size()); ++k) {  // a cell per stream
+                const uint32_t st = streams_.size() == 1 ? 0 : seq_to_stream(ids[k]);
+                ++of(st).tokens;
+                auto it = std::find_if(in_ub.begin(), in_ub.end(), [st](const auto& e) { return e.first == st; });
+                if (it == in_ub.end()) it = in_ub.insert(in_ub.end(), {st, 0});
+                ++it->second;
+            }
         }
-        for (need_of& e : need) {  // the largest ubatch, per stream
-            uint64_t n = 0;
-            for (uint32_t i = 0; i < ub.n_tokens; ++i)
-                for (seq_id_t q : ub.seq_ids(i))
-                    if (seq_to_stream(q) == e.stream) {
-                        ++n;
-                        break;
-                    }
-            e.ubatch = std::max(e.ubatch, n);
-        }
+        for (const auto& [st, n] : in_ub) of(st).ubatch = std::max(of(st).ubatch, n);
     }
     for (const auto& [q, n] : per_seq) of(seq_to_stream(q)).window += std::min<uint64_t>(n, params_.n_swa);
-    for (const need_of& e : need) {  // check every stream before evicting in any
-        const uint64_t n = std::min(e.tokens, e.window + e.ubatch);
-        if (n > params_.kv_size || !prefix_room_possible(e.stream, static_cast<uint32_t>(n))) return false;
+    const auto possible = [&] {  // every stream before evicting in any
+        return std::all_of(need.begin(), need.end(), [&](const need_of& e) {
+            return e.cells() <= params_.kv_size && prefix_room_possible(e.stream, e.cells());
+        });
+    };
+    if (!possible()) {
+        for (seq_id_t s : ps.placed) {
+            ps.is_placed[static_cast<size_t>(s)] = 0;
+            const uint32_t st = seq_to_stream(s);
+            kv_cells& cells = streams_[st];
+            const pos_t max = cells.seq_pos_max(s);
+            if (max < 0) continue;
+            // the newest cell stays: the sequence's positions go on from it
+            const auto cut = std::min(max, static_cast<pos_t>(ps.first(static_cast<uint32_t>(max) + 1)));
+            if (cells.seq_pos_min(s) >= cut) continue;
+            lower_head(st, cells.seq_rm_range(s, 0, cut));
+            prefix_sync(s);
+        }
+        ps.placed.clear();
+        if (!possible()) return false;
     }
-    for (const need_of& e : need)
-        prefix_make_room(e.stream, static_cast<uint32_t>(std::min(e.tokens, e.window + e.ubatch)));
+    for (const need_of& e : need) prefix_make_room(e.stream, e.cells());
     return true;
 }
 
@@ -832,6 +835,8 @@ void kv_cache::prefix_reset() {
     ps.index.clear();  // the caller empties the cells
     for (prefix_tracker& t : ps.seqs) t = prefix_tracker{};
     ps.pending.clear();
+    for (seq_id_t s : ps.placed) ps.is_placed[static_cast<size_t>(s)] = 0;
+    ps.placed.clear();
 }
 
 void kv_cache::prefix_moved(uint32_t stream, uint32_t from, uint32_t to) {

@@ -502,14 +502,26 @@ bool shares_plain_cells(const kv_cache& c, seq_id_t s) {
 // Random attaches (at random priorities), decodes, removals, rollbacks, shifts, copies, pins and clears
 // against the fingerprints: never a wrong hit, never a leaked cell, every hit a prefix some sequence
 // decoded (the "may hit" oracle), every pinned prefix still whole.
-void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
+// With a window (n_swa 6), cells out of every window may go, each hit must bring the whole window
+// before it, and pins are refused.
+void random_ops(evict_policy policy, uint32_t seed, bool unified = true, swa_type swa = swa_type::none) {
     const char* env = std::getenv("KVC_LONG_TESTS");
     const int n_ops = env && *env ? 1000000 : 30000;
     std::mt19937 rng(seed);
     auto params = prefix_params(unified ? 96 : 48, 4);  // 4 streams of 48 cells, or one of 96
     params.prefix.policy = policy;
     params.unified = unified;
+    params.swa = swa;
+    params.n_swa = swa == swa_type::none ? 0 : 6;
     engine e(params);
+    // what a query at n can see (the window's first position), and the last position at least
+    const auto window_from = [&](uint32_t n) -> uint32_t {
+        const uint32_t w = params.n_swa;
+        const uint32_t first = swa == swa_type::standard ? (n >= w ? n - w + 1 : 0)
+                               : swa == swa_type::chunked ? n / w * w
+                                                           : 0;
+        return std::min(first, n - 1);
+    };
     std::set<std::vector<token_t>> may_hit;  // block-aligned prefixes decoded since the index last emptied
     const auto decoded = [&](seq_id_t s) {
         const auto& h = e.seqs[static_cast<size_t>(s)];
@@ -540,6 +552,12 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
                 << "a hit of " << n << " tokens no sequence decoded";
             hits += n;
             ASSERT_NO_FATAL_FAILURE(e.check(s));
+            if (n > 0) {  // every position a query at n can see is there
+                const kv_cells& cells = e.c.cells(e.stream(s));
+                const uint32_t from = window_from(n);
+                ASSERT_EQ(cells.seq_entries(s, static_cast<pos_t>(from), static_cast<pos_t>(n)).size(), n - from)
+                    << "a hit of " << n << " tokens without its window";
+            }
             if (!e.decode(s, std::span(prompt).subspan(n))) {
                 e.c.seq_rm(s, -1, -1);
                 h.clear();
@@ -556,6 +574,11 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
             const size_t keep = 1 + rng() % (h.size() - 1);
             e.c.seq_rm(s, static_cast<pos_t>(keep), -1);
             h.resize(keep);
+            if (e.c.seq_pos_max(s) != static_cast<pos_t>(keep) - 1) {  // the window slid past it: start over
+                ASSERT_NE(swa, swa_type::none);
+                e.c.seq_rm(s, -1, -1);
+                h.clear();
+            }
         } else if (what < 91 && h.size() > 6 && !shares_plain_cells(e.c, s)) {
             // a context shift: cells it shares through the prefix cache are copied for it, so the others
             // keep theirs (cells shared by seq_cp move for all, as in llama.cpp: not this test's model)
@@ -596,6 +619,10 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
             }
         } else if (what < 99 && rng() % 3 != 0) {  // pin or unpin a system prompt
             const size_t k = rng() % systems.size();
+            if (swa != swa_type::none) {
+                EXPECT_THROW(e.c.prefix_pin(systems[k]), error);
+                continue;
+            }
             if (rng() % 2) {
                 try {
                     const uint32_t n = e.c.prefix_pin(systems[k]);
@@ -639,7 +666,9 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true) {
     EXPECT_GT(hits, uint64_t(n_ops) / 10) << "the test must exercise hits";
     const prefix_stats st = e.c.get_prefix_stats();
     EXPECT_GT(st.evicted_blocks, 0u);
-    EXPECT_GT(n_pinned, uint64_t(n_ops) / 500) << "the test must pin";
+    if (swa == swa_type::none) {
+        EXPECT_GT(n_pinned, uint64_t(n_ops) / 500) << "the test must pin";
+    }
     ::testing::Test::RecordProperty("hit_tokens", static_cast<int>(hits));
 }
 
@@ -653,6 +682,12 @@ TEST(prefix_cache_property, slru_hits_always_hold_the_tokens_they_claim) {
 
 TEST(prefix_cache_property, streams_per_sequence_hits_always_hold_the_tokens_they_claim) {
     random_ops(evict_policy::lru, 2026, /*unified=*/false);
+}
+
+TEST(prefix_cache_property, window_hits_hold_their_tokens_and_their_whole_window) {
+    random_ops(evict_policy::lru, 2027, /*unified=*/true, swa_type::standard);
+    random_ops(evict_policy::slru, 2028, /*unified=*/true, swa_type::chunked);
+    random_ops(evict_policy::lru, 2029, /*unified=*/false, swa_type::standard);
 }
 
 }  // namespace

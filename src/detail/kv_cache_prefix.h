@@ -42,6 +42,7 @@ struct kv_cache::prefix_state {
     swa_type swa = swa_type::none;
     uint32_t n_swa = 0;
     std::vector<seq_id_t> placed;  // sequences placed since the last prune (their window slid)
+    std::vector<uint8_t> is_placed;  // [n_seq_max] in `placed`
 
     // Tells on_event that block id was stored or removed (its record still intact).
     void emit(prefix_event::kind type, uint32_t id) {
@@ -55,7 +56,11 @@ struct kv_cache::prefix_state {
           seqs(n_seq_max),
           on_event(p.on_event),
           swa(swa_rule),
-          n_swa(window) {}
+          n_swa(window) {
+        if (!windowed()) return;
+        placed.reserve(n_seq_max);  // recording a placement allocates nothing
+        is_placed.resize(n_seq_max);
+    }
 
     bool windowed() const { return swa != swa_type::none; }
     // The first position a query at position n (and every later one) can see.
