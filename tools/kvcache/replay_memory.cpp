@@ -48,6 +48,19 @@ uint32_t pattern(const keys& k, const char* name, int64_t def) {
     return static_cast<uint32_t>(v);
 }
 
+// prefix=BLOCK: a prefix cache of BLOCK-token blocks (evict=lru|slru)
+void parse_prefix(const keys& k, kv_cache_params& p) {
+    const int64_t block = k.get_int("prefix", 0);
+    if (block < 0 || block > (int64_t{1} << 24)) fail(fmt::format("memory: prefix={} out of range", block));
+    p.prefix.enabled = block > 0;
+    p.prefix.block_size = static_cast<uint32_t>(block);
+    if (const auto evict = k.get("evict")) {
+        if (*evict != "lru" && *evict != "slru")
+            fail(fmt::format("memory: evict={} is not lru or slru", *evict));
+        p.prefix.policy = *evict == "slru" ? evict_policy::slru : evict_policy::lru;
+    }
+}
+
 // model= of a mamba or jamba model: the memory it needs (recurrent, or hybrid with the KV cache p), n_rs_seq
 // rollback planes, and a runtime over it. `size` is the context's cells, as llama_n_ctx() reports them.
 void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
@@ -96,15 +109,7 @@ void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
 // (a mamba or jamba model without type=: the memory it needs); with prefix=BLOCK, a prefix cache of
 // BLOCK-token blocks (evict=lru|slru).
 void make_kv(replay_memory& r, const keys& k, kv_cache_params p, bool typed) {
-    const int64_t block = k.get_int("prefix", 0);
-    if (block < 0 || block > (int64_t{1} << 24)) fail(fmt::format("memory: prefix={} out of range", block));
-    p.prefix.enabled = block > 0;
-    p.prefix.block_size = static_cast<uint32_t>(block);
-    if (const auto evict = k.get("evict")) {
-        if (*evict != "lru" && *evict != "slru")
-            fail(fmt::format("memory: evict={} is not lru or slru", *evict));
-        p.prefix.policy = *evict == "slru" ? evict_policy::slru : evict_policy::lru;
-    }
+    parse_prefix(k, p);
     try {
         if (const auto path = k.get("model")) {
             r.mdl = std::make_unique<model>(model::load(*path));
@@ -144,8 +149,10 @@ void make_kv(replay_memory& r, const keys& k, kv_cache_params p, bool typed) {
 void make_iswa(replay_memory& r, const keys& k, kv_cache_params p) {
     const uint32_t n = pattern(k, "swa_pattern", 2);
     for (uint32_t il = 0; il < p.layers.size(); ++il) p.layers[il].is_swa = n == 0 || il % n < n - 1;
+    parse_prefix(k, p);
     auto iswa = build<kv_cache_iswa>(kv_cache_iswa_params{
         .kv = std::move(p), .sizing = {.swa_full = k.get_bool("swa_full", true), .n_ubatch = r.n_ubatch}});
+    if (iswa->prefix_enabled()) r.prefix = iswa.get();
     const kv_cache &base = iswa->get_base(), &swa = iswa->get_swa();
     r.parts = {{.name = "base", .used_label = "used", .kv = &base},
                {.name = "swa", .used_label = "used_swa", .kv = &swa}};
@@ -246,7 +253,7 @@ replay_memory make_replay_memory(const words& w) {
                                         "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv", "budget"};
     if (type == "kv")
         allowed.insert(allowed.end(), {"model", "n_rs_seq", "prefix", "evict", "interval", "snapshots"});
-    if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full"});
+    if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full", "prefix", "evict"});
     if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
     const keys k(w, 1, allowed, "memory");
     const auto positive = [&](const char* name, int64_t def) {

@@ -3,6 +3,7 @@
 // them (KV caches) and print the counters.
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/kv_cache_iswa.h>
 
 #include "replay_ops.h"
 
@@ -52,7 +53,8 @@ void op_attach(replay_memory& m, const words& w) {
 void op_pin(replay_memory& m, const words& w) {
     auto* c = dynamic_cast<kv_cache*>(&prefix_cache(m, w[0]));
     if (c == nullptr)
-        fail(fmt::format("{}: pins are a KV cache's (this memory caches recurrent snapshots)", w[0]));
+        fail(fmt::format("{}: pins are a plain KV cache's (not an iSWA pair's, nor recurrent snapshots')",
+                         w[0]));
     const auto toks = tokens_of(w[1], w[0]);
     const keys k(w, 2, {"key"}, w[0] == "pin" ? "pin" : "unpin");
     guarded(w[0] == "pin" ? "pin" : "unpin", [&] {
@@ -73,7 +75,10 @@ void op_pstats(replay_memory& m, const words&) {
         "evicted={} unpublished={} copied={}\n",
         s.blocks, s.cached_cells, s.shared_cells, s.pinned_cells, s.free_cells, s.lookups, s.tokens_looked_up,
         s.hit_tokens, s.published_blocks, s.evicted_blocks, s.unpublished_blocks, s.bytes_copied);
-    if (dynamic_cast<kv_cache*>(m.prefix) == nullptr)  // recurrent or hybrid: the snapshots too
+    if (dynamic_cast<kv_cache_iswa*>(m.prefix) != nullptr)  // the SWA cache's blocks too
+        fmt::print("pstats swa_blocks={} swa_published={} swa_evicted={}\n", s.swa_blocks,
+                   s.swa_published_blocks, s.swa_evicted_blocks);
+    else if (dynamic_cast<kv_cache*>(m.prefix) == nullptr)  // recurrent or hybrid: the snapshots too
         fmt::print("pstats snapshots={} saved={} dropped={}\n", s.snapshots, s.snapshots_saved,
                    s.snapshots_dropped);
 }
