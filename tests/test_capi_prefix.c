@@ -230,8 +230,53 @@ static void test_recurrent_and_hybrid(void) {
     kvc_memory_free(mem);
 }
 
+/* An iSWA pair resumes a prefix where both caches have it: the base cache's blocks before the hit and the
+ * SWA cache's window before it (positions n - 3 .. n - 1 for a window of 4). */
+static void test_iswa_windows(void) {
+    static const toy_model m = {2, 0x3u, 0x0u};
+    kvc_layer_desc layers[2];
+    toy_attn_layers(layers, 2, 0x3u, 0x1u); /* layer 0 slides a window */
+    kvc_iswa_params ip = kvc_iswa_default_params();
+    ip.kv = small_params(256, 2);
+    ip.kv.layers = layers;
+    ip.kv.n_layers = 2;
+    ip.kv.n_swa = 4;
+    ip.kv.swa_type = KVC_SWA_TYPE_STANDARD;
+    ip.kv.prefix.enabled = true;
+    ip.kv.prefix.block_size = 4;
+    ip.sizing.swa_full = false;
+    ip.sizing.n_ubatch = 8;
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_iswa_create(&ip, &mem));
+    toy_engine* e = malloc(sizeof *e);
+    toy_init(e, &m);
+    toy_decode_seq(e, mem, 0, 0, 18, 8);
+    CHECK_OK(kvc_memory_seq_rm(mem, 0, -1, -1, NULL));
+    int32_t prompt[20];
+    for (int32_t i = 0; i < 20; ++i) prompt[i] = toy_token(0, i);
+    uint32_t n = 0;
+    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 20, 0, &n));
+    CHECK(n == 16);
+    CHECK_OK(kvc_memory_prefix_attach(mem, 1, prompt, 20, 0, 50, &n));
+    CHECK(n == 16);
+    int32_t pos = 0;
+    CHECK_OK(kvc_memory_seq_pos_min(mem, 1, &pos)); /* of the SWA cache: the window only */
+    CHECK(pos == 13);
+    CHECK(pos_max(mem, 1) == 15);
+    toy_decode_seq(e, mem, 1, 16, 20, 8);
+    CHECK_OK(kvc_memory_prefix_publish(mem)); /* block 4, which seq 1 completed */
+    kvc_prefix_stats st;
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.hit_tokens == 16 && st.blocks == 5 && st.swa_blocks == 5 && st.swa_published_blocks == 5);
+    CHECK(st.swa_evicted_blocks == 0);
+    CHECK_ERR(kvc_memory_prefix_pin(mem, prompt, 20, 0, &n), KVC_ERR_UNSUPPORTED, "KV cache");
+    kvc_memory_free(mem);
+    free(e);
+}
+
 int main(void) {
     test_prefix_cache();
+    test_iswa_windows();
     test_recurrent_and_hybrid();
     test_pins_priorities_events();
     return capi_report("capi_prefix");

@@ -33,12 +33,15 @@ typedef struct kvc_prefix_stats {
     uint64_t snapshots_saved;     ///< recurrent and hybrid: snapshots published
     uint64_t snapshots_dropped;   ///< recurrent and hybrid: snapshots evicted, superseded or made stale
     uint32_t snapshots;           ///< recurrent and hybrid: snapshots in the pool now
+    uint32_t swa_blocks;          ///< iSWA: blocks in the sliding-window cache's index now
+    uint64_t swa_published_blocks;  ///< iSWA: blocks the sliding-window cache kept
+    uint64_t swa_evicted_blocks;    ///< iSWA: blocks the sliding-window cache evicted
 } kvc_prefix_stats;
 
 /// @brief How many of the tokens kvc_memory_prefix_attach() would give a sequence now: the longest
 /// cached prefix in whole blocks, at most n_tokens - 1. Changes no sequence (it publishes what the
 /// previous step computed and counts a lookup).
-/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
+/// @param mem A memory with a prefix cache (a KV cache, an iSWA pair, a recurrent or a hybrid memory).
 /// @param tokens [n_tokens] the prompt (may be NULL when n_tokens is 0).
 /// @param n_tokens Its length (at most INT32_MAX).
 /// @param key The namespace (model revision, adapter, tenant): only blocks published under it match.
@@ -51,7 +54,7 @@ KVC_API kvc_status kvc_memory_prefix_lookup(kvc_memory* mem, const int32_t* toke
 /// @brief Makes the empty sequence seq_id hold the cells of the longest cached prefix of the tokens
 /// (shared, not copied) at positions [0, n), and returns n; decode the tokens from n on. The blocks that
 /// decoding completes are published under key with the priority, and the blocks it reuses are raised to it.
-/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
+/// @param mem A memory with a prefix cache (a KV cache, an iSWA pair, a recurrent or a hybrid memory).
 /// @param seq_id The sequence (it must hold no cell).
 /// @param tokens [n_tokens] the prompt (may be NULL when n_tokens is 0).
 /// @param n_tokens Its length (at most INT32_MAX).
@@ -105,12 +108,12 @@ KVC_API kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t
 
 /// @brief Publishes now the blocks completed by the ubatches applied so far (the next batch, lookup or
 /// attach does it anyway); call it after computing them, e.g. before ending a request.
-/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
+/// @param mem A memory with a prefix cache (a KV cache, an iSWA pair, a recurrent or a hybrid memory).
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL; #KVC_ERR_UNSUPPORTED without a prefix cache.
 KVC_API kvc_status kvc_memory_prefix_publish(kvc_memory* mem) KVC_NOEXCEPT;
 
 /// @brief The prefix cache's counters.
-/// @param mem A memory with a prefix cache (a KV cache, a recurrent or a hybrid memory).
+/// @param mem A memory with a prefix cache (a KV cache, an iSWA pair, a recurrent or a hybrid memory).
 /// @param out Receives them.
 /// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL; #KVC_ERR_UNSUPPORTED without a prefix cache.
 KVC_API kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* out) KVC_NOEXCEPT;

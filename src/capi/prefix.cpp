@@ -117,6 +117,9 @@ kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* 
                                             .index_bytes = s.index_bytes,
                                             .snapshots_saved = s.snapshots_saved,
                                             .snapshots_dropped = s.snapshots_dropped,
-                                            .snapshots = s.snapshots};
+                                            .snapshots = s.snapshots,
+                                            .swa_blocks = s.swa_blocks,
+                                            .swa_published_blocks = s.swa_published_blocks,
+                                            .swa_evicted_blocks = s.swa_evicted_blocks};
     });
 }
