@@ -123,6 +123,9 @@ void bind_reports(py::module_& m) {
         .def_readonly("snapshots_saved", &prefix_stats::snapshots_saved)
         .def_readonly("snapshots_dropped", &prefix_stats::snapshots_dropped)
         .def_readonly("snapshots", &prefix_stats::snapshots)
+        .def_readonly("swa_blocks", &prefix_stats::swa_blocks)
+        .def_readonly("swa_published_blocks", &prefix_stats::swa_published_blocks)
+        .def_readonly("swa_evicted_blocks", &prefix_stats::swa_evicted_blocks)
         .def("__repr__", [](const prefix_stats& s) {
             return "PrefixStats(lookups=" + std::to_string(s.lookups) +
                    ", hit_tokens=" + std::to_string(s.hit_tokens) + ", blocks=" + std::to_string(s.blocks) +
@@ -590,8 +593,8 @@ void bind_composites(py::module_& m) {
                                [](const py_memory_hybrid& s) { return s.hybrid->size_bytes(); });
 }
 
-// The prefix calls every memory with a prefix cache offers (prefix_cache_i), on a recurrent or hybrid
-// memory (snapshots of states; a KVCache binds its own, with pins and priorities).
+// The prefix calls every memory with a prefix cache offers (prefix_cache_i), on an iSWA pair, a recurrent
+// or a hybrid memory (a KVCache binds its own, with pins and priorities).
 template <class T>
 void bind_prefix_calls(py::module_& m, const char* name) {
     auto c = py::reinterpret_borrow<py::class_<T, py_memory>>(m.attr(name));
@@ -603,7 +606,8 @@ void bind_prefix_calls(py::module_& m, const char* name) {
              return s.locked([&] { return pc(s).prefix_lookup(t, key); });
          },
          py::arg("tokens"), py::arg("key") = 0,
-         "Tokens of the prompt prefix_attach would resume now (the deepest snapshot before its last token).")
+         "Tokens of the prompt prefix_attach would resume now (the deepest boundary before its last token "
+         "with everything a resumed sequence needs: blocks, window, snapshot).")
         .def(
             "prefix_attach",
             [pc](const T& s, seq_id_t seq, const py::object& tokens, uint64_t key, uint32_t priority) {
@@ -613,7 +617,7 @@ void bind_prefix_calls(py::module_& m, const char* name) {
             },
             py::arg("seq_id"), py::arg("tokens"), py::arg("key") = 0,
             py::arg("priority") = prefix_default_priority,
-            "Resumes the empty sequence seq_id from the deepest snapshot of tokens; returns n: decode "
+            "Resumes the empty sequence seq_id at the deepest such boundary of tokens; returns n: decode "
             "tokens[n:] from position n.")
         .def(
             "prefix_publish", [pc](const T& s) { s.locked([&] { pc(s).prefix_publish(); }); },
@@ -630,6 +634,7 @@ void bind_memories(py::module_& m) {
     bind_memory_base(m);
     bind_kv_cache(m);
     bind_composites(m);
+    bind_prefix_calls<py_kv_cache_iswa>(m, "KVCacheISWA");
     bind_prefix_calls<py_memory_recurrent>(m, "MemoryRecurrent");
     bind_prefix_calls<py_memory_hybrid>(m, "MemoryHybrid");
     m.def(

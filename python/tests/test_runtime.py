@@ -97,6 +97,28 @@ def test_recurrent_and_hybrid_prefix_caches_resume_from_snapshots(models):
         assert mem.prefix_lookup(prompt[:3]) == 0
 
 
+def test_iswa_prefix_cache_resumes_with_the_window(models):
+    """An iSWA pair resumes where the base cache has the prefix and the SWA cache the window before it."""
+    m = models["llama"]
+    kv = m.cache_params(kv_size=256, n_seq_max=2)
+    kv.layers[0].is_swa = True
+    kv.n_swa = 4
+    kv.swa = "standard"
+    kv.prefix = kvcache.PrefixCacheParams(enabled=True, block_size=4)
+    mem = kvcache.KVCacheISWA(kv=kv, sizing=kvcache.ISWASizing(swa_full=False, n_ubatch=16))
+    rt = runtime.Runtime(m, mem, n_threads=2)
+    prompt = [17, 42, 99, 3, 250, 128, 64, 5, 77, 200, 11, 12, 13]
+    full = rt.decode(kvcache.Batch(tokens=prompt, pos=list(range(13)), seq_ids=[0] * 13,
+                                   logits=[0] * 12 + [1]))["logits"]
+    assert mem.seq_rm(0, -1, -1)
+    assert mem.prefix_attach(1, prompt) == 12
+    assert mem.seq_pos_min(1) == 9  # the SWA cache's window: positions 9, 10, 11
+    rest = rt.decode(kvcache.Batch(tokens=[13], pos=[12], seq_ids=[1], logits=[1]))["logits"]
+    assert runtime.relative_diff(rest, full) <= runtime.logits_tolerance("f16")
+    st = mem.prefix_stats()
+    assert st.hit_tokens == 12 and st.blocks == 3 and st.swa_blocks == 3 and st.swa_evicted_blocks == 0
+
+
 def test_decode_releases_the_gil(models):
     m = models["llama"]
     results, errors = {}, []
