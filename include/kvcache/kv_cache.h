@@ -201,7 +201,8 @@ public:
     uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
     /// Makes the empty sequence seq_id hold the cells of the longest cached prefix of `tokens` (shared,
     /// not copied) at positions [0, n), as if it had decoded them, and returns n (what prefix_lookup
-    /// returns). The engine then decodes tokens[n:] from position n; the blocks that decoding completes
+    /// returns). With a sliding window, n is the deepest boundary whose window is cached and the sequence
+    /// holds only that window (and position n - 1: docs/prefix-cache.md, "Sliding-window models"). The engine then decodes tokens[n:] from position n; the blocks that decoding completes
     /// are published under `key` with `priority` (0-100: lower priorities are evicted first), and the
     /// blocks it reuses are raised to it. Throws kvc::error, changing nothing, for a bad seq_id, a
     /// sequence that holds cells, a token outside the vocabulary, a priority above 100, or no prefix cache.
@@ -212,7 +213,7 @@ public:
     /// Pins the blocks of the longest cached prefix of `tokens` (in whole blocks, the whole prompt
     /// included) and returns the tokens pinned: no eviction takes them until as many prefix_unpin calls.
     /// Throws kvc::error, changing nothing, when the pinned cells would exceed
-    /// prefix.max_pinned_fraction of the cache.
+    /// prefix.max_pinned_fraction of the cache, or (unsupported) in a cache with a sliding window.
     uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key = 0);
     /// Undoes one prefix_pin of the same prefix: unpins the pinned blocks of the longest cached prefix of
     /// `tokens` and returns their tokens.
