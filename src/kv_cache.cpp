@@ -93,6 +93,7 @@ struct kv_cache::journal {
         uint32_t stream;
         std::vector<uint32_t> idxs;
         cells_snapshot snap;
+        size_t released;  // the stream's released() before: a rollback must not leave releases behind
     };
     std::vector<entry> entries;
 };
@@ -430,8 +431,10 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
             apply_ubatch(sinfo, ub, &own);
             prefix_record(sinfo, ub);  // all or nothing too
         } catch (...) {
-            for (auto e = own.entries.rbegin(); e != own.entries.rend(); ++e)
+            for (auto e = own.entries.rbegin(); e != own.entries.rend(); ++e) {
                 streams_[e->stream].set(e->idxs, e->snap);
+                streams_[e->stream].truncate_released(e->released);
+            }
             heads_ = saved_heads;
             throw;
         }
@@ -440,7 +443,8 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
     }
     if (j)
         for (size_t k = 0; k < sinfo.n_stream(); ++k)
-            j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k])});
+            j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k]),
+                                  streams_[sinfo.strm[k]].released().size()});
 
     std::vector<std::pair<seq_id_t, pos_t>> max_rm;  // per sequence: highest position of a reused cell
     const uint32_t n = ub.n_tokens;
@@ -477,10 +481,10 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
             std::vector<uint32_t> idxs;
             cells.seq_cells(q, pmin, m + 1, idxs);
             auto snap = cells.cp(idxs);
-            j->entries.push_back({st, std::move(idxs), std::move(snap)});
+            j->entries.push_back({st, std::move(idxs), std::move(snap), cells.released().size()});
         }
         lower_head(st, cells.seq_rm_range(q, pmin, m + 1));
-        if (!j) prefix_sync(q);  // held cells it left are cached now
+        if (!j) prefix_sync(q, /*slid=*/true);  // held cells it left are cached now
     }
     for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
 }
@@ -490,8 +494,10 @@ std::vector<slot_info> kv_cache::prepare(std::span<const ubatch> ubatches) {
     const std::vector<uint32_t> saved_heads = heads_;
     std::vector<slot_info> res;
     const auto rollback = [&] {
-        for (auto e = j.entries.rbegin(); e != j.entries.rend(); ++e)
+        for (auto e = j.entries.rbegin(); e != j.entries.rend(); ++e) {
             streams_[e->stream].set(e->idxs, e->snap);
+            streams_[e->stream].truncate_released(e->released);
+        }
         heads_ = saved_heads;  // every stream's own head (design D3)
     };
     for (const ubatch& ub : ubatches) check_ubatch(ub);  // the only validation: placement relies on it

@@ -36,7 +36,7 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p) {
     const kv_cache_params& k = p.kv;
     if (p.sizing.swa_full) return k.kv_size;
     const uint64_t seqs = k.unified ? k.n_seq_max : 1;
-    const uint64_t want = uint64_t{k.n_swa} * seqs + p.sizing.n_ubatch;
+    const uint64_t want = uint64_t{k.n_swa} * seqs + p.sizing.n_ubatch + p.sizing.n_swa_retain;
     const uint64_t pad = std::lcm(uint64_t{256}, uint64_t{std::max(1u, k.n_pad)});
     // never more than the base cache (kv_size is a multiple of n_pad; llama.cpp's is of 256 too)
     return static_cast<uint32_t>(std::min<uint64_t>(k.kv_size, (want + pad - 1) / pad * pad));
@@ -81,6 +81,9 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
         fmt::format("a base cache of {} cells and an SWA cache of {} cells", base.kv_size, swa.kv_size));
     base_ = std::make_unique<kv_cache>(base);
     swa_ = std::make_unique<kv_cache>(swa);
+    // a sequence resumed short of the base cache's chain (no window there) recomputes cached blocks: it
+    // moves onto them, so that no cached block waits for a child it duplicates
+    if (k.prefix.enabled) base_->prefix_share_duplicates(true);
 }
 
 uint64_t kv_cache_iswa::reserve_bytes(const kv_cache_iswa_params& p) {

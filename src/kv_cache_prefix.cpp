@@ -578,14 +578,16 @@ bool kv_cache::window_make_room_for(std::span<const ubatch> ubatches) {
         for (uint32_t i = 0; i < ub.n_tokens; ++i) {
             const auto ids = ub.seq_ids(i);
             for (seq_id_t q : ids) {
-                auto it = std::find_if(per_seq.begin(), per_seq.end(), [q](const auto& e) { return e.first == q; });
+                auto it =
+                    std::find_if(per_seq.begin(), per_seq.end(), [q](const auto& e) { return e.first == q; });
                 if (it == per_seq.end()) it = per_seq.insert(per_seq.end(), {q, 0});
                 ++it->second;
             }
             for (size_t k = 0; k < (streams_.size() == 1 ? 1 : ids.size()); ++k) {  // a cell per stream
                 const uint32_t st = streams_.size() == 1 ? 0 : seq_to_stream(ids[k]);
                 ++of(st).tokens;
-                auto it = std::find_if(in_ub.begin(), in_ub.end(), [st](const auto& e) { return e.first == st; });
+                auto it =
+                    std::find_if(in_ub.begin(), in_ub.end(), [st](const auto& e) { return e.first == st; });
                 if (it == in_ub.end()) it = in_ub.insert(in_ub.end(), {st, 0});
                 ++it->second;
             }
@@ -609,7 +611,7 @@ bool kv_cache::window_make_room_for(std::span<const ubatch> ubatches) {
             const auto cut = std::min(max, static_cast<pos_t>(ps.first(static_cast<uint32_t>(max) + 1)));
             if (cells.seq_pos_min(s) >= cut) continue;
             lower_head(st, cells.seq_rm_range(s, 0, cut));
-            prefix_sync(s);
+            prefix_sync(s, /*slid=*/true);
         }
         ps.placed.clear();
         if (!possible()) return false;
@@ -618,7 +620,7 @@ bool kv_cache::window_make_room_for(std::span<const ubatch> ubatches) {
     return true;
 }
 
-void kv_cache::prefix_sync(seq_id_t seq_id) {
+void kv_cache::prefix_sync(seq_id_t seq_id, bool slid) {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
     // Blocks whose last cell with a sequence was let go: evictable now, the deepest of a chain first
@@ -648,7 +650,18 @@ void kv_cache::prefix_sync(seq_id_t seq_id) {
     }
     std::sort(let_go.begin(), let_go.end(),
               [&](uint32_t a, uint32_t b) { return ps.index.at(a).depth > ps.index.at(b).depth; });
-    ps.index.requeue(let_go);
+    if (!slid) {
+        ps.index.requeue(let_go);
+        return;
+    }
+    // Blocks a window slid over serve only boundaries just after them, which the sequence went past: they
+    // go before the windows sequences left at their ends, unless a hit showed they are worth keeping.
+    for (uint32_t id : let_go) {
+        if (ps.index.at(id).hit)
+            ps.index.requeue({&id, 1});
+        else
+            ps.index.to_front(id);
+    }
 }
 
 void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {

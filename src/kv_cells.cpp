@@ -338,6 +338,10 @@ std::span<const uint32_t> kv_cells::released() const {
     return t_->released;
 }
 
+void kv_cells::truncate_released(size_t n) {
+    if (n < t_->released.size()) t_->released.resize(n);
+}
+
 void kv_cells::clear_released() {
     t_->released.clear();
 }

@@ -60,13 +60,16 @@ memory_status decode(kv_cache_iswa& m, const std::vector<test::run>& groups, uin
 }
 
 TEST(kv_cache_iswa, swa_size_follows_the_formula) {
-    // min(kv_size, roundup(n_swa * (unified ? n_seq_max : 1) + n_ubatch, 256))
+    // min(kv_size, roundup(n_swa * (unified ? n_seq_max : 1) + n_ubatch + n_swa_retain, 256))
     EXPECT_EQ(iswa_swa_size(make_params(4096, 1024, 2, false, 512)), 2560u);
     EXPECT_EQ(iswa_swa_size(make_params(4096, 1000, 2, false, 512)), 2560u);  // 2512 padded
     EXPECT_EQ(iswa_swa_size(make_params(4096, 8, 1, false, 8)), 256u);        // at least one pad
     EXPECT_EQ(iswa_swa_size(make_params(1024, 4096, 4, false, 512)), 1024u);  // never more than needed
     EXPECT_EQ(iswa_swa_size(make_params(32, 8, 1, false, 8)), 32u);           // nor more than the base cache
     EXPECT_EQ(iswa_swa_size(make_params(4096, 1024, 2, true, 512)), 4096u);   // swa_full
+    kv_cache_iswa_params retain = make_params(4096, 1024, 2, false, 512);
+    retain.sizing.n_swa_retain = 300;  // room for the windows of cached prefixes: 2860 padded
+    EXPECT_EQ(iswa_swa_size(retain), 3072u);
     kv_cache_iswa_params split = make_params(4096, 1024, 4, false, 512);
     split.kv.unified = false;  // one stream per sequence: each stream holds one sequence's window
     EXPECT_EQ(iswa_swa_size(split), 1536u);

@@ -251,6 +251,11 @@ TEST(kv_cells, held_cells_outlive_their_sequences_and_record_their_holder) {
     EXPECT_EQ(c.seq_count(0), 0u);
     ASSERT_EQ(c.released().size(), 1u);
     EXPECT_EQ(c.released()[0], 0u);
+    // a rolled-back trial placement forgets what it released (else a later release would count twice)
+    c.truncate_released(5);
+    EXPECT_EQ(c.released().size(), 1u);
+    c.truncate_released(0);
+    EXPECT_TRUE(c.released().empty());
     // compaction moves the holder with the cell
     c.mv(0, 3);
     EXPECT_TRUE(c.is_held(3));

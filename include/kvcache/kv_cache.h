@@ -202,11 +202,12 @@ public:
     /// Makes the empty sequence seq_id hold the cells of the longest cached prefix of `tokens` (shared,
     /// not copied) at positions [0, n), as if it had decoded them, and returns n (what prefix_lookup
     /// returns). With a sliding window, n is the deepest boundary whose window is cached and the sequence
-    /// holds only that window (and position n - 1: docs/prefix-cache.md, "Sliding-window models"). The engine then decodes tokens[n:] from position n; the blocks that decoding completes
-    /// are published under `key` with `priority` (0-100: lower priorities are evicted first), and the
-    /// blocks it reuses are raised to it. Throws kvc::error, changing nothing, for a bad seq_id, a
-    /// sequence that holds cells, a token outside the vocabulary, a priority above 100, or no prefix cache.
-    /// At most max_tokens are attached (memory_hybrid stops where its recurrent part has a snapshot).
+    /// holds only that window (and position n - 1: docs/prefix-cache.md, "Sliding-window models"). The engine
+    /// then decodes tokens[n:] from position n; the blocks that decoding completes are published under `key`
+    /// with `priority` (0-100: lower priorities are evicted first), and the blocks it reuses are raised to
+    /// it. Throws kvc::error, changing nothing, for a bad seq_id, a sequence that holds cells, a token
+    /// outside the vocabulary, a priority above 100, or no prefix cache. At most max_tokens are attached
+    /// (memory_hybrid stops where its recurrent part has a snapshot).
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
                            uint8_t priority = prefix_default_priority,
                            uint32_t max_tokens = UINT32_MAX) override;
@@ -302,8 +303,9 @@ private:
     bool prefix_make_room(uint32_t stream, uint32_t n);            // >= n empty cells, evicting
     bool prefix_room_possible(uint32_t stream, uint32_t n) const;  // make_room would succeed
     bool prefix_make_room_for(std::span<const ubatch> ubatches);   // room for every token, per stream
-    // after cells lost sequences: released blocks; seq_id (seq_all: any sequence) may have emptied
-    void prefix_sync(seq_id_t seq_id);
+    // after cells lost sequences: released blocks; seq_id (seq_all: any sequence) may have emptied;
+    // slid: cells that slid out of a window (their blocks, unless hit, go first)
+    void prefix_sync(seq_id_t seq_id, bool slid = false);
     void prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1);
     void prefix_before_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1);
     // a copy across streams placed src's cells `entries` (pos, cell) at `cells` of dst's stream

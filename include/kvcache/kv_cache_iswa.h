@@ -7,7 +7,7 @@
 /// size, no window), the SWA cache those with is_swa true, with the window rule of the parameters and
 /// only as many cells as the window needs:
 /// @verbatim
-///   size_swa = min(kv_size, roundup(n_swa * (unified ? n_seq_max : 1) + n_ubatch, 256))
+///   size_swa = min(kv_size, roundup(n_swa * (unified ? n_seq_max : 1) + n_ubatch + n_swa_retain, 256))
 ///   size_swa = kv_size with swa_full
 /// @endverbatim
 /// The SWA cache reuses the cells of keys that slid out of every query's window, so it holds only the
@@ -41,6 +41,9 @@ struct iswa_sizing {
     bool swa_full = true;
     /// the largest ubatch the engine places (sizes the SWA cache)
     uint32_t n_ubatch = 512;
+    /// Without swa_full: more cells per stream for the windows of cached prefixes (the prefix cache's,
+    /// docs/prefix-cache.md, "Sliding-window models"; 0: only what live sequences need).
+    uint32_t n_swa_retain = 0;
 };
 
 /// Everything a kv_cache_iswa is made from.

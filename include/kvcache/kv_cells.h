@@ -137,6 +137,8 @@ public:
     /// appear again after it was attached to and released anew).
     std::span<const uint32_t> released() const;
     void clear_released();  ///< forget released()
+    /// Forgets the entries of released() after the first n (those of a placement that was rolled back).
+    void truncate_released(size_t n);
 
     // -- mutations --
     void pos_set(uint32_t i, pos_t p);     ///< empty cell with no sequences -> used at p (p >= 0)

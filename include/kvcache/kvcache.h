@@ -348,6 +348,9 @@ typedef struct kvc_iswa_sizing {
     /// cells, padded to 256.
     bool swa_full;
     uint32_t n_ubatch;  ///< the largest ubatch the engine places (sizes the sliding-window cache)
+    /// Without swa_full: more cells per stream for the windows of cached prefixes (a prefix cache's,
+    /// docs/prefix-cache.md; 0: only what live sequences need).
+    uint32_t n_swa_retain;
 } kvc_iswa_sizing;
 
 /// @brief Everything an iSWA memory (interleaved sliding-window attention: Gemma 2/3, Cohere 2, Llama 4)

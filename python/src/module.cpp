@@ -275,8 +275,9 @@ void bind_params(py::module_& m) {
     py::class_<iswa_sizing> sizing(m, "ISWASizing", "How the SWA cache of an iSWA pair is sized.");
     kwargs_init(sizing)
         .def_readwrite("swa_full", &iswa_sizing::swa_full)
-        .def_readwrite("n_ubatch", &iswa_sizing::n_ubatch);
-    set_fields(sizing, {"swa_full", "n_ubatch"});
+        .def_readwrite("n_ubatch", &iswa_sizing::n_ubatch)
+        .def_readwrite("n_swa_retain", &iswa_sizing::n_swa_retain);
+    set_fields(sizing, {"swa_full", "n_ubatch", "n_swa_retain"});
 
     py::class_<kv_cache_iswa_params> iswa(m, "KVCacheISWAParams", "Everything a KVCacheISWA is made from.");
     kwargs_init<kv_cache_iswa_params>(iswa, [](kv_cache_iswa_params& p) { p.kv.auto_update = true; })

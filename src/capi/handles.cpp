@@ -226,11 +226,11 @@ kvc_rope_params to_c(const rope_params& r) {
 }
 
 iswa_sizing to_cpp(const kvc_iswa_sizing& c) {
-    return iswa_sizing{.swa_full = c.swa_full, .n_ubatch = c.n_ubatch};
+    return iswa_sizing{.swa_full = c.swa_full, .n_ubatch = c.n_ubatch, .n_swa_retain = c.n_swa_retain};
 }
 
 kvc_iswa_sizing to_c(const iswa_sizing& s) {
-    return kvc_iswa_sizing{.swa_full = s.swa_full, .n_ubatch = s.n_ubatch};
+    return kvc_iswa_sizing{.swa_full = s.swa_full, .n_ubatch = s.n_ubatch, .n_swa_retain = s.n_swa_retain};
 }
 
 kvc_recurrent_params to_c(const recurrent_params& p) {

@@ -309,6 +309,12 @@ void prefix_index::requeue(std::span<const uint32_t> ids) {
         }
 }
 
+void prefix_index::to_front(uint32_t id) {
+    if (rec(id).st != state::queued) return;
+    unlink(id);
+    push_front(id);
+}
+
 bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out,
                                  std::span<const uint32_t> keep) const {
     // Walk the levels lowest first, each queue oldest first. A waiting parent whose children all go in

@@ -114,6 +114,8 @@ public:
     // Queued blocks to the end of their queues again, in this order (blocks let go together: the deepest
     // go first).
     void requeue(std::span<const uint32_t> ids);
+    // A queued block to the head of its queue: the next to go at its level.
+    void to_front(uint32_t id);
 
     // The blocks whose eviction frees at least `n` cells of `stream`, in eviction order (children before
     // their parents), none of `keep` (sorted ids). False, out unchanged, if every evictable block together

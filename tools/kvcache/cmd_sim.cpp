@@ -98,18 +98,29 @@ void print_table(const std::vector<sim_result>& rs) {
     }
 }
 
-// Recurrent and hybrid models: the states each policy keeps (kvcache's snapshots, llama-server's
-// checkpoints), in tokens of K/V memory (a state costs state_tokens) and as a share of the budget.
+// Recurrent, hybrid and iSWA models: the states each policy keeps (kvcache's snapshots, llama-server's
+// checkpoints), in tokens of K/V memory (a state costs state_tokens; an iSWA checkpoint, the window) and
+// as a share of the budget; for iSWA, kvcache's SWA cache instead.
 void print_snapshots(const std::vector<sim_result>& rs, const sim_options& o) {
+    const uint32_t cost = o.memory == sim_memory::iswa ? o.window : o.state_tokens;
     for (const sim_result& r : rs) {
         if (r.policy != sim_policy::kvcache && r.policy != sim_policy::llama_server) continue;
-        const double tokens = static_cast<double>(r.peak_snapshots) * o.state_tokens;
+        if (o.memory == sim_memory::iswa && r.policy == sim_policy::kvcache) {
+            fmt::print(
+                "{:<13} SWA cache: {} cells ({} of the budget; window {} x concurrency {} + ubatch + "
+                "retained windows)\n",
+                to_string(r.policy), r.swa_cells,
+                pct(static_cast<double>(r.swa_cells) / static_cast<double>(r.budget_tokens)), o.window,
+                o.concurrency);
+            continue;
+        }
+        const double tokens = static_cast<double>(r.peak_snapshots) * cost;
         fmt::print(
             "{:<13} states kept: peak {} {} = {:.0f} tokens of memory ({} of the budget; a state = {} "
             "tokens)\n",
             to_string(r.policy), r.peak_snapshots,
             r.policy == sim_policy::kvcache ? "snapshots" : "checkpoints", tokens,
-            pct(tokens / static_cast<double>(r.budget_tokens)), o.state_tokens);
+            pct(tokens / static_cast<double>(r.budget_tokens)), cost);
     }
 }
 
@@ -192,9 +203,11 @@ void run(sim_cli_options o) {
         o.sim.memory = sim_memory::recurrent;
     else if (o.memory == "hybrid")
         o.sim.memory = sim_memory::hybrid;
+    else if (o.memory == "iswa")
+        o.sim.memory = sim_memory::iswa;
     else
         throw error(errc::invalid_argument,
-                    fmt::format("--memory '{}': not one of kv, recurrent, hybrid", o.memory));
+                    fmt::format("--memory '{}': not one of kv, recurrent, hybrid, iswa", o.memory));
     if (o.arrival != "ignore" && o.arrival != "respect")
         throw error(errc::invalid_argument,
                     fmt::format("--arrival '{}': not one of ignore, respect", o.arrival));
@@ -267,6 +280,7 @@ void run(sim_cli_options o) {
         j["concurrency"] = o.sim.concurrency;
         j["evict"] = o.evict;
         j["memory"] = o.memory;
+        if (o.sim.memory == sim_memory::iswa) j["window"] = o.sim.window;
         if (o.sim.memory != sim_memory::kv) j["state_tokens"] = o.sim.state_tokens;
         j["rss_bytes"] = mem.now;
         j["peak_rss_bytes"] = mem.peak;
@@ -274,6 +288,7 @@ void run(sim_cli_options o) {
         for (const sim_result& r : all) {
             arr.push_back(to_json(r));
             if (o.sim.memory != sim_memory::kv) arr.back()["peak_snapshots"] = r.peak_snapshots;
+            if (o.sim.memory == sim_memory::iswa) arr.back()["swa_cells"] = r.swa_cells;
         }
         fmt::print("{}\n", j.dump(2));
     }
@@ -326,8 +341,16 @@ void add_sim_command(CLI::App& app) {
                     "kvcache: a request whose first block is being computed by one admitted in the same step "
                     "waits a step (1) or not (0)")
         ->capture_default_str();
-    cmd->add_option("--memory", o->memory,
-                    "the model's memory: kv (attention), recurrent (Mamba: state only), hybrid (Jamba: both)")
+    cmd->add_option(
+           "--memory", o->memory,
+           "the model's memory: kv (attention), recurrent (Mamba: state only), hybrid (Jamba: both), "
+           "iswa (Gemma 3: sliding-window layers beside full ones)")
+        ->capture_default_str();
+    cmd->add_option("--window", o->sim.window, "iswa: the sliding window (tokens)")->capture_default_str();
+    cmd->add_option(
+           "--swa-retain", o->sim.swa_retain,
+           "iswa: SWA cells beyond llama.cpp's size for the windows of cached prefixes (0: a tenth of "
+           "the budget)")
         ->capture_default_str();
     cmd->add_option(
            "--snapshot-interval", o->sim.snapshot_interval,

@@ -33,6 +33,8 @@ void check_options(const sim_options& o) {
         throw error(errc::invalid_argument,
                     fmt::format("--block {} must divide --trace-block {}", o.cache_block, o.trace_block));
     if (o.n_ubatch == 0) throw error(errc::invalid_argument, "--ubatch must be at least 1");
+    if (o.window == 0 || o.window > (1u << 24))
+        throw error(errc::invalid_argument, fmt::format("--window {} not in [1, 2^24]", o.window));
     if (o.step_ms <= 0)
         throw error(errc::invalid_argument, fmt::format("--step-ms {} must be positive", o.step_ms));
     if (o.state_tokens == 0 || o.checkpoint_every == 0 || o.max_checkpoints == 0)
@@ -52,6 +54,8 @@ const char* to_string(sim_memory m) {
             return "recurrent";
         case sim_memory::hybrid:
             return "hybrid";
+        case sim_memory::iswa:
+            return "iswa";
     }
     return "?";
 }

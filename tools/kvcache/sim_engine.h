@@ -37,6 +37,9 @@ enum class sim_memory : uint8_t {
     kv,         ///< attention K/V only: a kv_cache of `budget` cells
     recurrent,  ///< recurrent state only (Mamba): a memory_recurrent; the budget holds its snapshots
     hybrid,     ///< both (Jamba): a memory_hybrid, K/V of `budget` cells and a snapshot pool
+    /// sliding-window layers beside full ones (Gemma 3): a kv_cache_iswa, a base cache of `budget` cells
+    /// and a window-sized SWA cache
+    iswa,
 };
 const char* to_string(sim_memory m);
 
@@ -60,6 +63,10 @@ struct sim_options {
     uint32_t snapshots = 0;
     uint32_t state_tokens =
         1024;  ///< recurrent, hybrid: a sequence's state costs as much as this many tokens of K/V
+    uint32_t window = 1024;  ///< iswa: the sliding window (tokens)
+    /// iswa: cells the SWA cache gets beyond llama.cpp's size (window x concurrency + ubatch) for the windows
+    /// of cached prefixes (0: a tenth of the budget)
+    uint32_t swa_retain = 0;
     uint32_t checkpoint_every = 8192;      ///< recurrent, hybrid: llama-server's checkpoint step
     uint32_t max_checkpoints = 32;         ///< recurrent, hybrid: llama-server's checkpoints per slot
     uint64_t cache_ram = 0;                ///< llama-server: tokens its RAM prompt cache holds (0: off)
@@ -98,6 +105,7 @@ struct sim_result {
     bool has_serving = true;        ///< false for the oracle (no serving loop: no live/queue figures)
     /// recurrent, hybrid: the most snapshots (kvcache) or checkpoints (llama-server) held at once
     uint64_t peak_snapshots = 0;
+    uint64_t swa_cells = 0;  ///< iswa, kvcache and none: cells of the SWA cache
 
     double hit_rate() const { return prompt_tokens ? static_cast<double>(hit_tokens) / prompt_tokens : 0; }
     double ns_per_token() const {

@@ -1,9 +1,11 @@
 // kvcache sim: the policies `kvcache` and `none`, the library's own memories with rows of one f32 value
 // (no model: the bookkeeping, placement, index, eviction, snapshots and publishing are the real code): a
-// kv_cache, a memory_recurrent (--memory recurrent) or a memory_hybrid (--memory hybrid).
+// kv_cache, a memory_recurrent (--memory recurrent), a memory_hybrid (--memory hybrid) or a kv_cache_iswa
+// (--memory iswa: one window layer and one full layer).
 #include <fmt/format.h>
 #include <kvcache/batch.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/kv_cache_iswa.h>
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
 
@@ -20,6 +22,18 @@ public:
         if (o.memory == sim_memory::kv) {
             auto c = std::make_unique<kv_cache>(kp);
             kv_ = c.get();
+            mem_ = std::move(c);
+        } else if (o.memory == sim_memory::iswa) {
+            kv_cache_params ip = params(o, prefix);
+            ip.layers.push_back(ip.layers[0]);
+            ip.layers[0].is_swa = true;
+            ip.n_swa = o.window;
+            ip.swa = swa_type::standard;
+            const uint32_t retain = o.swa_retain == 0 ? o.budget / 10 : o.swa_retain;
+            auto c = std::make_unique<kv_cache_iswa>(kv_cache_iswa_params{
+                .kv = ip, .sizing = {.swa_full = false, .n_ubatch = o.n_ubatch, .n_swa_retain = retain}});
+            kv_ = &c->get_base();  // admission counts the base cache's cells; the SWA cache fits the windows
+            swa_cells_ = c->get_swa().get_size();
             mem_ = std::move(c);
         } else {
             recurrent_params rp;
@@ -54,8 +68,9 @@ public:
                                   uint32_t n_out, uint64_t reserved) override {
         if (kv_ == nullptr)  // recurrent: a state per sequence, always room
             return prefix_ ? pc_->prefix_attach(seq, prompt, 0, prefix_default_priority, UINT32_MAX) : 0;
-        // a hybrid memory's sequences move to cached copies of what they recompute: count what they hold
-        if (memory_ == sim_memory::hybrid) held_ = count_held();
+        // a hybrid or iSWA memory's sequences move to cached copies of what they recompute (resumed short of
+        // them: no snapshot or window there): count what they hold
+        if (memory_ == sim_memory::hybrid || memory_ == sim_memory::iswa) held_ = count_held();
         const uint64_t len = prompt.size(), size = kv_->get_size();
         // room = free cells + cached cells no live request holds (evictable) = size - held_
         const auto room = [&] { return static_cast<int64_t>(size - held_ - reserved); };
@@ -120,6 +135,7 @@ public:
         r.peak_cells = peak_;
         r.cache_hit_tokens = st.hit_tokens;
         r.peak_snapshots = peak_snapshots_;
+        r.swa_cells = swa_cells_;
         if (kv_ == nullptr) return;
         const uint64_t cell = kv_->size_bytes() / kv_->get_size();
         r.peak_committed_cells = peak_committed_ / cell;
@@ -167,6 +183,7 @@ private:
     const memory_recurrent* recr_ = nullptr;  // the recurrent memory or part
     prefix_cache_i* pc_ = nullptr;            // mem_'s prefix calls
     uint64_t peak_snapshots_ = 0;
+    uint64_t swa_cells_ = 0;
     uint64_t held_ = 0;  // cells held by at least one live sequence
     uint64_t peak_ = 0;
     uint64_t peak_committed_ = 0;  // bytes

@@ -11,7 +11,8 @@
 // entries) and then loads the entry with the longest common prefix, if any, into the slot. When the cells
 // run short, idle slots are purged one by one.
 //
-// Recurrent and hybrid models (--memory): a slot's state cannot go back, so a prompt that diverges from
+// Recurrent, hybrid and iSWA models (--memory; iSWA with a window-sized SWA cache, whose keys slide out
+// just as a recurrent state moves on): a slot's state cannot go back, so a prompt that diverges from
 // the slot's tokens before their end resumes from the newest context checkpoint at or before the
 // divergence (llama.cpp's server since 2025-10): checkpoints are taken while a prompt is processed, every
 // checkpoint_every tokens and at the prompt's end, at most max_checkpoints per slot (the oldest dropped);
