@@ -441,42 +441,28 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
         for (uint32_t s : sinfo.strm) fit_storage(s);  // before the engine writes the rows
         return;
     }
-    if (j)
-        for (size_t k = 0; k < sinfo.n_stream(); ++k)
-            j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k]),
-                                  streams_[sinfo.strm[k]].released().size()});
-
+    // An SWA-dead cell the ubatch reuses took an old position of its one sequence: to keep every sequence
+    // gap-free, the sequence first leaves everything up to that position (a range at the front of its
+    // index: no cost per cell kept). Only cells slid out of the window go, so a prefix tracker need not
+    // hear of it (its blocks over them are skipped when published); a trial placement rolls it back, and
+    // keeps its memory.
     std::vector<std::pair<seq_id_t, pos_t>> max_rm;  // per sequence: highest position of a reused cell
-    const uint32_t n = ub.n_tokens;
-    uint32_t i = 0;  // token index: group by group, cell by cell
     for (size_t k = 0; k < sinfo.n_stream(); ++k) {
-        kv_cells& cells = streams_[sinfo.strm[k]];
+        const kv_cells& cells = streams_[sinfo.strm[k]];
         for (uint32_t c : sinfo.idxs[k]) {
-            if (!cells.is_empty(c)) {  // an SWA-dead cell of one sequence
-                const seq_id_t q = cells.seq_get(c);
-                const pos_t p = cells.pos_get(c);
-                auto it =
-                    std::find_if(max_rm.begin(), max_rm.end(), [q](const auto& e) { return e.first == q; });
-                if (it == max_rm.end())
-                    max_rm.emplace_back(q, p);
-                else
-                    it->second = std::max(it->second, p);
-                cells.rm(c);
-            }
-            cells.pos_set(c, ub.pos[i]);
-            if (ub.n_pos >= 3) cells.ext_set(c, {ub.pos[i + 2 * n], ub.pos[i + n]});
-            for (seq_id_t s : ub.seq_ids(i)) cells.seq_add(c, s);
-            ++i;
+            if (cells.is_empty(c)) continue;
+            const seq_id_t q = cells.seq_get(c);
+            auto it = std::find_if(max_rm.begin(), max_rm.end(), [q](const auto& e) { return e.first == q; });
+            if (it == max_rm.end())
+                max_rm.emplace_back(q, cells.pos_get(c));
+            else
+                it->second = std::max(it->second, cells.pos_get(c));
         }
     }
-    // Keep every sequence gap-free: a reused cell took an old position, so drop anything older. Only
-    // cells slid out of the window go, so a prefix tracker need not hear of it (its blocks over them are
-    // skipped when published); a trial placement rolls it back, and keeps its memory.
     for (const auto& [q, m] : max_rm) {
         const uint32_t st = seq_to_stream(q);
         kv_cells& cells = streams_[st];
         const pos_t pmin = cells.seq_pos_min(q);
-        if (pmin < 0 || pmin > m) continue;
         if (j) {
             std::vector<uint32_t> idxs;
             cells.seq_cells(q, pmin, m + 1, idxs);
@@ -485,6 +471,23 @@ void kv_cache::apply_ubatch(const slot_info& sinfo, const ubatch& ub, journal* j
         }
         lower_head(st, cells.seq_rm_range(q, pmin, m + 1));
         if (!j) prefix_sync(q, /*slid=*/true);  // held cells it left are cached now
+    }
+    // the cells as the tokens find them (a rollback empties them, then gives back what the ranges took:
+    // each index changes at its ends only)
+    if (j)
+        for (size_t k = 0; k < sinfo.n_stream(); ++k)
+            j->entries.push_back({sinfo.strm[k], sinfo.idxs[k], streams_[sinfo.strm[k]].cp(sinfo.idxs[k]),
+                                  streams_[sinfo.strm[k]].released().size()});
+    const uint32_t n = ub.n_tokens;
+    uint32_t i = 0;  // token index: group by group, cell by cell
+    for (size_t k = 0; k < sinfo.n_stream(); ++k) {
+        kv_cells& cells = streams_[sinfo.strm[k]];
+        for (uint32_t c : sinfo.idxs[k]) {
+            cells.pos_set(c, ub.pos[i]);
+            if (ub.n_pos >= 3) cells.ext_set(c, {ub.pos[i + 2 * n], ub.pos[i + n]});
+            for (seq_id_t s : ub.seq_ids(i)) cells.seq_add(c, s);
+            ++i;
+        }
     }
     for (size_t k = 0; k < sinfo.n_stream(); ++k) heads_[sinfo.strm[k]] = sinfo.idxs[k].back() + 1;
 }

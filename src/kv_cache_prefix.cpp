@@ -426,9 +426,9 @@ void kv_cache::share_block(seq_id_t seq, uint32_t id, std::span<const uint32_t> 
     const auto theirs = ps.index.cells(id);
     for (uint32_t j = 0; j < mine.size(); ++j) {
         if (mine[j] == theirs[j] || cells.seq_has(theirs[j], seq) || cells.is_held(mine[j])) continue;
-        if (cells.seq_count(theirs[j]) == 0) ps.index.acquire(id);
-        cells.seq_add(theirs[j], seq);
-        if (cells.seq_rm(mine[j], seq)) lower_head(st, mine[j]);
+        const bool first = cells.seq_count(theirs[j]) == 0;
+        if (cells.seq_move(mine[j], theirs[j], seq)) lower_head(st, mine[j]);
+        if (first) ps.index.acquire(id);
     }
 }
 

@@ -409,6 +409,28 @@ void kv_cells::fill(std::span<const uint32_t> cells, std::span<const pos_t> pos,
     }
 }
 
+bool kv_cells::seq_move(uint32_t from, uint32_t to, seq_id_t s) {
+    check_used(from, "seq_move");
+    check_used(to, "seq_move");
+    check_seq(s, "seq_move");
+    if (!seq_[from].contains(s) || seq_[to].contains(s) || pos_[from] != pos_[to])
+        throw error(
+            errc::invalid_state,
+            fmt::format("kv_cells::seq_move: seq {} must hold cell {} and not cell {}, at one position", s,
+                        from, to));
+    seq_[to].insert(s);  // first: it may allocate; nothing else changed yet
+    detail::seq_index& index = t_->seq_pos[s];
+    auto* e = index.lower_bound(pos_[from]);
+    while (e->second != from) ++e;  // present: s holds `from`
+    e->second = to;
+    // entries are sorted by (position, cell): only neighbours at the same position can be out of order
+    for (; e + 1 != index.end() && e[1] < e[0]; ++e) std::swap(e[0], e[1]);
+    for (; e != index.begin() && e[0] < e[-1]; --e) std::swap(e[0], e[-1]);
+    seq_[from].erase(s);
+    if (!seq_[from].empty()) return false;
+    return drop(from);
+}
+
 bool kv_cells::seq_rm(uint32_t i, seq_id_t s) {
     check_used(i, "seq_rm");
     check_seq(s, "seq_rm");

@@ -271,6 +271,31 @@ TEST(kv_cells, held_cells_outlive_their_sequences_and_record_their_holder) {
     c.validate();
 }
 
+TEST(kv_cells, seq_move_keeps_the_position_index_sorted) {
+    kv_cells c(8, 2);
+    for (uint32_t i = 0; i < 4; ++i) place(c, i, static_cast<pos_t>(i), {0});
+    place(c, 6, 2, {1});  // a cached block's cell at position 2, held by seq 1
+    c.hold(6, 9);
+    EXPECT_THROW(c.seq_move(2, 6, 1), error);  // seq 1 does not hold cell 2
+    EXPECT_THROW(c.seq_move(1, 6, 0), error);  // another position
+    EXPECT_THROW(c.seq_move(2, 6, 5), error);  // no such sequence
+    EXPECT_TRUE(c.seq_move(2, 6, 0));          // seq 0 moves onto cell 6; cell 2 empties
+    EXPECT_TRUE(c.is_empty(2));
+    EXPECT_TRUE(c.seq_has(6, 0) && c.seq_has(6, 1));
+    const auto e = c.seq_entries(0, -1, -1);
+    EXPECT_EQ(std::vector(e.begin(), e.end()),
+              (std::vector<std::pair<pos_t, uint32_t>>{{0, 0}, {1, 1}, {2, 6}, {3, 3}}));
+    // seq 0 at position 2 twice, and seq 1 moves between such cells: both indexes stay sorted
+    place(c, 5, 2, {0});
+    EXPECT_FALSE(c.seq_move(6, 5, 1));  // cell 6 keeps seq 0
+    EXPECT_TRUE(c.seq_has(5, 1) && !c.seq_has(6, 1) && c.seq_has(6, 0));
+    const auto f = c.seq_entries(0, -1, -1);
+    EXPECT_EQ(std::vector(f.begin(), f.end()),
+              (std::vector<std::pair<pos_t, uint32_t>>{{0, 0}, {1, 1}, {2, 5}, {2, 6}, {3, 3}}));
+    EXPECT_TRUE(c.seq_move(5, 6, 1) == false && c.seq_has(6, 1));  // back: cell 5 keeps seq 0
+    c.validate();
+}
+
 TEST(kv_cells, find_free_goes_ring_wise_from_the_hint) {
     kv_cells c(8, 1);
     for (uint32_t i : {1u, 2u, 5u}) place(c, i, static_cast<pos_t>(i), {0});

@@ -150,6 +150,9 @@ public:
     /// sizes that differ.
     void fill(std::span<const uint32_t> cells, std::span<const pos_t> pos, std::span<const cell_ext> ext,
               seq_id_t s);
+    /// s moves from used cell `from` to used cell `to` at the same position (the prefix cache moves a
+    /// sequence onto cached cells it recomputed); O(log n) in s's cells. True if `from` became empty.
+    bool seq_move(uint32_t from, uint32_t to, seq_id_t s);
     bool seq_rm(uint32_t i, seq_id_t s);    ///< used cell holding s; true if the cell became empty
     bool seq_keep(uint32_t i, seq_id_t s);  ///< drop every other sequence; true if the cell became empty
     void rm(uint32_t i);                    ///< used cell -> empty (held or not)
