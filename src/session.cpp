@@ -13,6 +13,8 @@
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
+#include "detail/state_io.h"
+
 namespace kvc {
 
 static_assert(std::endian::native == std::endian::little, "session files are little-endian");
@@ -585,6 +587,7 @@ session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, si
             throw error(errc::invalid_state,
                         fmt::format("session: layout mismatch: the file's is \"{}\", this memory's is \"{}\"",
                                     info.layout, layout));
+        detail::check_payload_size(mem, info.payload_bytes, "session");  // before a byte is inflated
         // Second pass: the payload from the file into the memory's stage. The body is hashed again, so that
         // a file changed since the first pass is refused before the memory changes.
         io_file_reader f(path);
@@ -637,6 +640,7 @@ std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path,
                          fmt::format("token {} of {} is {}, not a token id: the file is damaged", i, n_tokens,
                                      tokens[i]));
         const uint64_t payload = size - 12 - uint64_t{n_tokens} * 4;
+        detail::check_payload_size(mem, payload, "session");
         payload_source src(f, payload, payload, false, nullptr);
         const state_stage_ptr stage = mem.state_stage(src, dest, 0);
         src.end_of_state();
