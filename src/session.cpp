@@ -350,11 +350,12 @@ void hash_through(io_file_reader& f, uint64_t n, xxh3_stream& h, std::span<uint8
 // The payload of a file read by a memory's state_stage straight from the file: no copy of the file is
 // held, only what the stage keeps (issue 20: a 1 GiB session took 2.1 GB). Plain payloads go from the
 // file into the stage's buffers; zstd payloads are decompressed on the way, a chunk of input at a time.
+// (read_session_stream reads a file held in memory the same way.)
 // What passes is hashed (when `hash` is set), so that the caller can check the file did not change since
 // it was verified. Running out, or bytes left over at end_of_state, are corrupt_data as for a buffer.
 class payload_source final : public io_read_i {
 public:
-    payload_source(io_file_reader& f, uint64_t stored, uint64_t payload, bool zstd, xxh3_stream* hash)
+    payload_source(io_read_i& f, uint64_t stored, uint64_t payload, bool zstd, xxh3_stream* hash)
         : f_(&f), stored_(stored), payload_(payload), hash_(hash) {
         if (!zstd) return;
         ds_.reset(ZSTD_createDStream());
@@ -447,7 +448,7 @@ private:
         }
     }
 
-    io_file_reader* f_;
+    io_read_i* f_;  // the stored bytes: a file, or a file in memory
     uint64_t stored_, payload_;
     xxh3_stream* hash_;
     size_t n_ = 0;  // payload bytes given out
@@ -525,6 +526,20 @@ session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* p
             payload->assign(p.payload.begin(), p.payload.end());
     }
     return std::move(p.info);
+}
+
+session_info read_session_stream(
+    std::span<const uint8_t> file,
+    const std::function<void(io_read_i& payload, const session_info& info)>& read) {
+    std::vector<uint8_t> unused;  // parse inflates nothing without want_payload
+    const parsed_session p = parse(file, false, unused);
+    const session_info& info = p.info;
+    io_span_reader stored(file.last(static_cast<size_t>(info.stored_bytes)));  // parse checked the sizes
+    payload_source src(stored, info.stored_bytes, info.payload_bytes, info.file_flags & session_flag_zstd,
+                       nullptr);
+    read(src, info);
+    src.end_of_state();
+    return info;
 }
 
 // A caller's room for the tokens, checked once the file is known to be intact (a damaged file is reported

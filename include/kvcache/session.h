@@ -18,10 +18,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include <kvcache/io.h>
 #include <kvcache/memory.h>
 #include <kvcache/types.h>
 
@@ -69,6 +71,16 @@ session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, si
 /// Parses and verifies a session file held in memory (envelope, checksums, decompression), without a
 /// memory; payload (if not null) receives the uncompressed payload. Throws kvc::error on any problem.
 session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload = nullptr);
+
+/// Verifies a session file held in memory as read_session does, then hands its payload to `read` as a
+/// stream of session_info::payload_bytes bytes: a zstd payload is inflated a piece at a time as `read`
+/// asks for it, never whole, so what is held beyond the file is zstd's window and a buffer of at most
+/// 1 MiB (read_session holds the whole inflated payload). After `read` returns, the payload must have been
+/// read to its end and the zstd frame must end there (kvc::error(corrupt_data) otherwise). For tools
+/// reading big files (`kvcache inspect`); the session_info is what read_session returns.
+session_info read_session_stream(
+    std::span<const uint8_t> file,
+    const std::function<void(io_read_i& payload, const session_info& info)>& read);
 
 // -- llama.cpp's per-sequence files (llama_state_seq_save_file / load_file) --
 
