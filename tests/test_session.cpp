@@ -323,14 +323,17 @@ TEST_F(session, forged_files_are_refused_without_allocating_what_they_declare) {
     {
         // refused from the declared size against the most this cache can hold, before the frame is read
         address_space_limit limit(uint64_t{1} << 30);
-        const auto t0 = std::chrono::steady_clock::now();
-        expect_load_fails(
-            b, path("bomb.kvc"), seq_all,
-            fmt::format("session: the payload is {} bytes, more than the {} bytes of the largest "
-                        "state this memory can hold",
-                        huge, b.state_max_bytes()));
-        const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        double ms = 1e9;  // the best of 5: a busy machine may pause any one of them
+        for (int k = 0; k < 5; ++k) {
+            const auto t0 = std::chrono::steady_clock::now();
+            expect_load_fails(
+                b, path("bomb.kvc"), seq_all,
+                fmt::format("session: the payload is {} bytes, more than the {} bytes of the largest "
+                            "state this memory can hold",
+                            huge, b.state_max_bytes()));
+            ms = std::min(
+                ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        }
         std::printf("the %zu-byte file declaring 8 GiB refused in %.3f ms\n",
                     forge(good, bomb, huge, 0).size(), ms);
         EXPECT_LT(ms, 10.0);
