@@ -64,8 +64,10 @@ struct session_info {
 /// Loads a session file into dest (-1: the whole memory; a sequence loads into any destination).
 /// Returns what the file held (its tokens included). Throws kvc::error, memory unchanged, on any problem;
 /// a verified file holding more than max_tokens tokens is kvc::error(out_of_range), a file larger than
-/// kvc::limits::file_bytes likewise, from its size alone. The file is read in pieces, twice (verified,
-/// then streamed into the memory's stage of the state): no copy of it is held.
+/// kvc::limits::file_bytes likewise, from its size alone; a payload declaring more than
+/// mem.state_max_bytes() is kvc::error(corrupt_data) before a byte of it is read or inflated. The file
+/// is read in pieces, twice (verified, then streamed into the memory's stage of the state): no copy of it
+/// is held.
 session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens = SIZE_MAX);
 
 /// Parses and verifies a session file held in memory (envelope, checksums, decompression), without a
@@ -117,7 +119,8 @@ uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_i
                              std::span<const token_t> tokens);
 /// Restores such a file into dest; returns its tokens. Unlike llama.cpp, trailing bytes are an error; a
 /// file whose state checks out but that holds more than max_tokens tokens is kvc::error(out_of_range).
-/// Read in pieces, once, straight into the memory's stage of the state.
+/// Read in pieces, once, straight into the memory's stage of the state; a payload (the bytes after the
+/// tokens) longer than mem.state_max_bytes() is kvc::error(corrupt_data) before it is read.
 /// The format has no checksum: only its structure is checked (header, token count and ids, the payload's
 /// checks), so a changed token, position or K/V byte loads as data. Prefer save_file / load_file.
 std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest,
