@@ -330,6 +330,10 @@ std::string kv_cache_iswa::state_layout() const {
     return fmt::format("iswa base={} swa={}", base_->state_layout(), swa_->state_layout());
 }
 
+uint64_t kv_cache_iswa::state_max_bytes() const {
+    return add_sat(base_->state_max_bytes(), swa_->state_max_bytes());  // the two payloads back to back
+}
+
 // -- context --
 
 kv_cache_iswa_context::kv_cache_iswa_context(memory_status status) : status_(status) {}

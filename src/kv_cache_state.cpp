@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
+#include <kvcache/memory_budget.h>
 #include <kvcache/state.h>
 
 #include "detail/kv_cache_layer.h"
@@ -174,6 +175,21 @@ std::string kv_cache::state_layout() const {
     out += detail::layer_runs(
         layers_.size(), [&](size_t i) { return layers_[i].il; }, [&](size_t i) { return shape(layers_[i]); });
     return out;
+}
+
+uint64_t kv_cache::state_max_bytes() const {
+    // write_cells' fields with every cell of every stream used; a cell of a unified stream lists up to
+    // n_seq_max ids, one of a per-sequence stream its own sequence only (state_stage refuses others)
+    const uint64_t cells = params_.kv_size;
+    const uint64_t ids = params_.unified ? params_.n_seq_max : 1;
+    const uint64_t cell_meta = 8 + (params_.n_pos > 1 ? 8 : 0) + mul_sat(4, ids);  // pos, n_ids, x y, ids
+    uint64_t stream = add_sat(4 + 8, mul_sat(cells, cell_meta));  // count, v_trans, n_layer, cells
+    const uint64_t esz = type_size(params_.type_v);
+    for (uint32_t li = 0; li < layers_.size(); ++li) {
+        const uint64_t v_row = params_.v_trans ? mul_sat(storage_->e_v(li), esz) : storage_->v_row_bytes(li);
+        stream = add_sat(stream, add_sat(12 + 12, mul_sat(cells, add_sat(storage_->k_row_bytes(li), v_row))));
+    }
+    return add_sat(4, mul_sat(streams_.size(), stream));
 }
 
 // -- reading --

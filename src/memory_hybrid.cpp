@@ -256,6 +256,10 @@ std::string memory_hybrid::state_layout() const {
     return fmt::format("hybrid attn={} recr={}", attn_->state_layout(), recr_->state_layout());
 }
 
+uint64_t memory_hybrid::state_max_bytes() const {
+    return add_sat(attn_->state_max_bytes(), recr_->state_max_bytes());  // the two payloads back to back
+}
+
 const kv_cache& memory_hybrid::attn_cache(uint32_t il) const {
     if (const auto* kv = dynamic_cast<const kv_cache*>(attn_.get()); kv && kv->has_layer(il)) return *kv;
     if (const auto* is = dynamic_cast<const kv_cache_iswa*>(attn_.get())) {

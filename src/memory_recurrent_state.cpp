@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <kvcache/memory_budget.h>
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/state.h>
 
@@ -71,6 +72,18 @@ std::string memory_recurrent::state_layout() const {
     out += detail::layer_runs(
         layers_.size(), [&](size_t i) { return layers_[i].il; }, [&](size_t i) { return shape(layers_[i]); });
     return out;
+}
+
+uint64_t memory_recurrent::state_max_bytes() const {
+    // state_write's fields with every cell used; a sequence has its state in one cell, so the cells list
+    // n_seq_max (= size_) ids in all
+    const uint64_t cells = size_;
+    uint64_t n = add_sat(4 + 8, mul_sat(cells, 8 + 4));  // count, s_trans, n_layer; pos, n_ids, one id each
+    for (const layer& l : layers_) {
+        if (l.row_r) n = add_sat(n, add_sat(12, mul_sat(cells, l.row_r)));
+        if (l.row_s) n = add_sat(n, add_sat(12, mul_sat(cells, l.row_s)));
+    }
+    return n;
 }
 
 // -- reading --

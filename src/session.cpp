@@ -13,6 +13,8 @@
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
+#include "detail/state_io.h"
+
 namespace kvc {
 
 static_assert(std::endian::native == std::endian::little, "session files are little-endian");
@@ -348,11 +350,12 @@ void hash_through(io_file_reader& f, uint64_t n, xxh3_stream& h, std::span<uint8
 // The payload of a file read by a memory's state_stage straight from the file: no copy of the file is
 // held, only what the stage keeps (issue 20: a 1 GiB session took 2.1 GB). Plain payloads go from the
 // file into the stage's buffers; zstd payloads are decompressed on the way, a chunk of input at a time.
+// (read_session_stream reads a file held in memory the same way.)
 // What passes is hashed (when `hash` is set), so that the caller can check the file did not change since
 // it was verified. Running out, or bytes left over at end_of_state, are corrupt_data as for a buffer.
 class payload_source final : public io_read_i {
 public:
-    payload_source(io_file_reader& f, uint64_t stored, uint64_t payload, bool zstd, xxh3_stream* hash)
+    payload_source(io_read_i& f, uint64_t stored, uint64_t payload, bool zstd, xxh3_stream* hash)
         : f_(&f), stored_(stored), payload_(payload), hash_(hash) {
         if (!zstd) return;
         ds_.reset(ZSTD_createDStream());
@@ -445,7 +448,7 @@ private:
         }
     }
 
-    io_file_reader* f_;
+    io_read_i* f_;  // the stored bytes: a file, or a file in memory
     uint64_t stored_, payload_;
     xxh3_stream* hash_;
     size_t n_ = 0;  // payload bytes given out
@@ -525,6 +528,20 @@ session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* p
     return std::move(p.info);
 }
 
+session_info read_session_stream(
+    std::span<const uint8_t> file,
+    const std::function<void(io_read_i& payload, const session_info& info)>& read) {
+    std::vector<uint8_t> unused;  // parse inflates nothing without want_payload
+    const parsed_session p = parse(file, false, unused);
+    const session_info& info = p.info;
+    io_span_reader stored(file.last(static_cast<size_t>(info.stored_bytes)));  // parse checked the sizes
+    payload_source src(stored, info.stored_bytes, info.payload_bytes, info.file_flags & session_flag_zstd,
+                       nullptr);
+    read(src, info);
+    src.end_of_state();
+    return info;
+}
+
 // A caller's room for the tokens, checked once the file is known to be intact (a damaged file is reported
 // as damaged whatever the room).
 void check_room(size_t n_tokens, size_t max_tokens) {
@@ -585,6 +602,7 @@ session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, si
             throw error(errc::invalid_state,
                         fmt::format("session: layout mismatch: the file's is \"{}\", this memory's is \"{}\"",
                                     info.layout, layout));
+        detail::check_payload_size(mem, info.payload_bytes, "session");  // before a byte is inflated
         // Second pass: the payload from the file into the memory's stage. The body is hashed again, so that
         // a file changed since the first pass is refused before the memory changes.
         io_file_reader f(path);
@@ -637,6 +655,7 @@ std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path,
                          fmt::format("token {} of {} is {}, not a token id: the file is damaged", i, n_tokens,
                                      tokens[i]));
         const uint64_t payload = size - 12 - uint64_t{n_tokens} * 4;
+        detail::check_payload_size(mem, payload, "session");
         payload_source src(f, payload, payload, false, nullptr);
         const state_stage_ptr stage = mem.state_stage(src, dest, 0);
         src.end_of_state();

@@ -22,13 +22,66 @@ dtype type_at(io_read_i& io, const char* what, uint32_t il) {
     return *t;
 }
 
+// What the parsers read: a payload of known length, held in memory or coming from a stream. They only
+// look at its fields; tensor data is skipped.
+class payload_reader : public io_read_i {
+public:
+    virtual uint64_t remaining() const = 0;  // bytes of the payload not read yet
+    virtual void skip(uint64_t n) = 0;       // n <= remaining()
+};
+
+// A payload in memory: skipping moves past bytes without touching them.
+class span_payload final : public payload_reader {
+public:
+    explicit span_payload(std::span<const uint8_t> payload) : r_(payload) {}
+    void read(void* dst, size_t size) override { r_.read(dst, size); }
+    size_t n_bytes() const override { return r_.n_bytes(); }
+    uint64_t remaining() const override { return r_.remaining(); }
+    void skip(uint64_t n) override {
+        std::vector<std::byte> unused;  // stays empty: io_span_reader lends its bytes
+        r_.read_span(static_cast<size_t>(n), unused);
+    }
+
+private:
+    io_span_reader r_;
+};
+
+// A payload of `size` bytes read from a stream as it comes (a zstd frame inflated a piece at a time):
+// skipped data goes through one small buffer, so that what is held stays a constant whatever the size.
+class stream_payload final : public payload_reader {
+public:
+    stream_payload(io_read_i& in, uint64_t size) : in_(&in), size_(size) {}
+    void read(void* dst, size_t size) override {
+        if (size > remaining())
+            throw error(
+                errc::corrupt_data,
+                fmt::format("state: truncated at byte {}: {} bytes needed, {} left", n_, size, remaining()));
+        in_->read(dst, size);
+        n_ += size;
+    }
+    size_t n_bytes() const override { return static_cast<size_t>(n_); }
+    uint64_t remaining() const override { return size_ - n_; }
+    void skip(uint64_t n) override {
+        if (buf_.empty()) buf_.resize(static_cast<size_t>(std::min<uint64_t>(n, 64 * 1024)));
+        for (uint64_t done = 0; done < n;) {
+            const auto k = static_cast<size_t>(std::min<uint64_t>(n - done, buf_.size()));
+            read(buf_.data(), k);
+            done += k;
+        }
+    }
+
+private:
+    io_read_i* in_;
+    uint64_t size_ = 0, n_ = 0;
+    std::vector<uint8_t> buf_;
+};
+
 // Skips the a * b bytes of a tensor's data (what: "layer 3 K"); returns a * b.
-uint64_t skip(io_span_reader& r, uint64_t a, uint64_t b, const std::string& what) {
+uint64_t skip(payload_reader& r, uint64_t a, uint64_t b, const std::string& what) {
     uint64_t n = 0;
     if (__builtin_mul_overflow(a, b, &n) || n > r.remaining())
         bad(r, fmt::format("{} data of {} x {} bytes, {} left", what, a, b, r.remaining()));
-    std::vector<std::byte> unused;
-    r.read_span(static_cast<size_t>(n), unused);
+    r.skip(n);
     return n;
 }
 
@@ -54,12 +107,12 @@ std::vector<std::pair<dtype, uint64_t>> state_summary::bytes_per_type() const {
 namespace {
 
 // The trailing-bytes rule of the whole-payload parsers.
-void expect_end(const io_span_reader& r) {
+void expect_end(const payload_reader& r) {
     if (r.remaining() != 0) bad(r, fmt::format("{} trailing bytes after the state", r.remaining()));
 }
 
 // A KV payload from r's position on; s.bytes is what it consumed.
-state_summary read_kv(io_span_reader& r, bool mrope) {
+state_summary read_kv(payload_reader& r, bool mrope) {
     const size_t start = r.n_bytes(), avail = r.remaining();
     state_summary s;
     s.mrope = mrope;
@@ -136,14 +189,14 @@ state_summary read_kv(io_span_reader& r, bool mrope) {
 }  // namespace
 
 state_summary summarize_kv_state(std::span<const uint8_t> payload, bool mrope) {
-    io_span_reader r(payload);
+    span_payload r(payload);
     state_summary s = read_kv(r, mrope);
     expect_end(r);
     return s;
 }
 
 state_summary summarize_kv_state_prefix(std::span<const uint8_t> bytes, bool mrope) {
-    io_span_reader r(bytes);
+    span_payload r(bytes);
     return read_kv(r, mrope);
 }
 
@@ -246,7 +299,7 @@ namespace {
 
 // A recurrent payload from r's position on; s.bytes is what it consumed. Without a layout it takes tensors
 // while bytes remain (at most an r and an s per layer).
-recurrent_state_summary read_recurrent(io_span_reader& r, std::string_view layout) {
+recurrent_state_summary read_recurrent(payload_reader& r, std::string_view layout) {
     const size_t start = r.n_bytes(), avail = r.remaining();
     recurrent_state_summary s;
     const auto count = get<uint32_t>(r);
@@ -327,7 +380,7 @@ recurrent_state_summary read_recurrent(io_span_reader& r, std::string_view layou
 }  // namespace
 
 recurrent_state_summary summarize_recurrent_state(std::span<const uint8_t> payload, std::string_view layout) {
-    io_span_reader r(payload);
+    span_payload r(payload);
     recurrent_state_summary s = read_recurrent(r, layout);
     expect_end(r);
     return s;
@@ -335,7 +388,7 @@ recurrent_state_summary summarize_recurrent_state(std::span<const uint8_t> paylo
 
 recurrent_state_summary summarize_recurrent_state_prefix(std::span<const uint8_t> bytes,
                                                          std::string_view layout) {
-    io_span_reader r(bytes);
+    span_payload r(bytes);
     return read_recurrent(r, layout);
 }
 
@@ -355,12 +408,11 @@ struct part_plan {
 
 // Reads the parts back to back, then refuses trailing bytes. A part's error names the part when there
 // are several; *failed_at (when given) is set to the byte reached on failure.
-memory_state_summary read_parts(std::span<const uint8_t> payload, memory_kind kind,
-                                std::span<const part_plan> plan, uint64_t* failed_at = nullptr) {
-    io_span_reader r(payload);
+memory_state_summary read_parts(payload_reader& r, memory_kind kind, std::span<const part_plan> plan,
+                                uint64_t* failed_at = nullptr) {
     memory_state_summary out;
     out.kind = kind;
-    out.bytes = payload.size();
+    out.bytes = r.remaining();
     const part_plan* current = nullptr;
     try {
         for (const part_plan& p : plan) {
@@ -408,8 +460,7 @@ bool split_layout(std::string_view text, std::string_view head, std::string_view
     return true;
 }
 
-memory_state_summary summarize_with_layout(std::span<const uint8_t> payload, std::string_view layout,
-                                           bool partial) {
+memory_state_summary summarize_with_layout(payload_reader& payload, std::string_view layout, bool partial) {
     std::vector<part_plan> plan;
     memory_kind kind = memory_kind::kv;
     std::string_view a, b, base, swa;
@@ -478,7 +529,8 @@ memory_state_summary guess(std::span<const uint8_t> payload) {
             if (mrope && !has_kv) break;
             uint64_t at = 0;
             try {
-                memory_state_summary s = read_parts(payload, c.kind, parts, &at);
+                span_payload r(payload);
+                memory_state_summary s = read_parts(r, c.kind, parts, &at);
                 s.guessed = true;
                 return s;
             } catch (const error& e) {
@@ -519,7 +571,16 @@ std::string_view to_string(memory_state_summary::memory kind) {
 memory_state_summary summarize_memory_state(std::span<const uint8_t> payload, std::string_view layout,
                                             state_seq_flags flags) {
     if (layout.empty()) return guess(payload);
-    return summarize_with_layout(payload, layout, (flags & state_seq_flag_partial_only) != 0);
+    span_payload r(payload);
+    return summarize_with_layout(r, layout, (flags & state_seq_flag_partial_only) != 0);
+}
+
+memory_state_summary summarize_memory_state(io_read_i& payload, uint64_t size, std::string_view layout,
+                                            state_seq_flags flags) {
+    if (layout.empty())
+        throw error(errc::invalid_argument, "summarize_memory_state: a streamed payload needs its layout");
+    stream_payload r(payload, size);
+    return summarize_with_layout(r, layout, (flags & state_seq_flag_partial_only) != 0);
 }
 
 }  // namespace kvc

@@ -17,6 +17,7 @@
 #include <kvcache/runtime/gguf.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
+#include <kvcache/state_summary.h>
 
 #include "counting_new.h"
 #include "memory_test_util.h"
@@ -122,6 +123,86 @@ TEST(footprint, loading_a_file_holds_the_state_not_the_file) {
         EXPECT_LT(peak, std::max(file, payload) + (uint64_t{4} << 20)) << path;  // + read buffers
         EXPECT_EQ(dst.seq_pos_max(0), 8191);
         std::filesystem::remove(path);
+    }
+}
+
+// Regression (issue 21): `kvcache inspect` inflated a zstd session file's payload whole (1.125x of it) to
+// summarize it; read_session_stream hands it over a piece at a time, and the summary skips tensor data
+// through a small buffer, so what is allocated is a constant (zstd's own window, allocated with malloc, is
+// not counted here: at most the frame's window, 2 MiB at the default level, never the payload).
+TEST(footprint, summarizing_a_zstd_session_file_holds_no_payload) {
+    kv_cache_params p;
+    p.layers = {layer_desc{.n_head_kv = 4, .n_embd_head_k = 128, .n_embd_head_v = 128}};  // 2 KiB per cell
+    p.kv_size = 8192;
+    kv_cache src(p);
+    {
+        std::vector<test::run> runs = {{0, 0, 8192}};
+        memory_context_ptr ctx = test::init_runs(src, 1, runs, 8192);
+        ASSERT_EQ(ctx->get_status(), memory_status::success);
+        do ctx->apply();
+        while (ctx->next());
+    }
+    const std::string path =
+        (std::filesystem::temp_directory_path() / fmt::format("kvc-footprint-{}.inspect", ::getpid()))
+            .string();
+    save_file(src, path, 0, {.compress = true});
+    const std::vector<uint8_t> file = read_file_bytes(path);
+    std::filesystem::remove(path);
+    const uint64_t payload = state_seq_get_size(src, 0) - 8;
+
+    uint64_t before = g_live_bytes;
+    reset_peak_bytes();
+    std::vector<uint8_t> inflated;
+    const session_info whole = read_session(file, &inflated);
+    const memory_state_summary expected = summarize_memory_state(inflated, whole.layout, whole.state_flags);
+    const uint64_t inflating = g_peak_bytes - before;
+    inflated = {};
+
+    before = g_live_bytes;
+    reset_peak_bytes();
+    memory_state_summary streamed;
+    const session_info info = read_session_stream(file, [&](io_read_i& in, const session_info& i) {
+        streamed = summarize_memory_state(in, i.payload_bytes, i.layout, i.state_flags);
+    });
+    const uint64_t streaming = g_peak_bytes - before;
+    std::printf(
+        "summary of a zstd session file (%zu bytes, payload %llu): %llu bytes allocated inflating it, "
+        "%llu streaming it\n",
+        file.size(), static_cast<unsigned long long>(payload), static_cast<unsigned long long>(inflating),
+        static_cast<unsigned long long>(streaming));
+    EXPECT_GE(inflating, payload);
+    EXPECT_LT(streaming, uint64_t{2} << 20);  // the 1 MiB input buffer at most, and the summary
+    EXPECT_EQ(info.payload_bytes, payload);
+    ASSERT_EQ(streamed.parts.size(), expected.parts.size());
+    EXPECT_EQ(streamed.kind, expected.kind);
+    EXPECT_EQ(streamed.bytes, payload);
+    const state_summary* a = streamed.parts[0].kv();
+    const state_summary* b = expected.parts[0].kv();
+    ASSERT_TRUE(a && b);
+    EXPECT_EQ(a->bytes, b->bytes);
+    ASSERT_EQ(a->streams.size(), b->streams.size());
+    EXPECT_EQ(a->streams[0].n_cells, 8192u);
+    EXPECT_EQ(a->streams[0].seqs.size(), b->streams[0].seqs.size());
+    EXPECT_EQ(a->layers[0].k_bytes, b->layers[0].k_bytes);
+
+    // sizes that disagree with the payload, and a payload left unread, are refused
+    const auto refused = [&](uint64_t size) {
+        try {
+            read_session_stream(file, [&](io_read_i& in, const session_info& i) {
+                (void)summarize_memory_state(in, size, i.layout, i.state_flags);
+            });
+            ADD_FAILURE() << "accepted with size " << size;
+        } catch (const error& e) {
+            EXPECT_EQ(e.code(), errc::corrupt_data) << e.what();
+        }
+    };
+    refused(payload - 1);  // the summary finds the payload truncated
+    refused(payload + 1);  // the summary finds a byte missing after the state
+    try {
+        read_session_stream(file, [](io_read_i&, const session_info&) {});  // nothing read
+        ADD_FAILURE() << "a payload not read to its end was accepted";
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::corrupt_data) << e.what();
     }
 }
 

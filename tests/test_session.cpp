@@ -3,6 +3,8 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -319,9 +321,49 @@ TEST_F(session, forged_files_are_refused_without_allocating_what_they_declare) {
     ASSERT_EQ(ZSTD_getFrameContentSize(bomb.data(), bomb.size()), huge);
     put_bytes(path("bomb.kvc"), forge(good, bomb, huge, 0));
     {
+        // refused from the declared size against the most this cache can hold, before the frame is read
         address_space_limit limit(uint64_t{1} << 30);
-        expect_load_fails(b, path("bomb.kvc"), seq_all, "does not decompress");
+        double ms = 1e9;  // the best of 5: a busy machine may pause any one of them
+        for (int k = 0; k < 5; ++k) {
+            const auto t0 = std::chrono::steady_clock::now();
+            expect_load_fails(
+                b, path("bomb.kvc"), seq_all,
+                fmt::format("session: the payload is {} bytes, more than the {} bytes of the largest "
+                            "state this memory can hold",
+                            huge, b.state_max_bytes()));
+            ms = std::min(
+                ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        }
+        std::printf("the %zu-byte file declaring 8 GiB refused in %.3f ms\n",
+                    forge(good, bomb, huge, 0).size(), ms);
+        EXPECT_LT(ms, 10.0);
     }
+    // just over the largest state: a real frame of that many zero bytes, refused before it is inflated
+    // (read, it would fail later, on its stream count: "the state has 0 streams")
+    const uint64_t over = b.state_max_bytes() + 1;
+    std::vector<uint8_t> zeros(static_cast<size_t>(over));
+    std::vector<uint8_t> frame(ZSTD_compressBound(zeros.size()));
+    frame.resize(ZSTD_compress(frame.data(), frame.size(), zeros.data(), zeros.size(), 1));
+    put_bytes(path("x"), forge(good, frame, over, 0));
+    expect_load_fails(b, path("x"), seq_all,
+                      fmt::format("the payload is {} bytes, more than the {} bytes", over, over - 1));
+    // the same in a 'ggsq' file (no declared size: the file's own)
+    const uint32_t ggsq_head[3] = {llama_seq_file_magic, llama_seq_file_version, 0};  // no tokens
+    std::vector<uint8_t> ggsq(sizeof ggsq_head);
+    std::memcpy(ggsq.data(), ggsq_head, sizeof ggsq_head);
+    ggsq.insert(ggsq.end(), zeros.begin(), zeros.end());
+    put_bytes(path("x"), ggsq);
+    const auto before = whole(b);
+    try {
+        load_llama_seq_file(b, path("x"), seq_all);
+        ADD_FAILURE() << "loaded";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find(
+                      fmt::format("the payload is {} bytes, more than the {} bytes", over, over - 1)),
+                  std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(whole(b), before);
     put_bytes(path("x"), forge(good, stored, field(good, 32, 8), 0xffffffff));
     expect_load_fails(b, path("x"), seq_all, "unknown state flags 0xffffffff");
     // regression (fuzz_session_forged): a frame of 0 bytes was "more than the 0 bytes the header says";
@@ -333,6 +375,29 @@ TEST_F(session, forged_files_are_refused_without_allocating_what_they_declare) {
     // a frame holding more than declared
     put_bytes(path("x"), forge(good, stored, field(good, 32, 8) - 1, 0));
     expect_load_fails(b, path("x"), seq_all, "the zstd frame holds");
+}
+
+// state_max_bytes is the size of a full cache's whole state when every cell lists every sequence it can
+// (unified: all of them; one stream per sequence: its own), with and without transposed V and M-RoPE cells.
+TEST_F(session, the_largest_state_is_what_a_full_cache_writes) {
+    std::mt19937 rng(8);
+    for (const bool unified : {true, false})
+        for (const bool v_trans : {false, true})
+            for (const uint32_t n_pos : {1u, 4u}) {
+                SCOPED_TRACE(fmt::format("unified={} v_trans={} n_pos={}", unified, v_trans, n_pos));
+                auto p = params_for(dtype::f16, dtype::f16, v_trans, unified);
+                p.n_pos = n_pos;
+                kv_cache c(p);
+                EXPECT_EQ(whole(c).size() - 8, 4 + 4 * (unified ? 1 : p.n_seq_max)) << "empty";
+                if (unified) {
+                    decode(c, 0, 0, p.kv_size, rng, n_pos);
+                    for (seq_id_t s = 1; s < static_cast<seq_id_t>(p.n_seq_max); ++s) c.seq_cp(0, s, -1, -1);
+                } else {
+                    for (seq_id_t s = 0; s < static_cast<seq_id_t>(p.n_seq_max); ++s)
+                        decode(c, s, 0, p.kv_size, rng, n_pos);
+                }
+                EXPECT_EQ(whole(c).size() - 8, c.state_max_bytes());
+            }
 }
 
 // Every single-byte corruption of a session file is caught by its checksums, before the memory changes.

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -369,6 +370,46 @@ TEST(transactions, rejected_inputs_of_every_kind_leave_every_memory_unchanged) {
     std::printf("rejected inputs, each followed by an unchanged memory: %llu\n",
                 static_cast<unsigned long long>(total));
     EXPECT_GE(total, 50000u);
+}
+
+// A memory's largest state (state_max_bytes) bounds every state it writes, and is what a full memory
+// writes when each cell lists as many sequences as it can (recurrent: every sequence in its own cell);
+// a file holding a payload one byte longer is refused before the payload is read, naming both sizes, the
+// memory unchanged. ('ggsq' files, whose payload size is the file's: kvcache session files declare theirs,
+// tests/test_session.cpp.)
+TEST(transactions, a_payload_over_the_largest_state_is_refused_before_it_is_read) {
+    const fs::path path =
+        fs::temp_directory_path() / fmt::format("kvc-transactions-{}-over.ggsq", ::getpid());
+    for (const memory_kind& k : memory_kinds()) {
+        SCOPED_TRACE(k.name);
+        const auto m = k.make();
+        fill(*m, contents);
+        const uint64_t max = m->state_max_bytes();
+        EXPECT_LE(test::whole(*m).size() - 8, max);
+        if (k.name == "recurrent") {
+            fill(*m, {{3, 0, 2}});  // the last sequence without a state: now every cell is used
+            EXPECT_EQ(test::whole(*m).size() - 8, max);
+        }
+        const uint64_t before = observe(*m);
+        const uint32_t head[3] = {llama_seq_file_magic, llama_seq_file_version, 0};  // no tokens
+        std::vector<uint8_t> file(sizeof head + max + 1);
+        std::memcpy(file.data(), head, sizeof head);
+        write_bytes(path, file);
+        for (const seq_id_t dest : {seq_all, seq_id_t{1}}) {
+            try {
+                load_llama_seq_file(*m, path.string(), dest);
+                ADD_FAILURE() << "accepted";
+            } catch (const error& e) {
+                EXPECT_EQ(e.code(), errc::corrupt_data) << e.what();
+                EXPECT_NE(std::string(e.what()).find(
+                              fmt::format("the payload is {} bytes, more than the {} bytes", max + 1, max)),
+                          std::string::npos)
+                    << e.what();
+            }
+        }
+        EXPECT_EQ(observe(*m), before);
+    }
+    fs::remove(path);
 }
 
 }  // namespace

@@ -152,6 +152,7 @@ public:
     bool state_fits(const state_stage_i& stage) override;
     /// "kv streams=1 v_trans=1 n_pos=1 hadamard=none layers=0-31:k=f16x1024,v=f16x1024"
     std::string state_layout() const override;
+    uint64_t state_max_bytes() const override;
     memory_breakdown get_memory_breakdown() const override;
 
     /// K/V bytes a cache made from p would reserve (every cell of every stream), saturating at UINT64_MAX;

@@ -102,6 +102,7 @@ public:
     bool state_fits(const state_stage_i& stage) override;
     /// "iswa base={base layout} swa={SWA layout}".
     std::string state_layout() const override;
+    uint64_t state_max_bytes() const override;
     memory_breakdown get_memory_breakdown() const override;  ///< both caches' bytes
 
     /// K/V bytes both caches made from p would reserve, saturating; p need not be valid.

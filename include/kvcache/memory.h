@@ -155,6 +155,11 @@ public:
     /// What a state must match to load here, as one canonical line (kind, streams, V layout, positions
     /// per token, rotation, layers with K/V types and widths; not capacity). Session files store it.
     virtual std::string state_layout() const = 0;
+    /// The most bytes a state this memory can read may hold: a whole-memory state with every cell used and
+    /// listing as many sequence ids as a cell can (a sequence's state, or a partial one, is smaller).
+    /// Loads refuse a payload declaring more before reading it (a forged size never decides what is
+    /// allocated). Computed from the shape, O(layers); saturates at UINT64_MAX.
+    virtual uint64_t state_max_bytes() const = 0;
     /// @}
 
     /// Where its bytes are (memory_breakdown). Counts every cell: for reports, not for every step.

@@ -93,6 +93,7 @@ public:
     bool state_fits(const state_stage_i& stage) override;
     /// "hybrid attn={attention layout} recr={recurrent layout}".
     std::string state_layout() const override;
+    uint64_t state_max_bytes() const override;
     memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
 
     // -- prefix cache (params().prefix.enabled; see the file comment) --

@@ -190,6 +190,7 @@ public:
     /// "recurrent n_layer=4 layers=0-3:r=f32x1536,s=f32x4096": what a state must match (not the number of
     /// cells, nor the rollback depth, which the format does not hold).
     std::string state_layout() const override;
+    uint64_t state_max_bytes() const override;
     /// Host rows are committed up to the last used cell (their pages arrive when written, and go back
     /// when the cells above empty); an allocator's rows are all committed. A cell's bytes count its
     /// history planes.

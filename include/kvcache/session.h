@@ -18,10 +18,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include <kvcache/io.h>
 #include <kvcache/memory.h>
 #include <kvcache/types.h>
 
@@ -62,13 +64,25 @@ struct session_info {
 /// Loads a session file into dest (-1: the whole memory; a sequence loads into any destination).
 /// Returns what the file held (its tokens included). Throws kvc::error, memory unchanged, on any problem;
 /// a verified file holding more than max_tokens tokens is kvc::error(out_of_range), a file larger than
-/// kvc::limits::file_bytes likewise, from its size alone. The file is read in pieces, twice (verified,
-/// then streamed into the memory's stage of the state): no copy of it is held.
+/// kvc::limits::file_bytes likewise, from its size alone; a payload declaring more than
+/// mem.state_max_bytes() is kvc::error(corrupt_data) before a byte of it is read or inflated. The file
+/// is read in pieces, twice (verified, then streamed into the memory's stage of the state): no copy of it
+/// is held.
 session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens = SIZE_MAX);
 
 /// Parses and verifies a session file held in memory (envelope, checksums, decompression), without a
 /// memory; payload (if not null) receives the uncompressed payload. Throws kvc::error on any problem.
 session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload = nullptr);
+
+/// Verifies a session file held in memory as read_session does, then hands its payload to `read` as a
+/// stream of session_info::payload_bytes bytes: a zstd payload is inflated a piece at a time as `read`
+/// asks for it, never whole, so what is held beyond the file is zstd's window and a buffer of at most
+/// 1 MiB (read_session holds the whole inflated payload). After `read` returns, the payload must have been
+/// read to its end and the zstd frame must end there (kvc::error(corrupt_data) otherwise). For tools
+/// reading big files (`kvcache inspect`); the session_info is what read_session returns.
+session_info read_session_stream(
+    std::span<const uint8_t> file,
+    const std::function<void(io_read_i& payload, const session_info& info)>& read);
 
 // -- llama.cpp's per-sequence files (llama_state_seq_save_file / load_file) --
 
@@ -105,7 +119,8 @@ uint64_t save_llama_seq_file(const memory_i& mem, const std::string& path, seq_i
                              std::span<const token_t> tokens);
 /// Restores such a file into dest; returns its tokens. Unlike llama.cpp, trailing bytes are an error; a
 /// file whose state checks out but that holds more than max_tokens tokens is kvc::error(out_of_range).
-/// Read in pieces, once, straight into the memory's stage of the state.
+/// Read in pieces, once, straight into the memory's stage of the state; a payload (the bytes after the
+/// tokens) longer than mem.state_max_bytes() is kvc::error(corrupt_data) before it is read.
 /// The format has no checksum: only its structure is checked (header, token count and ids, the payload's
 /// checks), so a changed token, position or K/V byte loads as data. Prefer save_file / load_file.
 std::vector<token_t> load_llama_seq_file(memory_i& mem, const std::string& path, seq_id_t dest,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include <kvcache/dtype.h>
+#include <kvcache/io.h>
 #include <kvcache/memory.h>
 #include <kvcache/types.h>
 
@@ -176,6 +177,12 @@ std::string_view to_string(memory_state_summary::memory kind);
 /// furthest (the earlier one on a tie; for each, its reading without M-RoPE cells), and
 /// kvc::error(unsupported) when the layout is none of the four.
 memory_state_summary summarize_memory_state(std::span<const uint8_t> payload, std::string_view layout = {},
+                                            state_seq_flags flags = 0);
+/// The same, reading a payload of `size` bytes from `payload` as it comes (one pass, so the layout is
+/// needed: kvc::error(invalid_argument) without one): tensor data is skipped through a small buffer, so
+/// what is held is the summary and a constant (`kvcache inspect` of a zstd session file). Reads exactly
+/// `size` bytes when the payload is well formed; errors as above.
+memory_state_summary summarize_memory_state(io_read_i& payload, uint64_t size, std::string_view layout,
                                             state_seq_flags flags = 0);
 
 }  // namespace kvc

@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <kvcache/state.h>
@@ -24,6 +25,19 @@ T get(io_read_i& io) {
 // A malformed state: kvc::error(corrupt_data) naming the byte reached.
 [[noreturn]] inline void bad(const io_read_i& io, const std::string& what) {
     throw error(errc::corrupt_data, fmt::format("state: at byte {}: {}", io.n_bytes(), what));
+}
+
+// Refuses a payload of `bytes` that no state of mem can be, before any of it is read: a declared size
+// (a session header's, a zstd frame's) is the writer's word only, and a forged one must not decide what
+// a load reads or inflates. kvc::error(corrupt_data) "WHO: the payload is N bytes, more than ...".
+inline void check_payload_size(const memory_i& mem, uint64_t bytes, std::string_view who) {
+    const uint64_t max = mem.state_max_bytes();
+    if (bytes > max)
+        throw error(
+            errc::corrupt_data,
+            fmt::format("{}: the payload is {} bytes, more than the {} bytes of the largest state this "
+                        "memory can hold (state_max_bytes)",
+                        who, bytes, max));
 }
 
 // The layers of a state_layout() line: runs of consecutive model layers with one shape, e.g.

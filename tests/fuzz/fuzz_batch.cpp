@@ -61,6 +61,7 @@ public:
     void state_commit(kvc::state_stage_i&) override {}
     bool state_fits(const kvc::state_stage_i&) override { return true; }
     std::string state_layout() const override { return {}; }
+    uint64_t state_max_bytes() const override { return 0; }  // state_write writes nothing
     kvc::memory_breakdown get_memory_breakdown() const override { return {}; }
 };
 

@@ -78,6 +78,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     try {
         (void)summarize_kv_state_any(payload);
     } catch (const error&) {}
+    if (!info.layout.empty()) {
+        // kvcache inspect reads a zstd payload as a stream (read_session_stream): the same summary, or the
+        // same error, as the payload inflated whole
+        std::string whole_error, stream_error;
+        memory_state_summary whole, streamed;
+        try {
+            whole = summarize_memory_state(payload, info.layout, info.state_flags);
+        } catch (const error& e) {
+            whole_error = e.what();
+        }
+        try {
+            read_session_stream(file, [&](io_read_i& in, const session_info& i) {
+                streamed = summarize_memory_state(in, i.payload_bytes, i.layout, i.state_flags);
+            });
+        } catch (const error& e) {
+            stream_error = e.what();
+        }
+        check(whole_error == stream_error);
+        check(whole.bytes == streamed.bytes && whole.parts.size() == streamed.parts.size());
+        for (size_t i = 0; i < whole.parts.size(); ++i)
+            check(whole.parts[i].bytes() == streamed.parts[i].bytes() &&
+                  whole.parts[i].offset == streamed.parts[i].offset);
+    }
     auto c = make(variant);
     if (info.layout != c->state_layout()) return 0;  // load_file refuses before reading the payload
     const std::vector<uint8_t> before = state_seq_get_data(*c, seq_all);

@@ -104,22 +104,42 @@ report examine(const std::string& path) {
     r.file_bytes = file.size();
     const uint32_t magic = file.size() >= 4 ? load_at<uint32_t>(file, 0) : 0;
     std::span<const uint8_t> payload;
-    std::vector<uint8_t> storage;
     if (magic == session_magic) {
         r.format = "kvcache-session";
-        // a plain payload is read in place, a zstd one inflated (read_session verifies the flags too)
+        const auto unknown = [&](const error& e) {
+            if (e.code() != errc::unsupported) throw e;
+            r.payload_note = "not the payload of a memory kvcache knows (kv, recurrent, iswa, hybrid)";
+        };
+        // a plain payload is read in place; a zstd one is inflated a piece at a time as the summary reads
+        // it, never whole (issue 21: the memory held was the payload's size, ~1.125x)
         const bool zstd = file.size() >= 12 && (load_at<uint32_t>(file, 8) & session_flag_zstd);
-        r.session = read_session(file, zstd ? &storage : nullptr);
-        const std::span<const uint8_t> data = zstd ? std::span<const uint8_t>(storage)
-                                                   : file.last(static_cast<size_t>(r.session->stored_bytes));
+        if (!zstd) {
+            r.session = read_session(file);
+            try {
+                r.memory = summarize_memory_state(file.last(static_cast<size_t>(r.session->stored_bytes)),
+                                                  r.session->layout, r.session->state_flags);
+            } catch (const error& e) {
+                unknown(e);
+            }
+        } else {
+            r.session = read_session_stream(file, [&](io_read_i& in, const session_info& info) {
+                try {
+                    // a stream is read once: without a layout (kvcache writes one always) nothing is guessed
+                    if (info.layout.empty()) throw error(errc::unsupported, "no layout");
+                    r.memory = summarize_memory_state(in, info.payload_bytes, info.layout, info.state_flags);
+                } catch (const error& e) {
+                    unknown(e);  // refused before a byte was read: the frame is still checked to its end
+                    std::vector<uint8_t> buf(64 * 1024);
+                    for (uint64_t left = info.payload_bytes - in.n_bytes(); left > 0;) {
+                        const auto k = static_cast<size_t>(std::min<uint64_t>(left, buf.size()));
+                        in.read(buf.data(), k);
+                        left -= k;
+                    }
+                }
+            });
+        }
         r.source_seq = r.session->seq_id;
         r.n_tokens = r.session->tokens.size();
-        try {
-            r.memory = summarize_memory_state(data, r.session->layout, r.session->state_flags);
-        } catch (const error& e) {
-            if (e.code() != errc::unsupported) throw;
-            r.payload_note = "not the payload of a memory kvcache knows (kv, recurrent, iswa, hybrid)";
-        }
         return r;
     }
     if (magic == llama_seq_file_magic) {
