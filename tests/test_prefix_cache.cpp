@@ -517,9 +517,9 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true, swa_typ
     // what a query at n can see (the window's first position), and the last position at least
     const auto window_from = [&](uint32_t n) -> uint32_t {
         const uint32_t w = params.n_swa;
-        const uint32_t first = swa == swa_type::standard ? (n >= w ? n - w + 1 : 0)
+        const uint32_t first = swa == swa_type::standard  ? (n >= w ? n - w + 1 : 0)
                                : swa == swa_type::chunked ? n / w * w
-                                                           : 0;
+                                                          : 0;
         return std::min(first, n - 1);
     };
     std::set<std::vector<token_t>> may_hit;  // block-aligned prefixes decoded since the index last emptied
@@ -555,7 +555,8 @@ void random_ops(evict_policy policy, uint32_t seed, bool unified = true, swa_typ
             if (n > 0) {  // every position a query at n can see is there
                 const kv_cells& cells = e.c.cells(e.stream(s));
                 const uint32_t from = window_from(n);
-                ASSERT_EQ(cells.seq_entries(s, static_cast<pos_t>(from), static_cast<pos_t>(n)).size(), n - from)
+                ASSERT_EQ(cells.seq_entries(s, static_cast<pos_t>(from), static_cast<pos_t>(n)).size(),
+                          n - from)
                     << "a hit of " << n << " tokens without its window";
             }
             if (!e.decode(s, std::span(prompt).subspan(n))) {

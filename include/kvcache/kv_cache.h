@@ -120,11 +120,11 @@ struct kq_mask_options {
     bool alibi = false;  ///< visible keys get -|p_key - p_query| instead of 0
 };
 
+struct prefix_tracker;  // internal: what a sequence decoded in order (src/detail/kv_cache_prefix.h)
+
 /// The attention KV cache (llama_kv_cache): K/V rows of every own layer, placed in cells of one or
 /// several streams. Implements memory_i. Engines reach the per-ubatch operations (K/V rows, views,
 /// masks) only through the kv_cache_context that init_batch returns.
-struct prefix_tracker;  // internal: what a sequence decoded in order (src/detail/kv_cache_prefix.h)
-
 class kv_cache final : public memory_i, public prefix_cache_i {
 public:
     explicit kv_cache(kv_cache_params params);  ///< throws kvc::error on an invalid configuration

@@ -16,24 +16,24 @@ extern "C" {
 
 /// @brief What the prefix cache did and holds (the C++ kvc::prefix_stats).
 typedef struct kvc_prefix_stats {
-    uint64_t lookups;             ///< kvc_memory_prefix_lookup and kvc_memory_prefix_attach calls
-    uint64_t tokens_looked_up;    ///< prompt tokens they were given
-    uint64_t hit_tokens;          ///< tokens attaches gave a sequence without recomputation
-    uint64_t published_blocks;    ///< blocks added to the index
-    uint64_t evicted_blocks;      ///< blocks whose cells were freed for new tokens
-    uint64_t unpublished_blocks;  ///< blocks taken out because a sequence edit changed their cells
-    uint64_t bytes_copied;        ///< K/V bytes copied for edits of shared cells
-    uint64_t event_errors;        ///< always 0 from C (a C callback cannot throw)
-    uint32_t blocks;              ///< blocks in the index now
-    uint32_t cached_cells;        ///< cells held by the index and by no sequence (evictable unless pinned)
-    uint32_t shared_cells;        ///< cells held by the index and by sequences
-    uint32_t pinned_cells;        ///< cells of pinned blocks
-    uint32_t free_cells;          ///< empty cells
-    uint64_t index_bytes;         ///< memory of the index
-    uint64_t snapshots_saved;     ///< recurrent and hybrid: snapshots published
-    uint64_t snapshots_dropped;   ///< recurrent and hybrid: snapshots evicted, superseded or made stale
-    uint32_t snapshots;           ///< recurrent and hybrid: snapshots in the pool now
-    uint32_t swa_blocks;          ///< iSWA: blocks in the sliding-window cache's index now
+    uint64_t lookups;               ///< kvc_memory_prefix_lookup and kvc_memory_prefix_attach calls
+    uint64_t tokens_looked_up;      ///< prompt tokens they were given
+    uint64_t hit_tokens;            ///< tokens attaches gave a sequence without recomputation
+    uint64_t published_blocks;      ///< blocks added to the index
+    uint64_t evicted_blocks;        ///< blocks whose cells were freed for new tokens
+    uint64_t unpublished_blocks;    ///< blocks taken out because a sequence edit changed their cells
+    uint64_t bytes_copied;          ///< K/V bytes copied for edits of shared cells
+    uint64_t event_errors;          ///< always 0 from C (a C callback cannot throw)
+    uint32_t blocks;                ///< blocks in the index now
+    uint32_t cached_cells;          ///< cells held by the index and by no sequence (evictable unless pinned)
+    uint32_t shared_cells;          ///< cells held by the index and by sequences
+    uint32_t pinned_cells;          ///< cells of pinned blocks
+    uint32_t free_cells;            ///< empty cells
+    uint64_t index_bytes;           ///< memory of the index
+    uint64_t snapshots_saved;       ///< recurrent and hybrid: snapshots published
+    uint64_t snapshots_dropped;     ///< recurrent and hybrid: snapshots evicted, superseded or made stale
+    uint32_t snapshots;             ///< recurrent and hybrid: snapshots in the pool now
+    uint32_t swa_blocks;            ///< iSWA: blocks in the sliding-window cache's index now
     uint64_t swa_published_blocks;  ///< iSWA: blocks the sliding-window cache kept
     uint64_t swa_evicted_blocks;    ///< iSWA: blocks the sliding-window cache evicted
 } kvc_prefix_stats;

@@ -41,7 +41,7 @@ struct kv_cache::prefix_state {
     // serves; a sequence resumed at n needs only the cells of [first(n), n).
     swa_type swa = swa_type::none;
     uint32_t n_swa = 0;
-    std::vector<seq_id_t> placed;  // sequences placed since the last prune (their window slid)
+    std::vector<seq_id_t> placed;    // sequences placed since the last prune (their window slid)
     std::vector<uint8_t> is_placed;  // [n_seq_max] in `placed`
 
     // Tells on_event that block id was stored or removed (its record still intact).
