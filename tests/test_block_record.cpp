@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 #include <xxhash.h>
+
+#include "counting_new.h"
 #include <kvcache/block_record.h>
 
 namespace kvc {
@@ -213,6 +215,27 @@ TEST(block_record, every_single_bit_flip_is_refused) {
         auto v = s.value;
         v[i] ^= static_cast<uint8_t>(1u << (i % 8));
         ASSERT_NE(refusal(v, s.layout), "accepted") << "byte " << i;
+    }
+}
+
+// Nothing a value declares sizes an allocation: decoding hostile headers (huge row bytes, block sizes,
+// layer counts) allocates no more than a valid record does, a few hundred bytes for offsets and messages.
+TEST(block_record, decoding_allocates_nothing_the_value_declares) {
+    const sample s;
+    std::vector<std::vector<uint8_t>> hostile;
+    for (const auto& [off, value] : std::vector<std::pair<size_t, uint64_t>>{
+             {56, uint64_t{1} << 62}, {44, 0xffffffffu}, {48, 0xffffffffu}, {40, 0xffffffffu}}) {
+        auto v = s.value;
+        std::memcpy(v.data() + off, &value, off == 56 ? 8 : 4);
+        reseal(v);
+        hostile.push_back(std::move(v));
+    }
+    hostile.push_back(s.value);
+    for (const auto& v : hostile) {
+        reset_peak_bytes();
+        const uint64_t before = g_live_bytes;
+        (void)refusal(v, s.layout);
+        EXPECT_LT(g_peak_bytes - before, 4096u);
     }
 }
 
