@@ -57,6 +57,7 @@ set(KVC_SOURCE_HEADERS
   "ops_rope.cpp ops.h"
   "kv_cache_context.cpp kv_cache.h"
   "kv_cache_prefix.cpp kv_cache.h"
+  "kv_cache_tier.cpp kv_cache.h"
   "memory_recurrent_prefix.cpp memory_recurrent.h"
 )
 # The highest rank each folder of src/ may include (sources without a header of their own).

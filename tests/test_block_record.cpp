@@ -10,8 +10,8 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
-#include "counting_new.h"
 #include <kvcache/block_record.h>
+#include "counting_new.h"
 
 namespace kvc {
 namespace {
