@@ -2,7 +2,12 @@
 // (tests/redis_test_util.h): round trips, one MGET per get_many, TTLs, damaged and foreign values as misses,
 // a server down at start, killed (SIGKILL) mid-run, or stopped (SIGSTOP: a timeout, not a hang). Label
 // `redis`; skipped with a message when redis-server is not installed.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cmath>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -10,6 +15,8 @@
 #include <gtest/gtest.h>
 #include <kvcache/block_record.h>
 #include <kvcache/redis/redis_store.h>
+#include <kvcache/runtime/runtime.h>
+#include <kvcache/runtime/tiny_model.h>
 
 #include "redis_test_util.h"
 
@@ -251,6 +258,76 @@ TEST(redis_store, throw_errors_when_asked) {
     p.port = 1;
     p.command_timeout_ms = 0;
     EXPECT_THROW(redis_block_store{p}, error);
+}
+
+// Two engine processes share a server: the first (a child process) decodes a prompt on the tiny model and
+// stores its blocks; the second fetches them into a fresh cache, attaches, decodes the rest, and gets the
+// logits of decoding the whole prompt without any cache.
+TEST(redis_store, a_second_process_hits_what_the_first_published) {
+    redis_server server;
+    KVC_REQUIRE_REDIS(server);
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("kvc-two-process-" + std::to_string(::getpid()) + ".gguf"))
+            .string();
+    write_tiny_model(path, tiny_model_options{});
+    const model m = model::load(path);
+    std::filesystem::remove(path);
+    constexpr uint64_t model_id = 0x7e57;
+    std::vector<token_t> prompt;
+    for (int i = 0; i < 22; ++i) prompt.push_back(static_cast<token_t>((i * 7 + 3) % m.hparams().n_vocab));
+    const auto make_cache = [&](bool prefix) {
+        kv_cache_params p = m.cache_params(128, 1);
+        p.type_k = p.type_v = dtype::f32;
+        p.prefix = {.enabled = prefix, .block_size = 4};
+        return std::make_unique<kv_cache>(p);
+    };
+    const auto decode = [&](kv_cache& cache, std::span<const token_t> toks, pos_t p0) {
+        runtime rt(m, cache);
+        batch_storage b = batch::init(static_cast<int32_t>(toks.size()), 0, 1);
+        const seq_id_t ids[1] = {0};
+        for (size_t i = 0; i < toks.size(); ++i)
+            b.add(toks[i], p0 + static_cast<pos_t>(i), ids, i + 1 == toks.size());
+        const decode_result r = rt.decode(b.view());
+        EXPECT_EQ(r.status, memory_status::success);
+        return r.logits;
+    };
+    const auto store_params = [&] {
+        redis_store_params p;
+        p.port = server.port();
+        p.key_prefix = "two:";
+        return p;
+    };
+    const pid_t child = ::fork();
+    if (child == 0) {  // the first engine process: exit status 0 when it stored the prompt's 5 blocks
+        auto cache = make_cache(true);
+        (void)decode(*cache, std::span(prompt).first(20), 0);
+        redis_block_store s(store_params());
+        const uint32_t n = cache->prefix_store_blocks(s, model_id, std::span(prompt).first(20));
+        ::_exit(n == 5 && s.stats().errors == 0 ? 0 : 1);
+    }
+    int status = -1;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "the first process did not store its blocks";
+    // the second process (this one): a fresh cache hits 20 tokens of the 22-token prompt
+    auto cache = make_cache(true);
+    redis_block_store s(store_params());
+    EXPECT_EQ(cache->prefix_fetch_blocks(s, model_id, prompt), 20u);
+    EXPECT_EQ(s.stats().round_trips, 1u);
+    EXPECT_EQ(cache->prefix_attach(0, prompt), 20u);
+    const std::vector<float> hit = decode(*cache, std::span(prompt).subspan(20), 20);
+    auto plain = make_cache(false);
+    const std::vector<float> recompute = decode(*plain, prompt, 0);
+    ASSERT_EQ(hit.size(), recompute.size());
+    ASSERT_FALSE(hit.empty());
+    double worst = 0;
+    for (size_t i = 0; i < hit.size(); ++i)
+        worst = std::max(worst,
+                         std::abs(double{hit[i]} - recompute[i]) / (1e-3 + std::abs(double{recompute[i]})));
+    EXPECT_LT(worst, 1e-4);
+    // another model's fetch finds nothing there
+    auto other = make_cache(true);
+    EXPECT_EQ(other->prefix_fetch_blocks(s, model_id + 1, prompt), 0u);
 }
 
 }  // namespace
