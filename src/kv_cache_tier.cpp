@@ -158,10 +158,18 @@ uint32_t kv_cache::prefix_fetch_blocks(block_store_i& store, uint64_t model_id,
                 cells.pos_set(fresh[j], static_cast<pos_t>(w.depth * bs + j));
                 rows[j] = row(stream, fresh[j]);
             }
-            fit_storage(stream, false);
-            for (uint32_t li = 0; li < layout.layers.size(); ++li) {
-                storage_->load(kv_part::k, li, rows, reinterpret_cast<const std::byte*>(v.k(li).data()));
-                storage_->load(kv_part::v, li, rows, reinterpret_cast<const std::byte*>(v.v(li).data()));
+            try {
+                fit_storage(stream, false);
+                for (uint32_t li = 0; li < layout.layers.size(); ++li) {
+                    storage_->load(kv_part::k, li, rows, reinterpret_cast<const std::byte*>(v.k(li).data()));
+                    storage_->load(kv_part::v, li, rows, reinterpret_cast<const std::byte*>(v.v(li).data()));
+                }
+            } catch (...) {  // the cells go back empty: the blocks fetched before stay, nothing else changed
+                for (const uint32_t c : fresh) {
+                    cells.rm(c);
+                    lower_head(stream, c);
+                }
+                throw;
             }
             id = ps.index.add(parent_id, key, toks, fresh, stream, prefix_default_priority, 0);
             for (const uint32_t c : fresh) cells.hold(c, id);
