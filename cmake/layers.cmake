@@ -4,6 +4,9 @@
 #   core     libkvcache (target kvcache): types, dtype, tensor, batch, memories, state, session
 #   runtime  libkvcache_runtime (target kvcache_runtime, kvcache::runtime): GGUF, models, kernels, thread
 #            pool, tiny model, reference; links the core
+#   redis    libkvcache_redis (target kvcache_redis, kvcache::redis): the Redis block store on hiredis; on the
+#            public headers of the core only, and the core never sees it (its headers refuse
+#            KVC_LAYER_CORE and KVC_LAYER_CAPI), so the core does not depend on hiredis
 #   capi     the C API (src/capi, headers kvcache.h): compiled into libkvcache, on the public C++ API only
 #   python   the Python module (python/src): on the public headers of the core and the runtime only
 #
@@ -21,6 +24,9 @@ function(kvc_layer target layer)
   elseif(layer STREQUAL "runtime")
     target_compile_definitions(${target} PRIVATE KVC_LAYER_RUNTIME)
     target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
+  elseif(layer STREQUAL "redis")
+    target_compile_definitions(${target} PRIVATE KVC_LAYER_REDIS)
+    target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
   elseif(layer STREQUAL "capi")
     target_compile_definitions(${target} PRIVATE KVC_LAYER_CAPI)
     target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
@@ -28,7 +34,7 @@ function(kvc_layer target layer)
     target_compile_definitions(${target} PRIVATE KVC_LAYER_PYTHON)
     target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_BINARY_DIR}/include)
   else()
-    message(FATAL_ERROR "kvc_layer: unknown layer '${layer}' (core, runtime, capi, python)")
+    message(FATAL_ERROR "kvc_layer: unknown layer '${layer}' (core, runtime, redis, capi, python)")
   endif()
 endfunction()
 
@@ -37,13 +43,13 @@ endfunction()
 # batch.cpp never include memory.h, and memory.h never includes state.h. Every public header has a rank.
 set(KVC_INCLUDE_RANKS
   "0 types.h version.h"
-  "1 dtype.h seq_set.h io.h executor.h prefix_cache.h memory_budget.h limits.h"
+  "1 dtype.h seq_set.h io.h executor.h prefix_cache.h memory_budget.h limits.h block_record.h block_store.h disk_store.h"
   "2 tensor.h ops.h kv_storage.h kv_storage_engine.h"
   "3 kv_cells.h batch.h"
   "4 memory.h"
   "5 kv_cache.h memory_recurrent.h recurrent_engine.h kv_cache_iswa.h memory_hybrid.h"
   "6 state.h state_summary.h session.h"
-  "7 runtime/gguf.h runtime/kv_tensors.h runtime/thread_pool.h runtime/tiny_model.h runtime/runtime.h runtime/reference_recurrent.h"
+  "7 runtime/gguf.h runtime/kv_tensors.h runtime/thread_pool.h runtime/tiny_model.h runtime/runtime.h runtime/reference_recurrent.h redis/redis_store.h"
   "8 kvcache.h kvcache_state.h kvcache_prefix.h kvcache_engine.h"
 )
 # Sources whose header has another name.
@@ -51,6 +57,7 @@ set(KVC_SOURCE_HEADERS
   "ops_rope.cpp ops.h"
   "kv_cache_context.cpp kv_cache.h"
   "kv_cache_prefix.cpp kv_cache.h"
+  "kv_cache_tier.cpp kv_cache.h"
   "memory_recurrent_prefix.cpp memory_recurrent.h"
 )
 # The highest rank each folder of src/ may include (sources without a header of their own).
@@ -58,5 +65,6 @@ set(KVC_SOURCE_RANKS
   "src 6"
   "src/detail 6"
   "src/runtime 7"
+  "src/redis 7"
   "src/capi 8"
 )

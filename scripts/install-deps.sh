@@ -8,6 +8,7 @@ packages=(
   g++ cmake ninja-build pkg-config          # toolchain
   libfmt-dev libcli11-dev nlohmann-json3-dev  # formatting, CLI, JSON output
   libxxhash-dev libzstd-dev                 # session file checksums, compression
+  libhiredis-dev redis-server redis-tools   # the Redis block store (kvcache_redis), its tests and benchmark
   libgtest-dev libgmock-dev                 # tests
   libbenchmark-dev                          # benchmarks
   pybind11-dev python3-dev python3-numpy python3-pytest  # the Python package and its tests

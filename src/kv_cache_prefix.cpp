@@ -508,14 +508,14 @@ bool kv_cache::prefix_room_possible(uint32_t stream, uint32_t n) const {
     return prefix_->index.plan_eviction(stream, n - free, plan);
 }
 
-bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n) {
+bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n, std::span<const uint32_t> keep) {
     kv_cells& cells = streams_[stream];
     const uint32_t free = cells.size() - cells.get_used();
     if (free >= n) return true;
     if (!prefix_) return false;
     prefix_state& ps = *prefix_;
     std::vector<uint32_t> plan;
-    if (!ps.index.plan_eviction(stream, n - free, plan)) return false;
+    if (!ps.index.plan_eviction(stream, n - free, plan, keep)) return false;
     for (uint32_t id : plan) {
         ps.emit(prefix_event::kind::removed, id);
         for (uint32_t c : ps.index.cells(id)) {

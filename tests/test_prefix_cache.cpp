@@ -1,7 +1,10 @@
 // The prefix cache of kv_cache: bad input, eviction order, and a property test in which every K row is
 // the fingerprint of the tokens that produced it, so any hit can be checked against what it must hold.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <random>
 #include <set>
@@ -9,8 +12,10 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <xxhash.h>
+#include <kvcache/disk_store.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/state.h>
 
@@ -305,6 +310,54 @@ void churn(engine& e, seq_id_t s, uint32_t n) {
     ASSERT_TRUE(e.decode(s, std::vector<token_t>(n, 9)));
     e.c.seq_rm(s, -1, -1);
     e.seqs[static_cast<size_t>(s)].clear();
+}
+
+// Blocks through a store (docs/tiers.md): fetched blocks hold the rows that were stored (every K row a
+// fingerprint of its tokens), make room by evicting cached blocks of lower standing, and never evict the
+// block they extend, even when it is the first to go by priority.
+TEST(prefix_cache, fetched_blocks_make_room_but_keep_their_chain) {
+    const auto dir = std::filesystem::temp_directory_path() / fmt::format("kvc-prefix-tier-{}", ::getpid());
+    std::filesystem::remove_all(dir);
+    disk_store_params dp;
+    dp.dir = dir.string();
+    disk_block_store store(dp);
+    engine e(32, 2);  // 8 blocks of 4
+    const auto a = seq_of({1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3});
+    ASSERT_TRUE(e.decode(0, a));
+    EXPECT_EQ(e.c.prefix_store_blocks(store, 1, a), 3u);
+    e.c.seq_rm(0, -1, -1);
+    e.seqs[0].clear();
+    e.c.clear(false);
+    // a's first block, cached (priority 50); then 24 cells of b at priority 90: 4 cells free
+    ASSERT_TRUE(e.decode(1, std::span(a).first(4)));
+    e.c.prefix_publish();
+    e.c.seq_rm(1, -1, -1);
+    e.seqs[1].clear();
+    const auto b = seq_of({7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7});
+    ASSERT_EQ(e.c.prefix_attach(0, b, 0, 90), 0u);
+    ASSERT_TRUE(e.decode(0, b));
+    e.c.prefix_publish();
+    e.c.seq_rm(0, -1, -1);
+    e.seqs[0].clear();
+    ASSERT_EQ(e.c.get_prefix_stats().free_cells, 4u);
+    // the second block fits; the third needs room: the second (priority 50, the lowest) is what it extends,
+    // so b's deepest block goes instead
+    auto q = a;
+    q.push_back(4);
+    EXPECT_EQ(e.c.prefix_fetch_blocks(store, 1, q), 12u);
+    const prefix_stats st = e.c.get_prefix_stats();
+    EXPECT_EQ(st.evicted_blocks, 1u);
+    EXPECT_EQ(e.c.prefix_lookup(b, 0), 20u);
+    EXPECT_EQ(e.attach(1, q), 12u);
+    ASSERT_NO_FATAL_FAILURE(e.check(1));  // the rows that a's decode wrote
+    ASSERT_NO_FATAL_FAILURE(e.check_cells());
+    // another model id is another layout: nothing
+    e.c.seq_rm(1, -1, -1);
+    e.seqs[1].clear();
+    e.c.clear(false);
+    EXPECT_EQ(e.c.prefix_fetch_blocks(store, 2, q), 0u);
+    EXPECT_EQ(e.c.prefix_fetch_blocks(store, 1, q), 12u);
+    std::filesystem::remove_all(dir);
 }
 
 TEST(prefix_cache, pinned_prefixes_survive_and_pins_are_bounded) {

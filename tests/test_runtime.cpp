@@ -5,12 +5,14 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <kvcache/disk_store.h>
 #include <kvcache/runtime/runtime.h>
 #include <kvcache/runtime/tiny_model.h>
 #include <kvcache/session.h>
@@ -447,6 +449,58 @@ std::string setup_name(const ::testing::TestParamInfo<setup>& i) {
     return fmt::format("{}_{}_{}{}{}", to_string(i.param.type_k), i.param.v_trans ? "vt" : "v",
                        i.param.unified ? "unified" : "split", i.param.prefix ? "_prefix" : "",
                        i.param.engine ? "_engine" : "");
+}
+
+// Blocks through a tier (docs/tiers.md): a cache stores a prompt's blocks in a disk store; a fresh cache
+// (another engine process, or this one after a restart) fetches them in one read, attaches and decodes the
+// rest: the logits of recomputing, for every K/V type, V layout, stream layout and engine-owned storage.
+TEST_P(prefix_equals_recompute, blocks_through_a_disk_tier) {
+    const std::filesystem::path dir =
+        std::filesystem::temp_directory_path() /
+        fmt::format("kvc-tier-{}-{:x}", ::getpid(), std::hash<std::string>{}(GetParam().name()));
+    std::filesystem::remove_all(dir);
+    disk_store_params dp;
+    dp.dir = dir.string();
+    pair_run a(GetParam());
+    const auto sys = a.tokens(14);  // 3 blocks + 2 tokens
+    a.decode({{{0}, 0, sys}});
+    a.decode({{{0}, -1, a.tokens(1)}});
+    {
+        disk_block_store store(dp);
+        EXPECT_EQ(a.cache().prefix_store_blocks(store, 7, sys), 3u);
+        EXPECT_EQ(a.cache().prefix_store_blocks(store, 7, sys), 0u);  // stored already
+        EXPECT_EQ(store.stats().puts, 3u);
+    }
+    disk_block_store store(dp);  // reopened, as a new process would
+    pair_run b(GetParam());
+    auto q = sys;
+    for (const token_t t : b.tokens(3)) q.push_back(t);
+    EXPECT_EQ(b.cache().prefix_fetch_blocks(store, 7, q), 12u);
+    EXPECT_EQ(store.stats().calls, 1u);  // one read for the whole chain
+    EXPECT_EQ(b.attach(1, q), 12u);
+    b.decode({{{1}, 12, {q.begin() + 12, q.end()}}});
+    for (int i = 0; i < 3; ++i) b.decode({{{1}, -1, b.tokens(1)}});
+    EXPECT_CLOSE(b);
+    // q's fourth block is cached in memory now too (seq 1 published it): nothing is read
+    EXPECT_EQ(b.cache().prefix_fetch_blocks(store, 7, q), 16u);
+    EXPECT_EQ(store.stats().calls, 1u);
+    // another model's layout finds nothing; a damaged second block ends the chain after the first
+    pair_run c(GetParam());
+    EXPECT_EQ(c.cache().prefix_fetch_blocks(store, 8, q), 0u);
+    const uint64_t h0 = block_chain_hash(0, std::span(sys).first(4));
+    const uint64_t h1 = block_chain_hash(h0, std::span(sys).subspan(4, 4));
+    {
+        std::fstream f(dir / block_key(c.cache().prefix_block_layout(7).fingerprint(), 0, h1),
+                       std::ios::binary | std::ios::in | std::ios::out);
+        f.seekp(100);
+        f.put('\x5a');
+    }
+    disk_block_store damaged(dp);
+    EXPECT_EQ(c.cache().prefix_fetch_blocks(damaged, 7, q), 4u);
+    EXPECT_EQ(c.attach(2, q), 4u);
+    c.decode({{{2}, 4, {q.begin() + 4, q.end()}}});
+    EXPECT_CLOSE(c);
+    std::filesystem::remove_all(dir);
 }
 
 std::vector<setup> prefix_setups() {

@@ -23,6 +23,8 @@
 #include <vector>
 
 #include <kvcache/batch.h>
+#include <kvcache/block_record.h>
+#include <kvcache/block_store.h>
 #include <kvcache/dtype.h>
 #include <kvcache/executor.h>
 #include <kvcache/kv_cells.h>
@@ -240,6 +242,27 @@ public:
     /// reports, not for every step.
     prefix_stats get_prefix_stats() const override;
 
+    // -- tiers: cached blocks to and from a block store (src/kv_cache_tier.cpp; docs/tiers.md) --
+    /// The layout of this cache's blocks in a store: its K/V types, V layout, block size and own layers
+    /// (model index, K and V widths); model_id names the model (block_layout::model_id). Throws
+    /// kvc::error(unsupported) without a prefix cache.
+    block_layout prefix_block_layout(uint64_t model_id) const;
+    /// Writes to `store` the cached blocks of the longest cached prefix of `tokens` (whole blocks, the
+    /// whole prompt included) that it does not hold yet (one contains_many, one put_many), as block records
+    /// of prefix_block_layout(model_id). Returns the blocks written. Store failures are the store's to
+    /// count (a store made with throw_errors throws them). Changes no cell.
+    uint32_t prefix_store_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
+                                 uint64_t key = 0);
+    /// Fetches from `store`, in one read_many, the blocks of `tokens` after its longest cached prefix, as
+    /// far as they follow each other: each verified (layout, key, chain hash, parent, depth, the tokens
+    /// themselves), its rows written into free cells of `stream` (evicting cached blocks of lower
+    /// standing, as placement does; never the chain it extends) and published as a cached block under
+    /// `key`. A miss, a value the store or the record check refuses, or no room ends the chain. Returns the
+    /// tokens of `tokens` cached now, in whole blocks (a prefix_attach then gets them). Throws
+    /// kvc::error for bad tokens, a bad stream, or no prefix cache; nothing changes then.
+    uint32_t prefix_fetch_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
+                                 uint64_t key = 0, uint32_t stream = 0);
+
     // -- maintenance (what init_update's context runs) --
     /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
     /// Returns false when there was nothing to do.
@@ -301,7 +324,8 @@ private:
     void check_prefix_tokens(std::span<const token_t> tokens, const char* what) const;
     size_t cell_bytes() const;  // K and V bytes of one cell over every layer
     void prefix_record(const slot_info& sinfo, const ubatch& ub);  // tokens a real apply placed
-    bool prefix_make_room(uint32_t stream, uint32_t n);            // >= n empty cells, evicting
+    // >= n empty cells, evicting cached blocks other than `keep` (sorted ids)
+    bool prefix_make_room(uint32_t stream, uint32_t n, std::span<const uint32_t> keep = {});
     bool prefix_room_possible(uint32_t stream, uint32_t n) const;  // make_room would succeed
     bool prefix_make_room_for(std::span<const ubatch> ubatches);   // room for every token, per stream
     // after cells lost sequences: released blocks; seq_id (seq_all: any sequence) may have emptied;
