@@ -7,6 +7,7 @@
 
 #include <xxhash.h>
 #include <zstd.h>
+#include <zstd_errors.h>
 
 #include <fmt/format.h>
 #include <kvcache/limits.h>
@@ -20,6 +21,26 @@ namespace kvc {
 static_assert(std::endian::native == std::endian::little, "session files are little-endian");
 
 namespace {
+
+// The largest zstd window kvcache writes and reads: 2^23 bytes, what levels up to 19 use (20-22 are
+// capped to it). The decompressor holds the window beside the payload, so a frame may not make it hold
+// more than this (zstd's own limit is 2^27).
+constexpr int zstd_window_log = 23;
+
+ZSTD_DStream* new_dstream() {
+    ZSTD_DStream* ds = ZSTD_createDStream();
+    if (ds == nullptr) return nullptr;
+    ZSTD_initDStream(ds);
+    ZSTD_DCtx_setParameter(ds, ZSTD_d_windowLogMax, zstd_window_log);
+    return ds;
+}
+
+std::string zstd_error(size_t r) {
+    if (ZSTD_getErrorCode(r) == ZSTD_error_frameParameter_windowTooLarge)
+        return fmt::format("the frame needs a window over {} bytes, the most kvcache writes and reads",
+                           size_t{1} << zstd_window_log);
+    return ZSTD_getErrorName(r);
+}
 
 // Header fields at fixed offsets (docs/state-format.md).
 constexpr size_t off_magic = 0, off_version = 4, off_flags = 8, off_seq = 12, off_state_flags = 16,
@@ -85,6 +106,7 @@ public:
     zstd_writer(io_write_i& down, int level, uint64_t src_size) : down_(&down), cctx_(ZSTD_createCCtx()) {
         if (!cctx_) throw error(errc::out_of_memory, "save_file: cannot allocate a zstd context");
         check(ZSTD_CCtx_setParameter(cctx_, ZSTD_c_compressionLevel, level));
+        if (level >= 20) check(ZSTD_CCtx_setParameter(cctx_, ZSTD_c_windowLog, zstd_window_log));
         check(ZSTD_CCtx_setPledgedSrcSize(cctx_, src_size));  // the frame records the payload's size
         out_.resize(ZSTD_CStreamOutSize());
     }
@@ -178,9 +200,8 @@ void check_session_header(std::span<const uint8_t> head, uint64_t size) {
 // frame really produces, never to what it declares: a damaged or hostile frame may declare any size
 // (a 331-byte file declaring 8 GiB was zero-filled for 31 s before it was refused).
 void decompress(std::span<const uint8_t> src, uint64_t declared, std::vector<uint8_t>& out) {
-    const std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
+    const std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(new_dstream(), ZSTD_freeDStream);
     if (!ds) bad_file(errc::out_of_memory, "cannot create a zstd stream");
-    ZSTD_initDStream(ds.get());
     ZSTD_inBuffer in{src.data(), src.size(), 0};
     size_t have = 0;
     out.clear();
@@ -203,8 +224,7 @@ void decompress(std::span<const uint8_t> src, uint64_t declared, std::vector<uin
         const size_t in_before = in.pos;
         const size_t ret = ZSTD_decompressStream(ds.get(), &ob, &in);
         if (ZSTD_isError(ret))
-            bad_file(errc::corrupt_data,
-                     fmt::format("the payload does not decompress: {}", ZSTD_getErrorName(ret)));
+            bad_file(errc::corrupt_data, fmt::format("the payload does not decompress: {}", zstd_error(ret)));
         const bool progress = ob.pos > have || in.pos > in_before;
         have = ob.pos;
         if (ret == 0) break;  // the frame is complete
@@ -358,9 +378,8 @@ public:
     payload_source(io_read_i& f, uint64_t stored, uint64_t payload, bool zstd, xxh3_stream* hash)
         : f_(&f), stored_(stored), payload_(payload), hash_(hash) {
         if (!zstd) return;
-        ds_.reset(ZSTD_createDStream());
+        ds_.reset(new_dstream());
         if (!ds_) bad_file(errc::out_of_memory, "cannot create a zstd stream");
-        ZSTD_initDStream(ds_.get());
         in_buf_.resize(static_cast<size_t>(std::min<uint64_t>(stored, read_chunk)));
     }
 
@@ -435,7 +454,7 @@ private:
         frame_left_ = ZSTD_decompressStream(ds_.get(), &out, &in_);
         if (ZSTD_isError(frame_left_))
             bad_file(errc::corrupt_data,
-                     fmt::format("the payload does not decompress: {}", ZSTD_getErrorName(frame_left_)));
+                     fmt::format("the payload does not decompress: {}", zstd_error(frame_left_)));
     }
 
     void inflate(void* dst, size_t size) {

@@ -298,6 +298,36 @@ std::vector<uint8_t> forge(const std::vector<uint8_t>& file, std::span<const uin
 // Regression (issue 21): a zstd frame declaring 8 GiB was zero-filled (31 s) before it was refused. With
 // the address space limited to 1 GiB more than in use, allocating what the frame declares fails with
 // another message ("cannot allocate"), so the test tells the two apart without timing anything.
+// A frame may ask zstd for a window of up to 128 MiB, held beside the payload: kvcache writes and reads
+// windows of at most 8 MiB, so such a frame is refused from its header, within the memory's largest
+// state or not (issue 21).
+TEST_F(session, a_frame_whose_window_is_over_8_mib_is_refused_before_it_is_held) {
+    std::mt19937 rng(6);
+    auto p = params_for(dtype::f16, dtype::f16, false, true);
+    p.kv_size = 65536;  // a largest state of ~29 MiB (memory comes on demand)
+    kv_cache a(p);
+    decode(a, 0, 0, 4, rng);
+    session_save_options o;
+    o.compress = true;
+    save_file(a, path("z.kvc"), seq_all, o);
+    const auto good = bytes_of(path("z.kvc"));
+    const uint64_t declared = uint64_t{16} << 20;
+    ASSERT_LT(declared, a.state_max_bytes());
+    // a frame header with a window of 2^27 and a 4-byte content size of 16 MiB, then one RLE block
+    std::vector<uint8_t> frame = {0x28, 0xb5, 0x2f, 0xfd, 0x80, 0x88};
+    for (int k = 0; k < 4; ++k) frame.push_back(static_cast<uint8_t>(declared >> (8 * k)));
+    frame.insert(frame.end(), {0x23, 0x03, 0x00, 0x00});
+    put_bytes(path("w.kvc"), forge(good, frame, declared, 0));
+    kv_cache b(p);
+    expect_load_fails(b, path("w.kvc"), seq_all, "the frame needs a window over 8388608 bytes");
+    // the writer keeps to it at every level (here on a small payload: the window follows its size)
+    for (const int level : {1, 19, 22}) {
+        o.zstd_level = level;
+        save_file(a, path("z.kvc"), seq_all, o);
+        load_file(b, path("z.kvc"), seq_all);
+    }
+}
+
 TEST_F(session, forged_files_are_refused_without_allocating_what_they_declare) {
     std::mt19937 rng(5);
     const auto p = params_for(dtype::f16, dtype::f16, false, true);

@@ -38,7 +38,7 @@ inline constexpr uint32_t session_flag_zstd = 1;        ///< the payload is one 
 struct session_save_options {
     state_seq_flags flags = 0;  ///< passed to state_write (and used again on load)
     bool compress = false;      ///< zstd the payload (K/V of a cleared or quantised cache shrink well)
-    int zstd_level = 3;         ///< 1 (fast) .. 19 (small)
+    int zstd_level = 3;         ///< 1 (fast) .. 22 (small; 20-22 with the window capped at 8 MiB)
     std::span<const token_t> tokens{};  ///< stored beside the state: the tokens it was computed from
 };
 
