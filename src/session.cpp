@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 #include <kvcache/limits.h>
+#include <kvcache/memory_budget.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
@@ -328,7 +329,9 @@ void check_body(session_info& info, std::string_view layout, std::span<const uin
                              frame >= ZSTD_CONTENTSIZE_ERROR ? 0 : frame, info.payload_bytes));
 }
 
-parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vector<uint8_t>& storage) {
+// want_payload: a compressed payload is inflated into storage, if it declares at most max_payload bytes.
+parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vector<uint8_t>& storage,
+                     uint64_t max_payload = UINT64_MAX, std::string_view max_name = {}) {
     const size_t size = file.size();
     const session_fields f = read_fields(file.first(std::min(size, session_header_size)), size);
     parsed_session p;
@@ -344,6 +347,7 @@ parsed_session parse(std::span<const uint8_t> file, bool want_payload, std::vect
         return p;
     }
     if (!want_payload) return p;
+    check_limit("read_session: the payload", max_name, info.payload_bytes, max_payload);
     decompress(stored, info.payload_bytes, storage);
     p.payload = storage;
     return p;
@@ -535,9 +539,13 @@ uint64_t save_file(const memory_i& mem, const std::string& path, seq_id_t seq_id
     });
 }
 
-session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload) {
+session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload,
+                          uint64_t max_payload) {
     std::vector<uint8_t> storage;
-    parsed_session p = parse(file, payload != nullptr, storage);
+    const uint64_t memory = get_limits().memory_bytes;
+    const uint64_t limit = max_payload != 0 ? max_payload : memory != 0 ? memory : physical_memory_bytes();
+    parsed_session p =
+        parse(file, payload != nullptr, storage, limit, max_payload != 0 ? "max_payload" : "memory_bytes");
     if (payload) {
         if (p.payload.data() == storage.data())
             *payload = std::move(storage);

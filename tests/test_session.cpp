@@ -320,6 +320,18 @@ TEST_F(session, a_frame_whose_window_is_over_8_mib_is_refused_before_it_is_held)
     put_bytes(path("w.kvc"), forge(good, frame, declared, 0));
     kv_cache b(p);
     expect_load_fails(b, path("w.kvc"), seq_all, "the frame needs a window over 8388608 bytes");
+    // without a memory, read_session inflates at most what its caller accepts
+    std::vector<uint8_t> payload;
+    try {
+        read_session(forge(good, frame, declared, 0), &payload, declared - 1);
+        ADD_FAILURE() << "inflated";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find(fmt::format("the payload: {}, over the limit max_payload of {}",
+                                                         declared, declared - 1)),
+                  std::string::npos)
+            << e.what();
+    }
+    EXPECT_TRUE(payload.empty());
     // the writer keeps to it at every level (here on a small payload: the window follows its size)
     for (const int level : {1, 19, 22}) {
         o.zstd_level = level;

@@ -71,8 +71,12 @@ struct session_info {
 session_info load_file(memory_i& mem, const std::string& path, seq_id_t dest, size_t max_tokens = SIZE_MAX);
 
 /// Parses and verifies a session file held in memory (envelope, checksums, decompression), without a
-/// memory; payload (if not null) receives the uncompressed payload. Throws kvc::error on any problem.
-session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload = nullptr);
+/// memory; payload (if not null) receives the uncompressed payload. Throws kvc::error on any problem. A
+/// compressed payload is inflated only up to max_payload bytes (0: kvc::limits::memory_bytes, 0 there:
+/// physical memory): with no memory to bound it, the caller says what it accepts (a larger declared
+/// size is kvc::error(out_of_range) naming both, before anything is inflated).
+session_info read_session(std::span<const uint8_t> file, std::vector<uint8_t>* payload = nullptr,
+                          uint64_t max_payload = 0);
 
 /// Verifies a session file held in memory as read_session does, then hands its payload to `read` as a
 /// stream of session_info::payload_bytes bytes: a zstd payload is inflated a piece at a time as `read`
