@@ -572,17 +572,12 @@ bool kv_cache::window_make_room_for(std::span<const ubatch> ubatches) {
         auto it = std::find_if(need.begin(), need.end(), [st](const need_of& e) { return e.stream == st; });
         return it == need.end() ? need.emplace_back(need_of{.stream = st}) : *it;
     };
-    std::vector<std::pair<seq_id_t, uint64_t>> per_seq;  // tokens of each sequence
+    std::vector<seq_id_t> seqs;  // the sequence of every token, once per sequence it has
     for (const ubatch& ub : ubatches) {
         std::vector<std::pair<uint32_t, uint64_t>> in_ub;  // tokens of each stream in this ubatch
         for (uint32_t i = 0; i < ub.n_tokens; ++i) {
             const auto ids = ub.seq_ids(i);
-            for (seq_id_t q : ids) {
-                auto it =
-                    std::find_if(per_seq.begin(), per_seq.end(), [q](const auto& e) { return e.first == q; });
-                if (it == per_seq.end()) it = per_seq.insert(per_seq.end(), {q, 0});
-                ++it->second;
-            }
+            seqs.insert(seqs.end(), ids.begin(), ids.end());
             for (size_t k = 0; k < (streams_.size() == 1 ? 1 : ids.size()); ++k) {  // a cell per stream
                 const uint32_t st = streams_.size() == 1 ? 0 : seq_to_stream(ids[k]);
                 ++of(st).tokens;
@@ -594,7 +589,11 @@ bool kv_cache::window_make_room_for(std::span<const ubatch> ubatches) {
         }
         for (const auto& [st, n] : in_ub) of(st).ubatch = std::max(of(st).ubatch, n);
     }
-    for (const auto& [q, n] : per_seq) of(seq_to_stream(q)).window += std::min<uint64_t>(n, params_.n_swa);
+    std::sort(seqs.begin(), seqs.end());
+    for (size_t a = 0, b = 0; a < seqs.size(); a = b) {  // each sequence's tokens: a run
+        while (b < seqs.size() && seqs[b] == seqs[a]) ++b;
+        of(seq_to_stream(seqs[a])).window += std::min<uint64_t>(b - a, params_.n_swa);
+    }
     const auto possible = [&] {  // every stream before evicting in any
         return std::all_of(need.begin(), need.end(), [&](const need_of& e) {
             return e.cells() <= params_.kv_size && prefix_room_possible(e.stream, e.cells());
