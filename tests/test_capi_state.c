@@ -39,6 +39,10 @@ static void test_state(void) {
     CHECK_ERR(kvc_state_seq_get_size(mem, 9, 0, &written), KVC_ERR_OUT_OF_RANGE, "seq_id 9");
     CHECK_ERR(kvc_state_seq_get_size(mem, 0, 0, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
     CHECK_ERR(kvc_state_seq_get_size(NULL, 0, 0, &written), KVC_ERR_INVALID_ARGUMENT, "mem is NULL");
+    uint64_t max_bytes = 0; /* the largest payload a load accepts: at least the whole memory's now */
+    CHECK_OK(kvc_memory_state_max_bytes(mem, &max_bytes));
+    CHECK(max_bytes >= n_whole - 8 && max_bytes < 1u << 30);
+    CHECK_ERR(kvc_memory_state_max_bytes(mem, NULL), KVC_ERR_INVALID_ARGUMENT, "out is NULL");
     CHECK(same_state(mem, whole, n_whole));
 
     /* sequence 0 restored into sequence 1 */

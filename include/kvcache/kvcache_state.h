@@ -109,6 +109,14 @@ KVC_API kvc_status kvc_memory_can_shift(const kvc_memory* mem, bool* out) KVC_NO
 KVC_API kvc_status kvc_state_seq_get_size(const kvc_memory* mem, int32_t seq_id, uint32_t flags,
                                           size_t* out) KVC_NOEXCEPT;
 
+/// @brief The most bytes a state payload this memory can read may hold (a whole-memory state with every
+/// cell used): what a file's declared payload is checked against before it is read
+/// (memory_i::state_max_bytes).
+/// @param mem The memory.
+/// @param out Receives the bytes.
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL pointers.
+KVC_API kvc_status kvc_memory_state_max_bytes(const kvc_memory* mem, uint64_t* out) KVC_NOEXCEPT;
+
 /// @brief Writes the state buffer of a sequence: u32 magic 0xaf143cd8, i32 seq_id, then the payload of
 /// llama.cpp's layout (the payload alone starts at byte 8; see kvc_state_set_payload()).
 /// @param mem The memory.

@@ -252,6 +252,11 @@ void bind_memory_base(py::module_& m) {
                 return self.locked([&] { return state_seq_get_size(*self.mem, s, flags_of(partial)); });
             },
             py::arg("seq_id") = -1, py::arg("partial") = false, "Bytes state_get would return.")
+        .def_property_readonly(
+            "state_max_bytes",
+            [](const py_memory& self) { return self.locked([&] { return self.mem->state_max_bytes(); }); },
+            "The largest state payload the memory can hold (what a session file's payload is checked "
+            "against).")
         .def(
             "state_get",
             [](const py_memory& self, seq_id_t s, bool partial) {

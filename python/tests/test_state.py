@@ -19,6 +19,7 @@ def test_state_bytes_round_trip():
     fill(a, [5, 6], seq=2)
     whole = a.state_get()
     assert isinstance(whole, bytes) and len(whole) == a.state_size()
+    assert len(whole) - 8 <= a.state_max_bytes < 1 << 30  # the most a load accepts
     b = small_cache(kv_size=128)  # another capacity: same layout
     assert b.state_set(whole) == len(whole)
     assert [b.seq_pos_max(s) for s in range(4)] == [3, -1, 1, -1]

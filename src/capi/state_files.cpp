@@ -41,6 +41,10 @@ kvc_status kvc_state_seq_get_size(const kvc_memory* mem, int32_t seq_id, uint32_
     });
 }
 
+kvc_status kvc_memory_state_max_bytes(const kvc_memory* mem, uint64_t* out) noexcept {
+    return guarded(__func__, [&] { need(out, "out") = need(mem, "mem").mem->state_max_bytes(); });
+}
+
 kvc_status kvc_state_seq_get_data(const kvc_memory* mem, int32_t seq_id, uint8_t* dst, size_t capacity,
                                   size_t* written, uint32_t flags) noexcept {
     return guarded(__func__, [&] {
