@@ -61,25 +61,6 @@ bool is_stale_temp(std::string_view f) {
     return file_io.kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
-class call_timer {
-public:
-    explicit call_timer(block_store_stats& s) : s_(s), t0_(std::chrono::steady_clock::now()) {}
-    ~call_timer() {
-        const auto ns = static_cast<uint64_t>(
-            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
-                .count());
-        ++s_.calls;
-        s_.latency_ns += ns;
-        s_.max_latency_ns = std::max(s_.max_latency_ns, ns);
-    }
-    call_timer(const call_timer&) = delete;
-    call_timer& operator=(const call_timer&) = delete;
-
-private:
-    block_store_stats& s_;
-    std::chrono::steady_clock::time_point t0_;
-};
-
 }  // namespace
 
 disk_block_store::disk_block_store(disk_store_params params) : p_(std::move(params)) {
@@ -227,7 +208,7 @@ bool disk_block_store::read_one(const std::string& name, int fd, uint64_t size) 
 
 size_t disk_block_store::read_many(std::span<const std::string> keys, const block_value_fn& on_value) {
     const std::lock_guard lock(mu_);
-    const call_timer timer(stats_);
+    const block_store_call_timer timer(stats_);
     for (const std::string& k : keys) check_key(k);
     stats_.lookups += keys.size();
     size_t found = 0;
@@ -285,7 +266,7 @@ size_t disk_block_store::read_many(std::span<const std::string> keys, const bloc
 
 std::vector<uint8_t> disk_block_store::contains_many(std::span<const std::string> keys) {
     const std::lock_guard lock(mu_);
-    const call_timer timer(stats_);
+    const block_store_call_timer timer(stats_);
     std::vector<uint8_t> out(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
         check_key(keys[i]);
@@ -338,7 +319,7 @@ bool disk_block_store::write_one(const std::string& name, std::span<const uint8_
 
 void disk_block_store::put_many(std::span<const block_put> items) {
     const std::lock_guard lock(mu_);
-    const call_timer timer(stats_);
+    const block_store_call_timer timer(stats_);
     for (const block_put& it : items) {
         check_key(it.key);
         if (it.value.empty())

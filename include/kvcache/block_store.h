@@ -9,6 +9,8 @@
 /// recomputes; only a store made with throw_errors throws it.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -36,6 +38,29 @@ struct block_store_stats {
     uint64_t calls = 0;           ///< read_many (get_many), put_many and contains_many calls
     uint64_t latency_ns = 0;      ///< time spent in those calls, summed
     uint64_t max_latency_ns = 0;  ///< the longest of those calls
+};
+
+/// For stores: counts one call into the stats (calls, latency_ns, max_latency_ns) when it goes out of
+/// scope, however the call ends.
+class block_store_call_timer {
+public:
+    /// Starts timing a call that `stats` counts.
+    explicit block_store_call_timer(block_store_stats& stats)
+        : s_(stats), t0_(std::chrono::steady_clock::now()) {}
+    ~block_store_call_timer() {
+        const auto ns = static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
+                .count());
+        ++s_.calls;
+        s_.latency_ns += ns;
+        s_.max_latency_ns = std::max(s_.max_latency_ns, ns);
+    }
+    block_store_call_timer(const block_store_call_timer&) = delete;             ///< not copyable
+    block_store_call_timer& operator=(const block_store_call_timer&) = delete;  ///< not copyable
+
+private:
+    block_store_stats& s_;
+    std::chrono::steady_clock::time_point t0_;
 };
 
 /// A check of a value read from a store: false refuses it (counted as damaged, a miss). block_value_check

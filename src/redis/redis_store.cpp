@@ -53,26 +53,6 @@ private:
     bool was_pending_ = false;
 };
 
-// Times a call into the stats (calls, latency).
-class call_timer {
-public:
-    explicit call_timer(block_store_stats& s) : s_(s), t0_(std::chrono::steady_clock::now()) {}
-    ~call_timer() {
-        const auto ns = static_cast<uint64_t>(
-            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
-                .count());
-        ++s_.calls;
-        s_.latency_ns += ns;
-        s_.max_latency_ns = std::max(s_.max_latency_ns, ns);
-    }
-    call_timer(const call_timer&) = delete;
-    call_timer& operator=(const call_timer&) = delete;
-
-private:
-    block_store_stats& s_;
-    std::chrono::steady_clock::time_point t0_;
-};
-
 // What went wrong on a connection: hiredis reports a timeout as the EAGAIN of the socket's timeout.
 std::string what_failed(const redisContext* c, uint32_t timeout_ms) {
     if (c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK))
@@ -175,7 +155,7 @@ bool redis_block_store::connect() {
 
 size_t redis_block_store::read_many(std::span<const std::string> keys, const block_value_fn& on_value) {
     const std::lock_guard lock(mu_);
-    const call_timer timer(stats_);
+    const block_store_call_timer timer(stats_);
     stats_.lookups += keys.size();
     if (keys.empty() || !connect()) return 0;
     std::vector<std::string> names;
@@ -224,7 +204,7 @@ void redis_block_store::put_many(std::span<const block_put> items) {
         if (it.value.empty())
             throw error(errc::invalid_argument, fmt::format("redis store: empty value for '{}'", it.key));
     const std::lock_guard lock(mu_);
-    const call_timer timer(stats_);
+    const block_store_call_timer timer(stats_);
     if (items.empty() || !connect()) return;
     const std::string ttl = std::to_string(p_.ttl_seconds);
     const sigpipe_guard guard;
@@ -282,7 +262,7 @@ void redis_block_store::put_many(std::span<const block_put> items) {
 
 std::vector<uint8_t> redis_block_store::contains_many(std::span<const std::string> keys) {
     const std::lock_guard lock(mu_);
-    const call_timer timer(stats_);
+    const block_store_call_timer timer(stats_);
     std::vector<uint8_t> out(keys.size());
     if (keys.empty() || !connect()) return out;
     const sigpipe_guard guard;
