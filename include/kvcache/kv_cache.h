@@ -262,6 +262,8 @@ public:
     /// kvc::error for bad tokens, a bad stream, or no prefix cache; nothing changes then.
     uint32_t prefix_fetch_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
                                  uint64_t key = 0, uint32_t stream = 0);
+    /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
+    std::vector<prefix_tier_stats> get_tier_stats() const;
 
     // -- maintenance (what init_update's context runs) --
     /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
@@ -344,6 +346,13 @@ private:
     // with a sliding window (design D30)
     size_t publish_windowed(seq_id_t s, prefix_tracker& t);           // the tokens it went over
     void cut_windowed(seq_id_t s, prefix_tracker& t, uint32_t keep);  // a rollback to [0, keep)
+    // -- tiers (src/kv_cache_tier.cpp) --
+    std::vector<uint8_t> tier_encode(uint32_t id, const block_layout& layout) const;  // a block's record
+    void tier_evicting(uint32_t id);  // on_evict: its record joins the writes the next flush makes
+    void tier_flush();                // writes what evictions and publishing left to write
+    void tier_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t stream, uint32_t max_tokens);
+    uint32_t fetch_from(block_store_i& store, const block_layout& layout, std::span<const token_t> tokens,
+                        uint64_t key, uint32_t stream, uint32_t n_blocks, uint32_t* refused);
     bool window_make_room_for(std::span<const ubatch> ubatches);
 
     kv_cache_params params_;

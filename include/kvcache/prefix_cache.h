@@ -15,6 +15,7 @@
 #include <functional>
 #include <span>
 
+#include <kvcache/prefix_tiers.h>
 #include <kvcache/types.h>
 
 namespace kvc {
@@ -67,6 +68,9 @@ struct prefix_cache_params {
     /// Called synchronously for every block stored and removed and when the index empties. It must not
     /// call back into the cache; an exception it throws is caught and counted (event_errors).
     std::function<void(const prefix_event&)> on_event{};
+    /// Stores below memory that blocks are written to and fetched back from (kvcache/prefix_tiers.h,
+    /// docs/tiers.md). kv_cache without a sliding window only.
+    prefix_tier_params tiers{};
 };
 
 /// What the prefix cache did and holds (kv_cache::get_prefix_stats()).
@@ -83,6 +87,8 @@ struct prefix_stats {
     uint64_t snapshots_dropped = 0;     ///< recurrent: snapshots evicted, superseded or made stale
     uint64_t swa_published_blocks = 0;  ///< iSWA: blocks the SWA cache kept (those in some window)
     uint64_t swa_evicted_blocks = 0;    ///< iSWA: blocks the SWA cache evicted
+    uint64_t tier_fetched_blocks = 0;   ///< tiers: blocks attaches brought back from a store
+    uint64_t tier_written_blocks = 0;   ///< tiers: blocks written to a store (each store counts)
     uint32_t blocks = 0;                ///< blocks in the index now
     uint32_t cached_cells = 0;  ///< cells held by the index and by no sequence (evictable unless pinned)
     uint32_t shared_cells = 0;  ///< cells held by the index and by sequences
