@@ -227,9 +227,10 @@ void kv_cache::tier_fetch(std::span<const token_t> tokens, uint64_t key, uint32_
         // ask only when bringing back the whole rest costs less than computing it (or to probe)
         const auto k = static_cast<double>(cap - chain.size());
         const double p = ps.tier_params.prefill_ns_per_token;
-        if (p > 0 && tier.cost.known() && tier.cost.predict(k * record) >= k * bs * p) {
+        if (p > 0 && tier.cost.known() && tier.cost.predict(k * record) >= k * bs * p &&
+            (ps.tier_params.probe_every == 0 || ++tier.declined_run < ps.tier_params.probe_every)) {
             ++tier.stats.declined;
-            if (ps.tier_params.probe_every == 0 || ++tier.declined_run < ps.tier_params.probe_every) continue;
+            continue;
         }
         tier.declined_run = 0;
         const auto t0 = std::chrono::steady_clock::now();
