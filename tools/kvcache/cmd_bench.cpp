@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <kvcache/disk_store.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/recurrent_engine.h>
@@ -64,6 +65,27 @@ double best_of(int reps, const std::function<void()>& fn, const std::function<vo
     }
     return best;
 }
+
+// A store that takes `seconds` longer per read (a remote tier on a slow link).
+class delayed_store final : public block_store_i {
+public:
+    delayed_store(std::shared_ptr<block_store_i> inner, double seconds)
+        : in_(std::move(inner)), s_(seconds) {}
+    size_t read_many(std::span<const std::string> keys, const block_value_fn& on_value) override {
+        std::this_thread::sleep_for(std::chrono::duration<double>(s_));
+        return in_->read_many(keys, on_value);
+    }
+    void put_many(std::span<const block_put> items) override { in_->put_many(items); }
+    std::vector<uint8_t> contains_many(std::span<const std::string> keys) override {
+        return in_->contains_many(keys);
+    }
+    block_store_stats stats() const override { return in_->stats(); }
+    std::string describe() const override { return "slow " + in_->describe(); }
+
+private:
+    std::shared_ptr<block_store_i> in_;
+    double s_;
+};
 
 double memcpy_gbs(size_t bytes, int reps) {
     std::vector<uint8_t> a(bytes, 1), b(bytes, 2);
@@ -142,6 +164,7 @@ public:
         prefix();
         state();
         decode();
+        tiers();
         recurrent_decode();
         return std::move(out_);
     }
@@ -441,6 +464,86 @@ private:
         const double g = bytes / s / 1e9, mc = memcpy_gbs(static_cast<size_t>(bytes), reps_);
         add({section_, "tokens per second", 1.0 / s, "tok/s", 0, "", 0, 0});
         add({section_, "K/V read bandwidth", g, "GB/s", mc, "memcpy GB/s", g / mc, 0.5});
+    }
+
+    // Time to first token of a prompt whose blocks are in a tier, against computing the whole prompt
+    // (the yardstick, which also gives the prefill cost per token that tiers' cost model takes): from a
+    // disk tier (its files in the page cache), and from a tier slower than computing, with the cost
+    // model (it asks once, then computes) and without it (what a tier costs when always asked).
+    void tiers() {
+        const uint32_t n = o_.quick ? 256 : 1024;
+        section(fmt::format("tiers: time to first token of a {}-token prompt whose first {} tokens are in a "
+                            "tier (vs computing it all)",
+                            n, n - 16)
+                    .c_str());
+        const fs::path path =
+            fs::temp_directory_path() / fmt::format("kvcache-bench-tier-{}.gguf", ::getpid());
+        tiny_model_options t;
+        t.n_embd = 512;
+        t.n_head = 8;
+        t.n_head_kv = 4;
+        t.n_layer = 2;
+        t.n_ff = 512;
+        write_tiny_model(path.string(), t);
+        const model m = model::load(path.string());
+        fs::remove(path);
+        std::mt19937 rng(11);
+        std::vector<token_t> prompt(n);
+        for (token_t& x : prompt) x = static_cast<token_t>(rng() % m.hparams().n_vocab);
+        const auto decode = [&](runtime& rt, std::span<const token_t> toks, pos_t p0) {
+            batch_storage b = batch::init(static_cast<int32_t>(toks.size()), 0, 1);
+            const seq_id_t ids[1] = {0};
+            for (size_t i = 0; i < toks.size(); ++i)
+                b.add(toks[i], p0 + static_cast<pos_t>(i), ids, i + 1 == toks.size());
+            if (is_fail(rt.decode(b.view()).status)) throw error(errc::invalid_state, "bench: decode failed");
+        };
+        auto p = m.cache_params(2 * n, 1);
+        p.v_trans = false;
+        p.prefix = {.enabled = true, .block_size = 16};
+        kv_cache plain(p);
+        runtime plain_rt(m, plain, runtime_params{.n_threads = o_.threads});
+        const double recompute = best_of(
+            reps_, [&] { decode(plain_rt, prompt, 0); }, [&] { plain.clear(true); });
+        const double prefill_ns = recompute * 1e9 / n;
+        add({section_, "prefill cost (computing the prompt)", prefill_ns, "ns/tok", 0, "", 0, 0});
+
+        const fs::path dir = fs::temp_directory_path() / fmt::format("kvcache-bench-tier-{}", ::getpid());
+        fs::remove_all(dir);
+        disk_store_params dp;
+        dp.dir = dir.string();
+        const auto disk = std::make_shared<disk_block_store>(dp);
+        p.prefix.tiers = {.stores = {disk}, .model_id = 1, .write = tier_write::through};
+        {  // a first engine computes the prompt: its blocks go to the tier
+            kv_cache first(p);
+            runtime rt(m, first, runtime_params{.n_threads = o_.threads});
+            decode(rt, prompt, 0);
+            first.prefix_publish();
+        }
+        // Each run: an empty cache attaches the prompt (fetching its blocks) and computes the rest.
+        const auto ttft = [&](const std::shared_ptr<block_store_i>& store, double cost_ns) {
+            p.prefix.tiers.stores = {store};
+            p.prefix.tiers.prefill_ns_per_token = cost_ns;
+            kv_cache c(p);
+            runtime rt(m, c, runtime_params{.n_threads = o_.threads});
+            const auto run = [&] {
+                const uint32_t hit = c.prefix_attach(0, prompt);
+                decode(rt, std::span(prompt).subspan(hit), static_cast<pos_t>(hit));
+            };
+            run();  // the cost model's first measurement
+            return best_of(reps_, run, [&] { c.clear(true); });
+        };
+        const double from_disk = ttft(disk, prefill_ns);
+        add({section_, "TTFT, disk tier (page cache)", from_disk * 1e3, "ms", recompute * 1e3, "compute ms",
+             recompute / from_disk, 1.0});
+        // a tier whose every call takes twice the prompt's computation
+        const auto slow = std::make_shared<delayed_store>(disk, recompute * 2);
+        const double declined = ttft(slow, prefill_ns);
+        add({section_, "TTFT, slow tier, cost model on", declined * 1e3, "ms", recompute * 1e3, "compute ms",
+             recompute / declined, 0.9});
+        const double asked = ttft(slow, 0);
+        add({section_, "TTFT, slow tier, cost model off", asked * 1e3, "ms", recompute * 1e3, "compute ms",
+             recompute / asked, 0});
+        fs::remove_all(dir);
     }
 
     // One decode step of 64 sequences, one token each, through a memory_recurrent at Mamba-130m's widths
