@@ -523,6 +523,7 @@ private:
         const auto ttft = [&](const std::shared_ptr<block_store_i>& store, double cost_ns) {
             p.prefix.tiers.stores = {store};
             p.prefix.tiers.prefill_ns_per_token = cost_ns;
+            p.prefix.tiers.write = tier_write::never;  // the time to the first token, not of writing
             kv_cache c(p);
             runtime rt(m, c, runtime_params{.n_threads = o_.threads});
             const auto run = [&] {
