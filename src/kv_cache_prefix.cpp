@@ -35,36 +35,17 @@ void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) 
     if (!(q.max_pinned_fraction >= 0.0f && q.max_pinned_fraction <= 1.0f))
         bad(fmt::format("prefix max_pinned_fraction {} must be in [0, 1]", q.max_pinned_fraction));
     if (q.n_vocab < 0) bad(fmt::format("prefix n_vocab {} must not be negative", q.n_vocab));
-    const prefix_tier_params& t = q.tiers;
-    if (t.stores.size() > prefix_max_tiers)
-        bad(fmt::format("the prefix cache takes at most {} tiers, not {}", prefix_max_tiers,
-                        t.stores.size()));
-    if (std::any_of(t.stores.begin(), t.stores.end(), [](const auto& st) { return st == nullptr; }))
-        bad("a prefix tier has no store (null)");
-    if (!t.stores.empty() && p.swa != swa_type::none)
+    detail::tier_set::check(q.tiers, "kv_cache");
+    if (!q.tiers.stores.empty() && p.swa != swa_type::none)
         bad("prefix tiers are not supported with a sliding window (n_swa > 0) yet");
-    if (t.write != tier_write::on_evict && t.write != tier_write::through && t.write != tier_write::never)
-        bad(fmt::format("prefix tiers: write policy {} unknown", static_cast<int>(t.write)));
-    if (!(t.prefill_ns_per_token >= 0 && t.prefill_ns_per_token <= 1e12))
-        bad(fmt::format("prefix tiers: prefill_ns_per_token {} must be in [0, 1e12]",
-                        t.prefill_ns_per_token));
 }
 
 void kv_cache::prefix_init() {
     prefix_ = std::make_unique<prefix_state>(params_.prefix, params_.kv_size,
                                              static_cast<uint32_t>(streams_.size()), params_.n_seq_max,
                                              params_.swa, params_.n_swa);
-    prefix_state& ps = *prefix_;
-    for (const auto& store : ps.tier_params.stores) {
-        prefix_tier& t = ps.tiers.emplace_back();
-        t.store = store;
-        t.stats.where = store->describe();
-    }
-    ps.tier_params.stores.clear();  // held by ps.tiers
-    if (!ps.tiers.empty()) {
-        ps.layout = prefix_block_layout(ps.tier_params.model_id);
-        ps.fingerprint = ps.layout.fingerprint();
-    }
+    const prefix_tier_params& t = params_.prefix.tiers;
+    if (!t.stores.empty()) prefix_->tiers.init(t, prefix_block_layout(t.model_id));
 }
 
 void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
@@ -354,8 +335,7 @@ void kv_cache::prefix_publish() {
                 for (uint32_t c : cs) cells.hold(c, id);
                 ++ps.stats.published_blocks;
                 ps.emit(prefix_event::kind::stored, id);
-                if (ps.tier_params.write == tier_write::through && !ps.tiers.empty())
-                    ps.published.emplace_back(id, ps.index.at(id).gen);
+                if (ps.tiers.write_through()) ps.tiers.published.emplace_back(id, ps.index.at(id).gen);
             }
             ps.set_tail(t, id);
             ++t.n_full;
@@ -464,6 +444,8 @@ prefix_stats kv_cache::get_prefix_stats() const {
     if (!prefix_) return {};
     prefix_stats st = prefix_->stats;
     st.blocks = prefix_->index.size();
+    st.tier_fetched_blocks = prefix_->tiers.fetched_total();
+    st.tier_written_blocks = prefix_->tiers.written_total();
     st.cached_cells = st.shared_cells = st.free_cells = st.pinned_cells = 0;
     for (uint32_t s = 0; s < streams_.size(); ++s) {
         const kv_cells& cells = streams_[s];

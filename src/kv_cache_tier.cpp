@@ -119,7 +119,7 @@ kv_cache::tier_fetch_result kv_cache::fetch_from(block_store_i& store, const blo
                                                  uint32_t stream, uint8_t tier_bit) {
     prefix_state& ps = *prefix_;
     const uint32_t bs = ps.bs();
-    const uint64_t fp = tier_bit != 0 ? ps.fingerprint : layout.fingerprint();
+    const uint64_t fp = tier_bit != 0 ? ps.tiers.fingerprint() : layout.fingerprint();
     tier_fetch_result r;
     std::vector<uint32_t> chain;
     ps.index.match(key, tokens, chain);
@@ -141,11 +141,7 @@ kv_cache::tier_fetch_result kv_cache::fetch_from(block_store_i& store, const blo
     bool open = true;  // a miss, a refusal or no room ends the chain
     std::vector<uint32_t> fresh;
     std::vector<uint64_t> rows(bs);
-    ps.fetching = true;  // evictions for room queue their writes until tier_flush
-    struct end_fetch {
-        bool& f;
-        ~end_fetch() { f = false; }
-    } guard{ps.fetching};
+    const detail::tier_fetch_guard guard(ps.tiers);  // evictions for room queue their writes
     store.read_many(keys, [&](size_t i, std::span<const uint8_t> value) {
         r.bytes += value.size();
         if (!open || i != r.fetched) {
@@ -199,8 +195,8 @@ kv_cache::tier_fetch_result kv_cache::fetch_from(block_store_i& store, const blo
             heads_[stream] = fresh.back() + 1;
             ++ps.stats.published_blocks;
             ps.emit(prefix_event::kind::stored, id);
-            if (tier_bit != 0 && ps.tier_params.write == tier_write::through)
-                ps.published.emplace_back(id, ps.index.at(id).gen);  // for the other tiers
+            if (tier_bit != 0 && ps.tiers.write_through())
+                ps.tiers.published.emplace_back(id, ps.index.at(id).gen);  // for the other tiers
         }
         ps.index.set_stored(id, ps.index.at(id).stored | tier_bit);
         parent_id = id;
@@ -212,119 +208,65 @@ kv_cache::tier_fetch_result kv_cache::fetch_from(block_store_i& store, const blo
 void kv_cache::tier_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t stream,
                           uint32_t max_tokens) {
     prefix_state& ps = *prefix_;
-    if (ps.tiers.empty() || !ps.tier_params.fetch || tokens.empty()) return;
+    if (!ps.tiers.fetches() || tokens.empty()) return;
     const uint32_t bs = ps.bs();
     // what prefix_attach can give: the engine computes the last token
     const uint32_t cap = std::min<uint32_t>(static_cast<uint32_t>(tokens.size() - 1), max_tokens) / bs;
     if (cap == 0) return;
     tokens = tokens.first(size_t{cap} * bs);
-    const double record = static_cast<double>(ps.layout.record_bytes());
+    const auto record = static_cast<double>(ps.tiers.layout().record_bytes());
+    std::vector<uint32_t> chain;
     for (uint32_t t = 0; t < ps.tiers.size(); ++t) {
-        prefix_tier& tier = ps.tiers[t];
-        std::vector<uint32_t> chain;
+        chain.clear();
         ps.index.match(key, tokens, chain);
         if (chain.size() >= cap) break;
-        // ask only when bringing back the whole rest costs less than computing it (or to probe)
+        // ask only when bringing back the whole rest may cost less than computing it
         const auto k = static_cast<double>(cap - chain.size());
-        const double p = ps.tier_params.prefill_ns_per_token;
-        if (p > 0 && tier.cost.known() && tier.cost.predict(k * record) >= k * bs * p &&
-            (ps.tier_params.probe_every == 0 || ++tier.declined_run < ps.tier_params.probe_every)) {
-            ++tier.stats.declined;
-            continue;
-        }
-        tier.declined_run = 0;
+        if (!ps.tiers.worth_asking(t, k * record, k * bs)) continue;
         const auto t0 = std::chrono::steady_clock::now();
         tier_fetch_result r;
         try {
-            r = fetch_from(*tier.store, ps.layout, tokens, key, stream, static_cast<uint8_t>(1u << t));
+            r = fetch_from(ps.tiers.store(t), ps.tiers.layout(), tokens, key, stream,
+                           static_cast<uint8_t>(1u << t));
         } catch (const std::exception&) {  // a tier is a cache: the engine recomputes
-            ++tier.stats.errors;
+            ps.tiers.failed(t);
             continue;
         }
-        const double ns =
-            std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
-        tier.cost.add(static_cast<double>(r.bytes), ns);
-        ++tier.stats.fetches;
-        tier.stats.fetched_blocks += r.fetched;
-        tier.stats.refused_blocks += r.refused;
-        ps.stats.tier_fetched_blocks += r.fetched;
+        ps.tiers.fetched(
+            t, std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count(),
+            r.bytes, r.fetched, r.refused);
     }
     tier_flush();
 }
 
 void kv_cache::tier_evicting(uint32_t id) {
     prefix_state& ps = *prefix_;
-    if (ps.tiers.empty() || ps.tier_params.write != tier_write::on_evict) return;
+    if (!ps.tiers.write_on_evict()) return;
     const prefix_index::block& b = ps.index.at(id);
-    const auto need = static_cast<uint8_t>(ps.all_tiers() & ~b.stored);
-    if (need == 0) return;
-    try {
-        ps.writes.push_back({.key = block_key(ps.fingerprint, ps.index.key_of(id), b.hash),
-                             .value = tier_encode(id, ps.layout),
-                             .need = need,
-                             .id = none,
-                             .gen = 0});
-    } catch (const std::exception&) {  // storage that cannot save: the block is lost, as without tiers
-        for (uint32_t t = 0; t < ps.tiers.size(); ++t)
-            if (need & (1u << t)) ++ps.tiers[t].stats.errors;
-    }
+    ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), prefix_index::none, 0,
+                   [&] { return tier_encode(id, ps.tiers.layout()); });
 }
 
 void kv_cache::tier_flush() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    if (ps.fetching || ps.tiers.empty()) return;
-    for (const auto& [id, gen] : ps.published) {  // write-through: blocks published since the last flush
+    if (ps.tiers.empty() || ps.tiers.fetching) return;
+    for (const auto& [id, gen] :
+         ps.tiers.published) {  // write-through: blocks published since the last flush
         if (!ps.index.alive(id, gen)) continue;
         const prefix_index::block& b = ps.index.at(id);
-        const auto need = static_cast<uint8_t>(ps.all_tiers() & ~b.stored);
-        if (need == 0) continue;
-        try {
-            ps.writes.push_back({.key = block_key(ps.fingerprint, ps.index.key_of(id), b.hash),
-                                 .value = tier_encode(id, ps.layout),
-                                 .need = need,
-                                 .id = id,
-                                 .gen = gen});
-        } catch (const std::exception&) {
-            for (uint32_t t = 0; t < ps.tiers.size(); ++t)
-                if (need & (1u << t)) ++ps.tiers[t].stats.errors;
-        }
+        ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), id, gen,
+                       [&] { return tier_encode(id, ps.tiers.layout()); });
     }
-    ps.published.clear();
-    if (ps.writes.empty()) return;
-    std::vector<block_put> puts;
-    for (uint32_t t = 0; t < ps.tiers.size(); ++t) {
-        prefix_tier& tier = ps.tiers[t];
-        puts.clear();
-        for (const tier_write_item& w : ps.writes)
-            if (w.need & (1u << t)) puts.push_back({w.key, w.value});
-        if (puts.empty()) continue;
-        try {
-            tier.store->put_many(puts);
-        } catch (const std::exception&) {
-            ++tier.stats.errors;
-            continue;
-        }
-        tier.stats.written_blocks += puts.size();
-        ps.stats.tier_written_blocks += puts.size();
-        for (const tier_write_item& w : ps.writes)
-            if ((w.need & (1u << t)) && w.id != none && ps.index.alive(w.id, w.gen))
-                ps.index.set_stored(w.id, ps.index.at(w.id).stored | (1u << t));
-    }
-    ps.writes.clear();
+    ps.tiers.published.clear();
+    ps.tiers.flush([&](uint32_t id, uint32_t gen, uint8_t bit) {
+        if (id != prefix_index::none && ps.index.alive(id, gen))
+            ps.index.set_stored(id, ps.index.at(id).stored | bit);
+    });
 }
 
 std::vector<prefix_tier_stats> kv_cache::get_tier_stats() const {
-    std::vector<prefix_tier_stats> out;
-    if (!prefix_) return out;
-    for (const prefix_tier& t : prefix_->tiers) {
-        prefix_tier_stats s = t.stats;
-        s.est_latency_ns = t.cost.latency_ns();
-        s.est_ns_per_byte = t.cost.ns_per_byte();
-        s.store = t.store->stats();
-        out.push_back(std::move(s));
-    }
-    return out;
+    return prefix_ ? prefix_->tiers.stats() : std::vector<prefix_tier_stats>{};
 }
 
 }  // namespace kvc
