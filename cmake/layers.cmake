@@ -59,6 +59,7 @@ set(KVC_SOURCE_HEADERS
   "kv_cache_prefix.cpp kv_cache.h"
   "kv_cache_tier.cpp kv_cache.h"
   "memory_recurrent_prefix.cpp memory_recurrent.h"
+  "memory_recurrent_tier.cpp memory_recurrent.h"
 )
 # The highest rank each folder of src/ may include (sources without a header of their own).
 set(KVC_SOURCE_RANKS

@@ -36,13 +36,14 @@ void store_at(std::span<uint8_t> b, size_t off, T v) {
 }
 
 // K and V bytes of one layer of a block.
-uint64_t layer_bytes(dtype t, uint32_t n, uint32_t block_size, uint32_t il, const char* which) {
+uint64_t layer_bytes(dtype t, uint32_t n, uint32_t rows, bool may_be_empty, uint32_t il, const char* which) {
+    if (n == 0 && may_be_empty) return 0;
     if (n == 0 || n % static_cast<uint64_t>(kvc::block_size(t)) != 0)
         throw error(errc::invalid_argument,
                     fmt::format("block layout: layer {} has {} {} values per row, not a positive multiple of "
                                 "{}'s blocks of {}",
                                 il, n, which, to_string(t), kvc::block_size(t)));
-    return uint64_t{row_size(t, n)} * block_size;
+    return uint64_t{row_size(t, n)} * rows;
 }
 
 // Where each layer's K and V start in the rows, and their end.
@@ -50,11 +51,13 @@ std::vector<uint64_t> offsets_of(const block_layout& layout) {
     std::vector<uint64_t> off;
     off.reserve(2 * layout.layers.size() + 1);
     uint64_t at = 0;
+    // K/V: a row per token; a snapshot: one state row per layer (r as K, s as V)
+    const uint32_t rows = layout.per_block ? 1 : layout.block_size;
     for (const block_layer& l : layout.layers) {
         off.push_back(at);
-        at += layer_bytes(layout.type_k, l.n_k, layout.block_size, l.il, "K");
+        at += layer_bytes(layout.type_k, l.n_k, rows, layout.per_block, l.il, "K");
         off.push_back(at);
-        at += layer_bytes(layout.type_v, l.n_v, layout.block_size, l.il, "V");
+        at += layer_bytes(layout.type_v, l.n_v, rows, layout.per_block, l.il, "V");
         if (at > UINT64_MAX / 4)
             throw error(errc::invalid_argument, "block layout: the rows of a block exceed 2^62 bytes");
     }
@@ -67,6 +70,8 @@ void check_layout(const block_layout& layout) {
         throw error(errc::invalid_argument,
                     fmt::format("block layout: block_size {} is not in [1, 1048576]", layout.block_size));
     if (layout.layers.empty()) throw error(errc::invalid_argument, "block layout: no layers");
+    if (layout.v_trans && layout.per_block)
+        throw error(errc::invalid_argument, "block layout: a snapshot's states have no channel-major V");
     if (layout.v_trans && is_quantized(layout.type_v))
         throw error(errc::invalid_argument,
                     fmt::format("block layout: channel-major V needs a float type, not {}",
@@ -103,6 +108,7 @@ uint64_t block_layout::fingerprint() const {
         words.push_back(l.n_k);
         words.push_back(l.n_v);
     }
+    if (per_block) words.push_back(0x534e4150);  // "SNAP": K/V layouts keep the fingerprints they had
     return XXH3_64bits(words.data(), words.size() * sizeof(uint64_t));
 }
 

@@ -107,6 +107,7 @@ bool memory_recurrent::prefix_state::evict_one() {
     const uint32_t id = plan.front();
     const uint32_t parent = index.at(id).parent;
     if (has_snapshot(id)) {
+        if (before_evict) before_evict(id);
         free_slot(block_slot[id]);
         block_slot[id] = none;
         ++stats.snapshots_dropped;
@@ -156,8 +157,11 @@ void memory_recurrent::prefix_init() {
     if (!(q.protected_fraction >= 0.0f && q.protected_fraction <= 1.0f))
         bad(fmt::format("prefix protected_fraction {} must be in [0, 1]", q.protected_fraction));
     if (q.n_vocab < 0) bad(fmt::format("prefix n_vocab {} must not be negative", q.n_vocab));
-    if (!q.tiers.stores.empty()) bad("prefix tiers are supported by kv_cache only, not by recurrent memories yet");
+    detail::tier_set::check(q.tiers, "memory_recurrent");
     prefix_ = std::make_unique<prefix_state>(q, size_, n_snap_);
+    if (q.tiers.stores.empty()) return;
+    prefix_->tiers.init(q.tiers, prefix_block_layout(q.tiers.model_id));
+    prefix_->before_evict = [this](uint32_t id) { tier_evicting(id); };
 }
 
 uint32_t memory_recurrent::get_snapshots_used() const {
@@ -215,9 +219,10 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
+    const auto usable = tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1));
+    tier_fetch(usable, key);  // a deeper snapshot than memory's, from the tiers
     std::vector<uint32_t> chain;
-    const int64_t d =
-        ps.deepest(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key, chain);
+    const int64_t d = ps.deepest(usable, key, chain);
     recurrent_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
     ps.stop(t);
     t = recurrent_tracker{};
@@ -295,6 +300,7 @@ void memory_recurrent::prefix_publish() {
             ps.slot_block[p.slot] = t.tail;
             ps.block_slot[t.tail] = p.slot;
             ++ps.stats.snapshots_saved;
+            if (p.kept && ps.tiers.write_through()) ps.tiers.published.emplace_back(t.tail, t.tail_gen);
             if (!p.kept) {
                 t.roll = t.tail;
                 t.roll_gen = t.tail_gen;
@@ -310,6 +316,7 @@ void memory_recurrent::prefix_publish() {
     }
     ps.pending.clear();
     fit_snapshots();
+    tier_flush();  // write-through
 }
 
 bool memory_recurrent::prefix_drop(const prefix_event& e) {
@@ -332,6 +339,8 @@ prefix_stats memory_recurrent::get_prefix_stats() const {
     prefix_stats st = ps.stats;
     st.blocks = ps.index.size();
     st.snapshots = get_snapshots_used();
+    st.tier_fetched_blocks = ps.tiers.fetched_total();
+    st.tier_written_blocks = ps.tiers.written_total();
     st.index_bytes = ps.index.bytes() + ps.pending.capacity() * sizeof(seq_id_t) +
                      (ps.holders.capacity() + ps.block_slot.capacity() + ps.slot_block.capacity() +
                       ps.free_slots.capacity()) *
@@ -397,6 +406,7 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
     }
     // room in the pool, evicting in policy order; what does not fit is not taken
     while (ps.free_slots.size() < ps.requests.size() && ps.evict_one()) {}
+    tier_flush();  // the snapshots evicted, when they go to the tiers
     ps.snaps.clear();
     ps.snaps.reserve(ps.requests.size());
     if (ps.pending.capacity() < ps.pending.size() + ub.n_seqs)

@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <kvcache/disk_store.h>
 #include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/runtime/gguf.h>
@@ -56,6 +57,7 @@ struct setup {
     bool prefix = false;
     uint32_t interval = 2;
     uint32_t snapshots = 64;
+    prefix_tier_params tiers{};  // stores below the prefix cache (recurrent memories)
     std::string name() const {
         return fmt::format("{}_rs{}_ub{}_{}_{}_{}_{}{}", arch == tiny_arch::mamba ? "mamba" : "jamba",
                            n_rs_seq, n_ubatch, embd_all ? "seq" : "equal", unified ? "unified" : "streams",
@@ -82,6 +84,7 @@ std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max, kv_ten
                     .n_vocab = static_cast<int32_t>(m.hparams().n_vocab),
                     .snapshot_interval = s.interval,
                     .max_snapshots = s.snapshots};
+        p.prefix.tiers = s.tiers;
         return std::make_unique<memory_recurrent>(p);
     }
     memory_hybrid_params p = m.hybrid_params(256, n_seq_max);
@@ -479,6 +482,50 @@ TEST_P(recurrent_prefix_equals_recompute, rollbacks_copies_and_restores) {
     EXPECT_EQ(prefix_of{r}.lookup(prompt), 0u);
     r.decode({{{3}, -1, r.tokens(2)}});
     EXPECT_CLOSE(r);
+}
+
+// Snapshots through a disk tier: written when published (kept ones: prompt ends and intervals) they bring
+// every conversation back into a fresh memory (a restart); written when evicted from a pool of 3 they bring
+// back the conversations it lost. Resuming from them gives the logits of decoding everything.
+TEST_P(recurrent_prefix_equals_recompute, snapshots_come_back_from_a_tier) {
+    if (GetParam().arch != tiny_arch::mamba) GTEST_SKIP() << "hybrid memories take no tiers yet";
+    for (const tier_write write : {tier_write::through, tier_write::on_evict}) {
+        SCOPED_TRACE(static_cast<int>(write));
+        const fs::path dir = fs::temp_directory_path() / fmt::format("kvc-rt-tier-{}", ::getpid());
+        fs::remove_all(dir);
+        disk_store_params dp;
+        dp.dir = dir.string();
+        setup s = GetParam();
+        s.tiers = {.stores = {std::make_shared<disk_block_store>(dp)}, .model_id = 5, .write = write};
+        if (write == tier_write::on_evict) s.snapshots = 3;
+        pair_run r(s);
+        std::vector<std::vector<token_t>> prompts;
+        for (int i = 0; i < 6; ++i) {
+            prompts.push_back(r.tokens(13 + 2 * static_cast<size_t>(i)));
+            EXPECT_EQ(r.attach(0, prompts.back()), 0u);
+            r.rest(0, prompts.back(), 0);
+            r.decode({{{0}, -1, r.tokens(1)}});
+            EXPECT_TRUE(r.mem().seq_rm(0, -1, -1));
+            r.ref().seq_rm(0, -1, -1);
+        }
+        const auto tiers = [&] { return dynamic_cast<memory_recurrent&>(r.mem()).get_tier_stats().at(0); };
+        EXPECT_GT(tiers().written_blocks, 0u);
+        if (write == tier_write::through) r.renew();  // a restart: memory is empty, the tier is not
+        for (size_t i = 0; i < 2; ++i) {
+            // the prompt's end snapshot (or, with interval 0 and a small pool, what eviction wrote)
+            const std::vector<token_t> next = concat(prompts[i], r.tokens(3));
+            const uint32_t n = r.attach(1, next);
+            EXPECT_EQ(n, prompts[i].size() / 4 * 4) << i;
+            r.rest(1, next, n);
+            r.decode({{{1}, -1, r.tokens(1)}});
+            EXPECT_TRUE(r.mem().seq_rm(1, -1, -1));
+            r.ref().seq_rm(1, -1, -1);
+        }
+        EXPECT_GE(tiers().fetched_blocks, 2u);
+        EXPECT_EQ(tiers().errors, 0u);
+        EXPECT_CLOSE(r);
+        fs::remove_all(dir);
+    }
 }
 
 std::vector<setup> prefix_setups() {

@@ -58,6 +58,10 @@ struct block_layout {
     bool v_trans = false;             ///< V bytes of a layer channel-major ([n_v][block_size]), not rows
     uint32_t block_size = 16;         ///< tokens (cells) per block
     std::vector<block_layer> layers;  ///< the cached layers, in the order their rows are stored
+    /// A recurrent snapshot, not K/V rows: each layer's "K" part is its r state and its "V" part its s
+    /// state after the block's last token, one row each for the whole block (a width may be 0: the layer
+    /// has no such state).
+    bool per_block = false;
 
     /// K and V bytes of one block over every layer. Throws kvc::error(invalid_argument) when a width is
     /// not whole blocks of its type, or the total exceeds UINT64_MAX / 2.

@@ -65,6 +65,7 @@
 #include <vector>
 
 #include <kvcache/batch.h>
+#include <kvcache/block_record.h>
 #include <kvcache/dtype.h>
 #include <kvcache/memory.h>
 #include <kvcache/prefix_cache.h>
@@ -234,6 +235,12 @@ public:
     uint32_t get_snapshots_used() const;
     /// Bytes of one snapshot: one row of every tensor.
     size_t snapshot_bytes() const;
+    /// The layout of this memory's snapshot records in a tier (docs/tiers.md): block_layout::per_block,
+    /// types type_r / type_s, per own layer its r and s widths; model_id names the model. Throws
+    /// kvc::error(unsupported) without a prefix cache.
+    block_layout prefix_block_layout(uint64_t model_id) const;
+    /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
+    std::vector<prefix_tier_stats> get_tier_stats() const;
 
     // -- shape --
     /// The parameters the memory was built with.
@@ -339,6 +346,16 @@ private:
     void prefix_copy(seq_id_t src, seq_id_t dst);
     void prefix_reset();   // the memory was emptied or replaced
     void fit_snapshots();  // rows of free slots above the last used one go back
+    // -- tiers (src/memory_recurrent_tier.cpp) --
+    std::vector<uint8_t> tier_encode(uint32_t id) const;  // the record of block id's snapshot
+    void tier_evicting(uint32_t id);                      // on_evict: its snapshot is queued for writing
+    void tier_flush();                                    // writes what is queued
+    // prefix_attach: brings back from the tiers a snapshot deeper than memory's, for `tokens`
+    void tier_fetch(std::span<const token_t> tokens, uint64_t key);
+    // A verified snapshot at the end of block d of `tokens` into a pool slot, its chain into the index;
+    // false when the pool has no slot to give (tier_bit: the tier it came from)
+    bool install_snapshot(std::span<const token_t> tokens, uint64_t key, uint32_t d, const block_view& v,
+                          uint8_t tier_bit);
 
     recurrent_params params_;
     uint32_t size_ = 0;

@@ -14,6 +14,7 @@
 #include <kvcache/memory_recurrent.h>
 
 #include "detail/prefix_index.h"
+#include "detail/tier_set.h"
 
 namespace kvc {
 
@@ -65,6 +66,9 @@ struct memory_recurrent::prefix_state {
     std::vector<rs_snap> snaps;           // scratch: the rows of the ubatch being placed
     prefix_stats stats;
     std::function<void(const prefix_event&)> on_event;
+    detail::tier_set tiers;  // below memory (src/memory_recurrent_tier.cpp)
+    std::function<void(uint32_t)>
+        before_evict;  // with tiers: a snapshot about to be evicted (its rows intact)
 
     prefix_state(const prefix_cache_params& p, uint32_t n_seq_max, uint32_t n_slots);
 
