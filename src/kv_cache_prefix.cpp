@@ -405,6 +405,7 @@ uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(c
                           .tokens = ps.index.tokens(id)}))
             break;
         const uint32_t parent = b.parent, stream = b.stream;
+        tier_evicting(id);  // it leaves memory as an eviction would
         ps.emit(prefix_event::kind::removed, id);
         kv_cells& cells = streams_[stream];
         for (uint32_t c : ps.index.cells(id)) {
@@ -417,6 +418,7 @@ uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(c
         ++n;
         id = parent;  // queued now if this was its last child
     }
+    if (n > 0) tier_flush();
     return n;
 }
 

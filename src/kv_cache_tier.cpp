@@ -265,6 +265,14 @@ void kv_cache::tier_flush() {
     });
 }
 
+void kv_cache::prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
+                            uint32_t max_tokens) {
+    check_prefix_tokens(tokens, "prefix_fetch");
+    check_seq(seq_id, "prefix_fetch");
+    prefix_publish();
+    tier_fetch(tokens, key, seq_to_stream(seq_id), max_tokens);
+}
+
 std::vector<prefix_tier_stats> kv_cache::get_tier_stats() const {
     return prefix_ ? prefix_->tiers.stats() : std::vector<prefix_tier_stats>{};
 }

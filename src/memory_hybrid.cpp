@@ -22,8 +22,6 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
             "one half of the state)");
     if (params_.prefix.enabled) {
         if (params_.iswa) bad("the prefix cache does not support an iSWA attention part yet");
-        if (!params_.prefix.tiers.stores.empty())
-            bad("prefix tiers are supported by kv_cache only, not by hybrid memories yet");
         params_.attn.prefix = params_.recr.prefix = params_.prefix;
         // the user hears the attention part's blocks; both parts' removals reach the other (sync_parts)
         const auto queue = [this](bool attn, const prefix_event& e) {
@@ -68,6 +66,11 @@ uint32_t memory_hybrid::prefix_attach(seq_id_t seq_id, std::span<const token_t> 
     if (!kv_) throw error(errc::unsupported, "prefix_attach: the memory has no prefix cache");
     if (recr_->seq_pos_max(seq_id) >= 0 || kv_->seq_pos_min(seq_id) >= 0)  // checks the id
         throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
+    // the tiers first: a deeper snapshot, then the K/V up to the deepest snapshot
+    const auto usable = tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1));
+    recr_->prefix_fetch(usable, key, max_tokens);
+    kv_->prefix_fetch(seq_id, usable, key, recr_->prefix_lookup(usable, key));
+    sync_parts();  // what the fetches evicted
     // the deepest boundary with both halves; the attention part attaches up to it (fewer when copies
     // across streams find no room), the recurrent part its snapshot at or before where that stopped
     const uint32_t n_both =
@@ -114,7 +117,24 @@ prefix_stats memory_hybrid::get_prefix_stats() const {
     s.snapshots = r.snapshots;
     s.event_errors += r.event_errors;
     s.index_bytes += r.index_bytes;
+    s.tier_fetched_blocks += r.tier_fetched_blocks;
+    s.tier_written_blocks += r.tier_written_blocks;
     return s;
+}
+
+std::vector<prefix_tier_stats> memory_hybrid::get_tier_stats() const {
+    if (!kv_) return {};
+    std::vector<prefix_tier_stats> a = kv_->get_tier_stats();
+    const std::vector<prefix_tier_stats> r = recr_->get_tier_stats();
+    for (size_t i = 0; i < a.size() && i < r.size(); ++i) {  // one store, the two parts' use of it
+        a[i].fetches += r[i].fetches;
+        a[i].fetched_blocks += r[i].fetched_blocks;
+        a[i].declined += r[i].declined;
+        a[i].refused_blocks += r[i].refused_blocks;
+        a[i].written_blocks += r[i].written_blocks;
+        a[i].errors += r[i].errors;
+    }
+    return a;
 }
 
 memory_hybrid::~memory_hybrid() = default;

@@ -324,8 +324,10 @@ bool memory_recurrent::prefix_drop(const prefix_event& e) {
     prefix_state& ps = *prefix_;
     const uint32_t id = ps.index.find_hash(e.hash, e.parent_hash, e.tokens);
     if (id == none || !ps.has_snapshot(id)) return false;
+    tier_evicting(id);  // it leaves memory as an eviction would
     ps.drop_snapshot(id);
     fit_snapshots();
+    tier_flush();
     return true;
 }
 

@@ -30,6 +30,12 @@ block_layout memory_recurrent::prefix_block_layout(uint64_t model_id) const {
     return l;
 }
 
+void memory_recurrent::prefix_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens) {
+    check_prefix_tokens(tokens, "prefix_fetch");
+    prefix_publish();
+    tier_fetch(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key);
+}
+
 std::vector<prefix_tier_stats> memory_recurrent::get_tier_stats() const {
     return prefix_ ? prefix_->tiers.stats() : std::vector<prefix_tier_stats>{};
 }

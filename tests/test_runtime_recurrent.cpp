@@ -98,6 +98,7 @@ std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max, kv_ten
                 .n_vocab = static_cast<int32_t>(m.hparams().n_vocab),
                 .snapshot_interval = s.interval,
                 .max_snapshots = s.snapshots};
+    p.prefix.tiers = s.tiers;
     return std::make_unique<memory_hybrid>(p);
 }
 
@@ -488,7 +489,6 @@ TEST_P(recurrent_prefix_equals_recompute, rollbacks_copies_and_restores) {
 // every conversation back into a fresh memory (a restart); written when evicted from a pool of 3 they bring
 // back the conversations it lost. Resuming from them gives the logits of decoding everything.
 TEST_P(recurrent_prefix_equals_recompute, snapshots_come_back_from_a_tier) {
-    if (GetParam().arch != tiny_arch::mamba) GTEST_SKIP() << "hybrid memories take no tiers yet";
     for (const tier_write write : {tier_write::through, tier_write::on_evict}) {
         SCOPED_TRACE(static_cast<int>(write));
         const fs::path dir = fs::temp_directory_path() / fmt::format("kvc-rt-tier-{}", ::getpid());
@@ -508,7 +508,10 @@ TEST_P(recurrent_prefix_equals_recompute, snapshots_come_back_from_a_tier) {
             EXPECT_TRUE(r.mem().seq_rm(0, -1, -1));
             r.ref().seq_rm(0, -1, -1);
         }
-        const auto tiers = [&] { return dynamic_cast<memory_recurrent&>(r.mem()).get_tier_stats().at(0); };
+        const auto tiers = [&] {
+            if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->get_tier_stats().at(0);
+            return dynamic_cast<memory_recurrent&>(r.mem()).get_tier_stats().at(0);
+        };
         EXPECT_GT(tiers().written_blocks, 0u);
         if (write == tier_write::through) r.renew();  // a restart: memory is empty, the tier is not
         for (size_t i = 0; i < 2; ++i) {

@@ -264,6 +264,10 @@ public:
                                  uint64_t key = 0, uint32_t stream = 0);
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
     std::vector<prefix_tier_stats> get_tier_stats() const;
+    /// For memories built of parts (memory_hybrid): brings back from the tiers what memory lacks of the
+    /// first max_tokens of `tokens` (whole blocks, the last token excluded), into seq_id's stream, as
+    /// prefix_attach does first. Nothing without tiers. Throws as prefix_attach for bad tokens or ids.
+    void prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
 
     // -- maintenance (what init_update's context runs) --
     /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.

@@ -113,6 +113,10 @@ public:
     /// The attention part's counters and cells, the recurrent part's snapshot counters; lookups and hits
     /// are the hybrid's own.
     prefix_stats get_prefix_stats() const override;
+    /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without): the
+    /// attention part's blocks and the recurrent part's snapshots through the same stores, counted together
+    /// (est_* and store: the attention part's).
+    std::vector<prefix_tier_stats> get_tier_stats() const;
 
     // -- parts --
     memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)

@@ -241,6 +241,10 @@ public:
     block_layout prefix_block_layout(uint64_t model_id) const;
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
     std::vector<prefix_tier_stats> get_tier_stats() const;
+    /// For memories built of parts (memory_hybrid): brings back from the tiers a snapshot deeper than
+    /// memory's for the first max_tokens + 1 of `tokens`, as prefix_attach does first. Nothing without
+    /// tiers. Throws as prefix_attach for bad tokens.
+    void prefix_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
 
     // -- shape --
     /// The parameters the memory was built with.
