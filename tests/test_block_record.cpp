@@ -107,7 +107,7 @@ TEST(block_record, chain_hash_is_the_prefix_caches) {
 
 TEST(block_record, fingerprint_covers_every_field) {
     const block_layout base = layout2();
-    std::vector<block_layout> changed(9, base);
+    std::vector<block_layout> changed(10, base);
     changed[0].model_id = 0x1235;
     changed[1].type_k = dtype::f32;
     changed[2].type_v = dtype::q4_0;
@@ -118,6 +118,7 @@ TEST(block_record, fingerprint_covers_every_field) {
     changed[6].layers[0].n_k = 16;
     changed[7].layers[1].n_v = 96;
     changed[8].layers.pop_back();
+    changed[9].per_block = true;
     std::set<uint64_t> fps{base.fingerprint()};
     for (const block_layout& l : changed) EXPECT_TRUE(fps.insert(l.fingerprint()).second);
     // and a value of one is foreign to every other
@@ -125,6 +126,32 @@ TEST(block_record, fingerprint_covers_every_field) {
     for (const block_layout& l : changed)
         EXPECT_NE(refusal(s.value, l).find("corrupt_data: block record: layout fingerprint"),
                   std::string::npos);
+}
+
+// A recurrent snapshot: one row of each state per layer, whatever the block size; a layer may have none.
+TEST(block_record, per_block_layouts_hold_one_state_row_per_layer) {
+    block_layout l;
+    l.type_k = dtype::f32;
+    l.type_v = dtype::f16;
+    l.block_size = 16;
+    l.per_block = true;
+    l.layers = {{.il = 0, .n_k = 12, .n_v = 64}, {.il = 1, .n_k = 0, .n_v = 8}};
+    EXPECT_EQ(l.row_bytes(), uint64_t{12 * 4 + 64 * 2 + 0 + 8 * 2});
+    std::vector<token_t> toks(16, 3);
+    const block_id id{.key = 1, .hash = block_chain_hash(1, toks), .parent_hash = 1, .depth = 0};
+    std::vector<uint8_t> rows(l.row_bytes(), 0x42);
+    const std::vector<uint8_t> v = encode_block(l, id, toks, rows);
+    const block_view view = decode_block(v, l, &id);
+    EXPECT_EQ(view.k(0).size(), 48u);
+    EXPECT_EQ(view.v(0).size(), 128u);
+    EXPECT_EQ(view.k(1).size(), 0u);
+    EXPECT_EQ(view.v(1).size(), 16u);
+    l.v_trans = true;
+    EXPECT_THROW((void)l.row_bytes(), error);
+    block_layout kv = l;  // the same widths as K/V rows: a width of 0 is refused, and the bytes differ
+    kv.per_block = false;
+    kv.v_trans = false;
+    EXPECT_THROW((void)kv.row_bytes(), error);
 }
 
 TEST(block_record, layout_refusals) {

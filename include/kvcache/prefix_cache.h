@@ -68,8 +68,8 @@ struct prefix_cache_params {
     /// Called synchronously for every block stored and removed and when the index empties. It must not
     /// call back into the cache; an exception it throws is caught and counted (event_errors).
     std::function<void(const prefix_event&)> on_event{};
-    /// Stores below memory that blocks are written to and fetched back from (kvcache/prefix_tiers.h,
-    /// docs/tiers.md). kv_cache without a sliding window only.
+    /// Stores below memory that blocks (recurrent memories: snapshots) are written to and fetched back
+    /// from (kvcache/prefix_tiers.h, docs/tiers.md). Not with a sliding window (kv_cache, kv_cache_iswa).
     prefix_tier_params tiers{};
 };
 

@@ -1,6 +1,7 @@
 /// @file
-/// Tiers below a kv_cache's prefix cache (docs/tiers.md): stores (block_store_i: a directory, Redis) that
-/// the cache writes blocks to and brings them back from by itself.
+/// Tiers below a prefix cache (docs/tiers.md): stores (block_store_i: a directory, Redis) that a kv_cache,
+/// a memory_recurrent or a memory_hybrid writes blocks (or snapshots) to and brings them back from by
+/// itself.
 ///
 /// With `prefix_cache_params::tiers.stores` set, a block leaving memory (write_policy::on_evict) or every
 /// block as it is published (write_policy::through) is written to each store that does not hold it yet,
