@@ -4,24 +4,35 @@
 #   <prefix>/include/kvcache/runtime/*.h          public headers of the runtime library
 #   <prefix>/<libdir>/libkvcache.{a,so*}          the core and the C API (SONAME libkvcache.so.<major>)
 #   <prefix>/<libdir>/libkvcache_runtime.{a,so*}  the runtime library (SONAME libkvcache_runtime.so.<major>)
+#   <prefix>/include/kvcache/redis/*.h            the Redis block store's headers (KVC_BUILD_REDIS)
+#   <prefix>/<libdir>/libkvcache_redis.{a,so*}    the Redis block store (KVC_BUILD_REDIS; links hiredis)
 #   <prefix>/<libdir>/cmake/kvcache/              find_package(kvcache CONFIG) -> kvcache::kvcache,
-#                                                 kvcache::runtime (which links kvcache::kvcache)
+#                                                 kvcache::runtime (which links kvcache::kvcache),
+#                                                 kvcache::redis (KVC_BUILD_REDIS)
 #   <prefix>/<libdir>/pkgconfig/kvcache.pc        pkg-config kvcache (its Libs carry a run path to <libdir>, so
 #                                                 a program linked with them runs without LD_LIBRARY_PATH;
 #                                                 --static for libkvcache.a, KVC_BUILD_SHARED=OFF)
 #   <prefix>/<libdir>/pkgconfig/kvcache-runtime.pc  pkg-config kvcache-runtime (requires kvcache)
+#   <prefix>/<libdir>/pkgconfig/kvcache-redis.pc  pkg-config kvcache-redis (requires kvcache; hiredis)
 #   <prefix>/bin/kvcache                          the CLI (KVC_BUILD_TOOLS)
 include(CMakePackageConfigHelpers)
 
 set(kvc_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvcache)
 
-install(TARGETS kvcache kvcache_runtime EXPORT kvcacheTargets
+set(kvc_installed kvcache kvcache_runtime)
+set(kvc_header_exclude PATTERN "redis" EXCLUDE)  # without kvcache_redis, its headers would not link
+if(KVC_BUILD_REDIS)
+  list(APPEND kvc_installed kvcache_redis)
+  set(kvc_header_exclude)
+  # it finds libkvcache beside it, also when a program links only kvcache_redis's symbols (--as-needed)
+  set_target_properties(kvcache_redis PROPERTIES INSTALL_RPATH "$ORIGIN")
+endif()
+install(TARGETS ${kvc_installed} EXPORT kvcacheTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/kvcache/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvcache
-        FILES_MATCHING PATTERN "*.h"
-        PATTERN "redis" EXCLUDE)  # kvcache_redis is not installed yet (docs/tiers.md)
+        FILES_MATCHING PATTERN "*.h" ${kvc_header_exclude})
 install(FILES ${PROJECT_BINARY_DIR}/include/kvcache/version.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvcache)
 
 install(EXPORT kvcacheTargets NAMESPACE kvcache:: DESTINATION ${kvc_cmake_dir} FILE kvcacheTargets.cmake)
@@ -68,6 +79,11 @@ configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache-runtime.pc.in ${PROJECT_BINARY_
                @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/package/kvcache.pc ${PROJECT_BINARY_DIR}/package/kvcache-runtime.pc
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+if(KVC_BUILD_REDIS)
+  configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache-redis.pc.in ${PROJECT_BINARY_DIR}/package/kvcache-redis.pc
+                 @ONLY)
+  install(FILES ${PROJECT_BINARY_DIR}/package/kvcache-redis.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+endif()
 
 if(KVC_BUILD_TOOLS)
   install(TARGETS kvcache_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

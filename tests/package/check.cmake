@@ -70,6 +70,10 @@ step("run examples/cpp" "${work}/cpp/kvcache_example")
 message("${step_output}")
 step("run examples/cpp runtime" "${work}/cpp/kvcache_example_runtime")
 message("${step_output}")
+if(EXISTS "${prefix}/${LIBDIR}/pkgconfig/kvcache-redis.pc")  # a build with kvcache_redis
+  step("run examples/cpp redis" "${work}/cpp/kvcache_example_redis")
+  message("${step_output}")
+endif()
 
 # C: pkg-config, the plain line. The .pc's run path lets the programs find libkvcache.so.0 in the prefix
 # without LD_LIBRARY_PATH; a static build needs --static (fmt, xxHash, zstd, the C++ runtime).
@@ -99,5 +103,17 @@ step("build examples/cpp/runtime.cpp (pkg-config)" "${CXX}" -std=c++20 -O2 ${cxx
      "${SOURCE_DIR}/examples/cpp/runtime.cpp" -o "${work}/kvcache_example_runtime_pc" ${libs} ${link_flags})
 step("run examples/cpp/runtime.cpp (pkg-config)" "${work}/kvcache_example_runtime_pc")
 message("${step_output}")
+
+# The Redis block store: pkg-config kvcache-redis (which requires kvcache and hiredis)
+if(EXISTS "${prefix}/${LIBDIR}/pkgconfig/kvcache-redis.pc")
+  step("pkg-config --cflags kvcache-redis" "${PKG_CONFIG}" --cflags kvcache-redis)
+  separate_arguments(cflags UNIX_COMMAND "${step_output}")
+  step("pkg-config --libs ${static} kvcache-redis" "${PKG_CONFIG}" --libs ${static} kvcache-redis)
+  separate_arguments(libs UNIX_COMMAND "${step_output}")
+  step("build examples/cpp/redis.cpp (pkg-config)" "${CXX}" -std=c++20 -O2 ${cxx_flags} ${cflags}
+       "${SOURCE_DIR}/examples/cpp/redis.cpp" -o "${work}/kvcache_example_redis_pc" ${libs} ${link_flags})
+  step("run examples/cpp/redis.cpp (pkg-config)" "${work}/kvcache_example_redis_pc")
+  message("${step_output}")
+endif()
 
 cleanup()
