@@ -251,8 +251,9 @@ void kv_cache::tier_flush() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
     if (ps.tiers.empty() || ps.tiers.fetching) return;
-    for (const auto& [id, gen] :
-         ps.tiers.published) {  // write-through: blocks published since the last flush
+    // write-through: blocks published since the last flush
+    for (const auto& [bid, bgen] : ps.tiers.published) {
+        const uint32_t id = bid, gen = bgen;  // captured below
         if (!ps.index.alive(id, gen)) continue;
         const prefix_index::block& b = ps.index.at(id);
         ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), id, gen,

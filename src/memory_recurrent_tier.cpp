@@ -70,7 +70,9 @@ void memory_recurrent::tier_flush() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
     if (ps.tiers.empty() || ps.tiers.fetching) return;
-    for (const auto& [id, gen] : ps.tiers.published) {  // write-through: snapshots kept since the last flush
+    // write-through: snapshots kept since the last flush
+    for (const auto& [bid, bgen] : ps.tiers.published) {
+        const uint32_t id = bid, gen = bgen;  // captured below
         if (!ps.index.alive(id, gen) || !ps.has_snapshot(id)) continue;
         const detail::prefix_index::block& b = ps.index.at(id);
         ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), id, gen,

@@ -413,7 +413,8 @@ void prefix_index::clear() {
 }
 
 size_t prefix_index::bytes() const {
-    return chunks_.size() * (chunk * (sizeof(block) + sizeof(uint64_t) + bs_ * (sizeof(token_t) + sizeof(uint32_t)))) +
+    return chunks_.size() *
+               (chunk * (sizeof(block) + sizeof(uint64_t) + bs_ * (sizeof(token_t) + sizeof(uint32_t)))) +
            chunks_.capacity() * sizeof(chunk_data) + free_ids_.capacity() * sizeof(uint32_t) +
            slots_.capacity() * sizeof(uint32_t);
 }
