@@ -43,7 +43,7 @@ endfunction()
 # batch.cpp never include memory.h, and memory.h never includes state.h. Every public header has a rank.
 set(KVC_INCLUDE_RANKS
   "0 types.h version.h"
-  "1 dtype.h seq_set.h io.h executor.h prefix_cache.h memory_budget.h limits.h block_record.h block_store.h disk_store.h"
+  "1 dtype.h seq_set.h io.h executor.h prefix_cache.h prefix_tiers.h memory_budget.h limits.h block_record.h block_store.h disk_store.h"
   "2 tensor.h ops.h kv_storage.h kv_storage_engine.h"
   "3 kv_cells.h batch.h"
   "4 memory.h"

@@ -52,6 +52,7 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
     if (k.swa == swa_type::none || k.n_swa == 0)
         bad("the SWA layers need a window: swa must not be none and n_swa must be positive");
     if (params_.sizing.n_ubatch == 0) bad("n_ubatch must be positive");
+    if (!k.prefix.tiers.stores.empty()) bad("prefix tiers are supported by kv_cache only, not by iSWA yet");
     bool any_full = false, any_swa = false;
     for (uint32_t il = 0; il < k.layers.size(); ++il) {
         if (!k.layers[il].has_kv || (k.filter && !k.filter(il))) continue;

@@ -35,12 +35,36 @@ void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) 
     if (!(q.max_pinned_fraction >= 0.0f && q.max_pinned_fraction <= 1.0f))
         bad(fmt::format("prefix max_pinned_fraction {} must be in [0, 1]", q.max_pinned_fraction));
     if (q.n_vocab < 0) bad(fmt::format("prefix n_vocab {} must not be negative", q.n_vocab));
+    const prefix_tier_params& t = q.tiers;
+    if (t.stores.size() > prefix_max_tiers)
+        bad(fmt::format("the prefix cache takes at most {} tiers, not {}", prefix_max_tiers,
+                        t.stores.size()));
+    if (std::any_of(t.stores.begin(), t.stores.end(), [](const auto& st) { return st == nullptr; }))
+        bad("a prefix tier has no store (null)");
+    if (!t.stores.empty() && p.swa != swa_type::none)
+        bad("prefix tiers are not supported with a sliding window (n_swa > 0) yet");
+    if (t.write != tier_write::on_evict && t.write != tier_write::through && t.write != tier_write::never)
+        bad(fmt::format("prefix tiers: write policy {} unknown", static_cast<int>(t.write)));
+    if (!(t.prefill_ns_per_token >= 0 && t.prefill_ns_per_token <= 1e12))
+        bad(fmt::format("prefix tiers: prefill_ns_per_token {} must be in [0, 1e12]",
+                        t.prefill_ns_per_token));
 }
 
 void kv_cache::prefix_init() {
     prefix_ = std::make_unique<prefix_state>(params_.prefix, params_.kv_size,
                                              static_cast<uint32_t>(streams_.size()), params_.n_seq_max,
                                              params_.swa, params_.n_swa);
+    prefix_state& ps = *prefix_;
+    for (const auto& store : ps.tier_params.stores) {
+        prefix_tier& t = ps.tiers.emplace_back();
+        t.store = store;
+        t.stats.where = store->describe();
+    }
+    ps.tier_params.stores.clear();  // held by ps.tiers
+    if (!ps.tiers.empty()) {
+        ps.layout = prefix_block_layout(ps.tier_params.model_id);
+        ps.fingerprint = ps.layout.fingerprint();
+    }
 }
 
 void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
@@ -125,6 +149,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
                     fmt::format("prefix_attach: seq {} is not empty (it holds positions {} to {})", seq_id,
                                 cells.seq_pos_min(seq_id), cells.seq_pos_max(seq_id)));
     prefix_publish();
+    tier_fetch(tokens, key, st, max_tokens);  // what memory lacks, from the tiers
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
@@ -329,6 +354,8 @@ void kv_cache::prefix_publish() {
                 for (uint32_t c : cs) cells.hold(c, id);
                 ++ps.stats.published_blocks;
                 ps.emit(prefix_event::kind::stored, id);
+                if (ps.tier_params.write == tier_write::through && !ps.tiers.empty())
+                    ps.published.emplace_back(id, ps.index.at(id).gen);
             }
             ps.set_tail(t, id);
             ++t.n_full;
@@ -340,6 +367,7 @@ void kv_cache::prefix_publish() {
         }
     }
     ps.pending.clear();
+    tier_flush();  // write-through
 }
 
 // With a window a block is published on its own when its cells are still what the sequence decoded, and
@@ -517,6 +545,7 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n, std::span<const uin
     std::vector<uint32_t> plan;
     if (!ps.index.plan_eviction(stream, n - free, plan, keep)) return false;
     for (uint32_t id : plan) {
+        tier_evicting(id);  // its rows, while its cells still hold them
         ps.emit(prefix_event::kind::removed, id);
         for (uint32_t c : ps.index.cells(id)) {
             cells.unhold(c);  // no sequence holds it: empty now
@@ -526,6 +555,7 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n, std::span<const uin
         ++ps.stats.evicted_blocks;
     }
     fit_storage(stream);  // evicted cells at the top give their memory back
+    tier_flush();
     return true;
 }
 

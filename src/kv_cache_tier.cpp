@@ -2,7 +2,9 @@
 // kv_storage's state I/O (save_k / save_v / load), so host and engine-owned storage work alike, and a
 // record's V bytes are what save_v writes: rows, or channel-major for transposed V.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include <fmt/format.h>
@@ -51,6 +53,27 @@ block_layout kv_cache::prefix_block_layout(uint64_t model_id) const {
     return l;
 }
 
+std::vector<uint8_t> kv_cache::tier_encode(uint32_t id, const block_layout& layout) const {
+    const prefix_state& ps = *prefix_;
+    const prefix_index::block& b = ps.index.at(id);
+    const std::span<const uint32_t> cs = ps.index.cells(id);
+    std::vector<uint64_t> rows(ps.bs());
+    for (uint32_t j = 0; j < ps.bs(); ++j) rows[j] = row(b.stream, cs[j]);
+    const block_id bid{
+        .key = ps.index.key_of(id), .hash = b.hash, .parent_hash = ps.index.seed(id), .depth = b.depth};
+    return encode_block(
+        layout, bid, ps.index.tokens(id), [&](uint32_t li, bool is_v, std::span<uint8_t> dst) {
+            span_writer w(dst);
+            if (is_v)
+                storage_->save_v(w, li, rows);
+            else
+                storage_->save_k(w, li, rows, {});  // cached cells: no shift
+            if (w.n_bytes() != dst.size())
+                throw error(errc::invalid_state, fmt::format("block record: layer {} wrote {} of {} bytes",
+                                                             li, w.n_bytes(), dst.size()));
+        });
+}
+
 uint32_t kv_cache::prefix_store_blocks(block_store_i& store, uint64_t model_id,
                                        std::span<const token_t> tokens, uint64_t key) {
     check_prefix_tokens(tokens, "prefix_store_blocks");
@@ -68,26 +91,9 @@ uint32_t kv_cache::prefix_store_blocks(block_store_i& store, uint64_t model_id,
     std::vector<std::vector<uint8_t>> values;
     std::vector<block_put> puts;
     values.reserve(chain.size());
-    std::vector<uint64_t> rows(ps.bs());
     for (size_t d = 0; d < chain.size(); ++d) {
         if (held[d]) continue;
-        const uint32_t id = chain[d];
-        const prefix_index::block& b = ps.index.at(id);
-        const std::span<const uint32_t> cs = ps.index.cells(id);
-        for (uint32_t j = 0; j < ps.bs(); ++j) rows[j] = row(b.stream, cs[j]);
-        const block_id bid{.key = key, .hash = b.hash, .parent_hash = ps.index.seed(id), .depth = b.depth};
-        values.push_back(encode_block(
-            layout, bid, ps.index.tokens(id), [&](uint32_t li, bool is_v, std::span<uint8_t> dst) {
-                span_writer w(dst);
-                if (is_v)
-                    storage_->save_v(w, li, rows);
-                else
-                    storage_->save_k(w, li, rows, {});  // cached cells: no shift
-                if (w.n_bytes() != dst.size())
-                    throw error(errc::invalid_state,
-                                fmt::format("block record: layer {} wrote {} of {} bytes", li, w.n_bytes(),
-                                            dst.size()));
-            }));
+        values.push_back(tier_encode(chain[d], layout));
         puts.push_back({keys[d], values.back()});
     }
     if (!puts.empty()) store.put_many(puts);
@@ -101,33 +107,48 @@ uint32_t kv_cache::prefix_fetch_blocks(block_store_i& store, uint64_t model_id,
         throw error(errc::out_of_range, fmt::format("prefix_fetch_blocks: stream {} of a cache with {}",
                                                     stream, streams_.size()));
     prefix_publish();
+    const uint32_t bs = prefix_->bs();
+    const block_layout layout = prefix_block_layout(model_id);
+    const tier_fetch_result r = fetch_from(store, layout, tokens, key, stream, 0);
+    tier_flush();  // what the fetch evicted
+    return (r.n_mem + r.fetched) * bs;
+}
+
+kv_cache::tier_fetch_result kv_cache::fetch_from(block_store_i& store, const block_layout& layout,
+                                                 std::span<const token_t> tokens, uint64_t key,
+                                                 uint32_t stream, uint8_t tier_bit) {
     prefix_state& ps = *prefix_;
     const uint32_t bs = ps.bs();
-    const block_layout layout = prefix_block_layout(model_id);
-    const uint64_t fp = layout.fingerprint();
+    const uint64_t fp = tier_bit != 0 ? ps.fingerprint : layout.fingerprint();
+    tier_fetch_result r;
     std::vector<uint32_t> chain;
     ps.index.match(key, tokens, chain);
-    const auto n_mem = static_cast<uint32_t>(chain.size());
+    r.n_mem = static_cast<uint32_t>(chain.size());
     const auto n_blocks = static_cast<uint32_t>(tokens.size() / bs);
-    if (n_mem >= n_blocks) return n_mem * bs;
+    if (r.n_mem >= n_blocks) return r;
     // the chain of the rest, computed from the tokens: what each block's record must say
     std::vector<block_id> want;
     std::vector<std::string> keys;
-    uint64_t parent = n_mem == 0 ? key : ps.index.at(chain.back()).hash;
-    for (uint32_t d = n_mem; d < n_blocks; ++d) {
+    uint64_t parent = r.n_mem == 0 ? key : ps.index.at(chain.back()).hash;
+    for (uint32_t d = r.n_mem; d < n_blocks; ++d) {
         const uint64_t h = block_chain_hash(parent, tokens.subspan(size_t{d} * bs, bs));
         want.push_back({.key = key, .hash = h, .parent_hash = parent, .depth = d});
         keys.push_back(block_key(fp, key, h));
         parent = h;
     }
     kv_cells& cells = streams_[stream];
-    uint32_t parent_id = n_mem == 0 ? none : chain.back();
-    uint32_t next = 0;  // the next block the chain needs: a miss before it ends the chain
-    bool open = true;
+    uint32_t parent_id = r.n_mem == 0 ? none : chain.back();
+    bool open = true;  // a miss, a refusal or no room ends the chain
     std::vector<uint32_t> fresh;
     std::vector<uint64_t> rows(bs);
+    ps.fetching = true;  // evictions for room queue their writes until tier_flush
+    struct end_fetch {
+        bool& f;
+        ~end_fetch() { f = false; }
+    } guard{ps.fetching};
     store.read_many(keys, [&](size_t i, std::span<const uint8_t> value) {
-        if (!open || i != next) {
+        r.bytes += value.size();
+        if (!open || i != r.fetched) {
             open = false;
             return;
         }
@@ -138,10 +159,12 @@ uint32_t kv_cache::prefix_fetch_blocks(block_store_i& store, uint64_t model_id,
             v = decode_block(value, layout, &w);
         } catch (const error&) {
             open = false;  // a value the store's own check (if any) let through
+            ++r.refused;
             return;
         }
         if (!std::equal(v.tokens.begin(), v.tokens.end(), toks.begin())) {  // a hash collision
             open = false;
+            ++r.refused;
             return;
         }
         // the blocks it extends are kept; a block already indexed (another call published it) is reused
@@ -176,11 +199,132 @@ uint32_t kv_cache::prefix_fetch_blocks(block_store_i& store, uint64_t model_id,
             heads_[stream] = fresh.back() + 1;
             ++ps.stats.published_blocks;
             ps.emit(prefix_event::kind::stored, id);
+            if (tier_bit != 0 && ps.tier_params.write == tier_write::through)
+                ps.published.emplace_back(id, ps.index.at(id).gen);  // for the other tiers
         }
+        ps.index.set_stored(id, ps.index.at(id).stored | tier_bit);
         parent_id = id;
-        ++next;
+        ++r.fetched;
     });
-    return (n_mem + next) * bs;
+    return r;
+}
+
+void kv_cache::tier_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t stream,
+                          uint32_t max_tokens) {
+    prefix_state& ps = *prefix_;
+    if (ps.tiers.empty() || !ps.tier_params.fetch || tokens.empty()) return;
+    const uint32_t bs = ps.bs();
+    // what prefix_attach can give: the engine computes the last token
+    const uint32_t cap = std::min<uint32_t>(static_cast<uint32_t>(tokens.size() - 1), max_tokens) / bs;
+    if (cap == 0) return;
+    tokens = tokens.first(size_t{cap} * bs);
+    const double record = static_cast<double>(ps.layout.record_bytes());
+    for (uint32_t t = 0; t < ps.tiers.size(); ++t) {
+        prefix_tier& tier = ps.tiers[t];
+        std::vector<uint32_t> chain;
+        ps.index.match(key, tokens, chain);
+        if (chain.size() >= cap) break;
+        // ask only when bringing back the whole rest costs less than computing it (or to probe)
+        const auto k = static_cast<double>(cap - chain.size());
+        const double p = ps.tier_params.prefill_ns_per_token;
+        if (p > 0 && tier.cost.known() && tier.cost.predict(k * record) >= k * bs * p &&
+            (ps.tier_params.probe_every == 0 || ++tier.declined_run < ps.tier_params.probe_every)) {
+            ++tier.stats.declined;
+            continue;
+        }
+        tier.declined_run = 0;
+        const auto t0 = std::chrono::steady_clock::now();
+        tier_fetch_result r;
+        try {
+            r = fetch_from(*tier.store, ps.layout, tokens, key, stream, static_cast<uint8_t>(1u << t));
+        } catch (const std::exception&) {  // a tier is a cache: the engine recomputes
+            ++tier.stats.errors;
+            continue;
+        }
+        const double ns =
+            std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+        tier.cost.add(static_cast<double>(r.bytes), ns);
+        ++tier.stats.fetches;
+        tier.stats.fetched_blocks += r.fetched;
+        tier.stats.refused_blocks += r.refused;
+        ps.stats.tier_fetched_blocks += r.fetched;
+    }
+    tier_flush();
+}
+
+void kv_cache::tier_evicting(uint32_t id) {
+    prefix_state& ps = *prefix_;
+    if (ps.tiers.empty() || ps.tier_params.write != tier_write::on_evict) return;
+    const prefix_index::block& b = ps.index.at(id);
+    const auto need = static_cast<uint8_t>(ps.all_tiers() & ~b.stored);
+    if (need == 0) return;
+    try {
+        ps.writes.push_back({.key = block_key(ps.fingerprint, ps.index.key_of(id), b.hash),
+                             .value = tier_encode(id, ps.layout),
+                             .need = need,
+                             .id = none,
+                             .gen = 0});
+    } catch (const std::exception&) {  // storage that cannot save: the block is lost, as without tiers
+        for (uint32_t t = 0; t < ps.tiers.size(); ++t)
+            if (need & (1u << t)) ++ps.tiers[t].stats.errors;
+    }
+}
+
+void kv_cache::tier_flush() {
+    if (!prefix_) return;
+    prefix_state& ps = *prefix_;
+    if (ps.fetching || ps.tiers.empty()) return;
+    for (const auto& [id, gen] : ps.published) {  // write-through: blocks published since the last flush
+        if (!ps.index.alive(id, gen)) continue;
+        const prefix_index::block& b = ps.index.at(id);
+        const auto need = static_cast<uint8_t>(ps.all_tiers() & ~b.stored);
+        if (need == 0) continue;
+        try {
+            ps.writes.push_back({.key = block_key(ps.fingerprint, ps.index.key_of(id), b.hash),
+                                 .value = tier_encode(id, ps.layout),
+                                 .need = need,
+                                 .id = id,
+                                 .gen = gen});
+        } catch (const std::exception&) {
+            for (uint32_t t = 0; t < ps.tiers.size(); ++t)
+                if (need & (1u << t)) ++ps.tiers[t].stats.errors;
+        }
+    }
+    ps.published.clear();
+    if (ps.writes.empty()) return;
+    std::vector<block_put> puts;
+    for (uint32_t t = 0; t < ps.tiers.size(); ++t) {
+        prefix_tier& tier = ps.tiers[t];
+        puts.clear();
+        for (const tier_write_item& w : ps.writes)
+            if (w.need & (1u << t)) puts.push_back({w.key, w.value});
+        if (puts.empty()) continue;
+        try {
+            tier.store->put_many(puts);
+        } catch (const std::exception&) {
+            ++tier.stats.errors;
+            continue;
+        }
+        tier.stats.written_blocks += puts.size();
+        ps.stats.tier_written_blocks += puts.size();
+        for (const tier_write_item& w : ps.writes)
+            if ((w.need & (1u << t)) && w.id != none && ps.index.alive(w.id, w.gen))
+                ps.index.set_stored(w.id, ps.index.at(w.id).stored | (1u << t));
+    }
+    ps.writes.clear();
+}
+
+std::vector<prefix_tier_stats> kv_cache::get_tier_stats() const {
+    std::vector<prefix_tier_stats> out;
+    if (!prefix_) return out;
+    for (const prefix_tier& t : prefix_->tiers) {
+        prefix_tier_stats s = t.stats;
+        s.est_latency_ns = t.cost.latency_ns();
+        s.est_ns_per_byte = t.cost.ns_per_byte();
+        s.store = t.store->stats();
+        out.push_back(std::move(s));
+    }
+    return out;
 }
 
 }  // namespace kvc

@@ -22,6 +22,8 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
             "one half of the state)");
     if (params_.prefix.enabled) {
         if (params_.iswa) bad("the prefix cache does not support an iSWA attention part yet");
+        if (!params_.prefix.tiers.stores.empty())
+            bad("prefix tiers are supported by kv_cache only, not by hybrid memories yet");
         params_.attn.prefix = params_.recr.prefix = params_.prefix;
         // the user hears the attention part's blocks; both parts' removals reach the other (sync_parts)
         const auto queue = [this](bool attn, const prefix_event& e) {

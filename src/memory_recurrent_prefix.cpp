@@ -156,6 +156,7 @@ void memory_recurrent::prefix_init() {
     if (!(q.protected_fraction >= 0.0f && q.protected_fraction <= 1.0f))
         bad(fmt::format("prefix protected_fraction {} must be in [0, 1]", q.protected_fraction));
     if (q.n_vocab < 0) bad(fmt::format("prefix n_vocab {} must not be negative", q.n_vocab));
+    if (!q.tiers.stores.empty()) bad("prefix tiers are supported by kv_cache only, not by recurrent memories yet");
     prefix_ = std::make_unique<prefix_state>(q, size_, n_snap_);
 }
 

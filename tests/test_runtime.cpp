@@ -59,7 +59,8 @@ struct setup {
 // A cache with its runtime and the reference, driven side by side; every decode compares their logits.
 class pair_run {
 public:
-    explicit pair_run(const setup& s, uint32_t n_seq_max = 4, uint32_t kv_size = 256)
+    explicit pair_run(const setup& s, uint32_t n_seq_max = 4, uint32_t kv_size = 256,
+                      prefix_tier_params tiers = {})
         : s_(s), m_(&tiny(block_size(s.type_k) > 1 || block_size(s.type_v) > 1)), ref_(*m_, n_seq_max, 2) {
         auto p = m_->cache_params(kv_size, n_seq_max);
         p.type_k = s.type_k;
@@ -69,6 +70,7 @@ public:
         p.n_swa = s.n_swa;
         p.swa = s.swa;
         p.prefix = {.enabled = s.prefix, .block_size = 4};
+        p.prefix.tiers = std::move(tiers);
         if (s.engine) p.engine = &tensors_;
         cache_ = std::make_unique<kv_cache>(p);
         rt_ = std::make_unique<runtime>(
@@ -501,6 +503,77 @@ TEST_P(prefix_equals_recompute, blocks_through_a_disk_tier) {
     c.decode({{{2}, 4, {q.begin() + 4, q.end()}}});
     EXPECT_CLOSE(c);
     std::filesystem::remove_all(dir);
+}
+
+// A small cache with a tier below it: conversations evict earlier ones, whose blocks the tier keeps
+// (written when evicted, or when published); attaching an evicted conversation, here or in a fresh cache
+// sharing the store, brings its blocks back and decodes with the logits of recomputing.
+TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
+    for (const tier_write write : {tier_write::on_evict, tier_write::through}) {
+        SCOPED_TRACE(static_cast<int>(write));
+        const std::filesystem::path dir =
+            std::filesystem::temp_directory_path() /
+            fmt::format("kvc-tiers-{}-{:x}", ::getpid(), std::hash<std::string>{}(GetParam().name()));
+        std::filesystem::remove_all(dir);
+        disk_store_params dp;
+        dp.dir = dir.string();
+        auto store = std::make_shared<disk_block_store>(dp);
+        const prefix_tier_params tiers{.stores = {store}, .model_id = 7, .write = write};
+        pair_run r(GetParam(), 4, 64, tiers);  // 64 cells
+        std::vector<std::vector<token_t>> prompts;
+        const bool unified = GetParam().unified;
+        for (int k = 0; k < 6; ++k) {  // six conversations of 20 tokens: later ones evict earlier ones
+            prompts.push_back(r.tokens(20));
+            const auto& p = prompts.back();
+            const seq_id_t s = unified ? k % 4 : 0;  // with a stream each: all in one stream
+            const uint32_t n = r.attach(s, p);
+            EXPECT_EQ(n, 0u);
+            r.decode({{{s}, static_cast<pos_t>(n), {p.begin() + n, p.end()}}});
+            r.decode({{{s}, -1, r.tokens(3)}});
+            r.both([s](auto& c, auto& f) {
+                c.seq_rm(s, -1, -1);
+                f.seq_rm(s, -1, -1);
+            });
+        }
+        EXPECT_EQ(r.cache().prefix_lookup(prompts[0]), 0u);  // not in memory: lookups do not ask tiers
+        const uint64_t written = r.cache().get_prefix_stats().tier_written_blocks;
+        EXPECT_GT(written, 0u);
+        // the first conversation comes back from the tier: 4 blocks (the prompt's last token is computed)
+        const seq_id_t s1 = 1;
+        EXPECT_EQ(r.attach(s1, prompts[0]), 16u);
+        r.decode({{{s1}, 16, {prompts[0].begin() + 16, prompts[0].end()}}});
+        r.decode({{{s1}, -1, r.tokens(2)}});
+        EXPECT_CLOSE(r);
+        std::vector<prefix_tier_stats> ts = r.cache().get_tier_stats();
+        ASSERT_EQ(ts.size(), 1u);
+        EXPECT_EQ(ts[0].fetched_blocks, 4u);
+        EXPECT_EQ(ts[0].fetches, 7u);  // every attach asked: six misses, then the hit
+        EXPECT_EQ(ts[0].errors, 0u);
+        EXPECT_EQ(ts[0].where, "disk:" + dir.string());
+        EXPECT_EQ(r.cache().get_prefix_stats().tier_fetched_blocks, 4u);
+        // a fresh cache (another engine, or this one restarted) sharing the store hits every conversation
+        // its blocks reached (with write-through, all of them; on eviction, those evicted)
+        pair_run b(GetParam(), 4, 64, tiers);
+        for (int k = 0; k < 2; ++k) {
+            const seq_id_t s = unified ? k : 0;
+            EXPECT_EQ(b.attach(s, prompts[static_cast<size_t>(k)]), 16u) << k;
+            b.decode(
+                {{{s},
+                  16,
+                  {prompts[static_cast<size_t>(k)].begin() + 16, prompts[static_cast<size_t>(k)].end()}}});
+            b.decode({{{s}, -1, b.tokens(1)}});
+            if (!unified)
+                b.both([s](auto& c, auto& f) {
+                    c.seq_rm(s, -1, -1);
+                    f.seq_rm(s, -1, -1);
+                });
+        }
+        EXPECT_CLOSE(b);
+        // write-through writes what b published itself (each conversation's fifth block; the store has it
+        // already and skips it), never a block it fetched
+        EXPECT_EQ(b.cache().get_tier_stats()[0].written_blocks, write == tier_write::through ? 2u : 0u);
+        std::filesystem::remove_all(dir);
+    }
 }
 
 std::vector<setup> prefix_setups() {

@@ -347,12 +347,21 @@ private:
     size_t publish_windowed(seq_id_t s, prefix_tracker& t);           // the tokens it went over
     void cut_windowed(seq_id_t s, prefix_tracker& t, uint32_t keep);  // a rollback to [0, keep)
     // -- tiers (src/kv_cache_tier.cpp) --
+    struct tier_fetch_result {
+        uint32_t n_mem = 0;    // blocks of the prompt in memory before
+        uint32_t fetched = 0;  // blocks brought back
+        uint32_t refused = 0;  // values that were not the block asked for
+        uint64_t bytes = 0;    // value bytes the store returned
+    };
     std::vector<uint8_t> tier_encode(uint32_t id, const block_layout& layout) const;  // a block's record
-    void tier_evicting(uint32_t id);  // on_evict: its record joins the writes the next flush makes
+    void tier_evicting(uint32_t id);  // on_evict: its record joins the writes of the next flush
     void tier_flush();                // writes what evictions and publishing left to write
+    // prefix_attach: brings back from the tiers what memory lacks of the prompt's first max_tokens
     void tier_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t stream, uint32_t max_tokens);
-    uint32_t fetch_from(block_store_i& store, const block_layout& layout, std::span<const token_t> tokens,
-                        uint64_t key, uint32_t stream, uint32_t n_blocks, uint32_t* refused);
+    // The blocks of `tokens` after the cached chain, from one store (tier_bit: the tier's bit, 0: none)
+    tier_fetch_result fetch_from(block_store_i& store, const block_layout& layout,
+                                 std::span<const token_t> tokens, uint64_t key, uint32_t stream,
+                                 uint8_t tier_bit);
     bool window_make_room_for(std::span<const ubatch> ubatches);
 
     kv_cache_params params_;

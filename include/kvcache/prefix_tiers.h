@@ -50,16 +50,16 @@ struct prefix_tier_params {
 
 /// What the prefix cache did with one of its stores (kv_cache::get_tier_stats).
 struct prefix_tier_stats {
-    std::string where;             ///< the store's describe()
-    uint64_t fetches = 0;          ///< read_many calls of attaches
-    uint64_t fetched_blocks = 0;   ///< blocks they brought back into memory
-    uint64_t declined = 0;         ///< attaches that did not ask it: it would have cost more than computing
-    uint64_t refused_blocks = 0;   ///< values it returned that were not the block asked for (chain ended)
-    uint64_t written_blocks = 0;   ///< blocks written to it
-    uint64_t errors = 0;           ///< calls that threw (counted, never passed on to the engine)
-    double est_latency_ns = 0;     ///< the cost model: ns of a call, whatever it returns
-    double est_ns_per_byte = 0;    ///< the cost model: ns per byte returned
-    block_store_stats store;       ///< the store's own counters (shared with other users of the store)
+    std::string where;            ///< the store's describe()
+    uint64_t fetches = 0;         ///< read_many calls of attaches
+    uint64_t fetched_blocks = 0;  ///< blocks they brought back into memory
+    uint64_t declined = 0;        ///< attaches that did not ask it: it would have cost more than computing
+    uint64_t refused_blocks = 0;  ///< values it returned that were not the block asked for (chain ended)
+    uint64_t written_blocks = 0;  ///< blocks written to it
+    uint64_t errors = 0;          ///< calls that threw (counted, never passed on to the engine)
+    double est_latency_ns = 0;    ///< the cost model: ns of a call, whatever it returns
+    double est_ns_per_byte = 0;   ///< the cost model: ns per byte returned
+    block_store_stats store;      ///< the store's own counters (shared with other users of the store)
 };
 
 }  // namespace kvc

@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include <kvcache/kv_cache.h>
 
 #include "detail/prefix_index.h"
+#include "detail/tier_cost.h"
 
 namespace kvc {
 
@@ -30,6 +33,23 @@ struct prefix_tracker {
     std::vector<uint64_t> hashes;
 };
 
+// One store below the prefix cache (prefix_cache_params::tiers; src/kv_cache_tier.cpp).
+struct prefix_tier {
+    std::shared_ptr<block_store_i> store;
+    prefix_tier_stats stats;
+    detail::tier_cost cost;
+    uint32_t declined_run = 0;  // attaches declined in a row (a probe every probe_every)
+};
+
+// A record waiting for the next flush, for the tiers of `need` (bit t: tier t).
+struct tier_write_item {
+    std::string key;
+    std::vector<uint8_t> value;
+    uint8_t need = 0;
+    uint32_t id = detail::prefix_index::none;  // write-through: the block, to mark it stored
+    uint32_t gen = 0;
+};
+
 struct kv_cache::prefix_state {
     detail::prefix_index index;
     std::vector<prefix_tracker> seqs;  // [n_seq_max]
@@ -43,6 +63,16 @@ struct kv_cache::prefix_state {
     uint32_t n_swa = 0;
     std::vector<seq_id_t> placed;    // sequences placed since the last prune (their window slid)
     std::vector<uint8_t> is_placed;  // [n_seq_max] in `placed`
+    // Tiers (src/kv_cache_tier.cpp): the stores, the layout and fingerprint of this cache's records, the
+    // records to write at the next flush and the blocks published since (write-through).
+    prefix_tier_params tier_params;
+    std::vector<prefix_tier> tiers;
+    block_layout layout;
+    uint64_t fingerprint = 0;
+    std::vector<tier_write_item> writes;
+    std::vector<std::pair<uint32_t, uint32_t>> published;  // (id, gen)
+    bool fetching = false;  // inside a store's read_many: writes wait (a store is not reentrant)
+    uint8_t all_tiers() const { return static_cast<uint8_t>((1u << tiers.size()) - 1); }
 
     // Tells on_event that block id was stored or removed (its record still intact).
     void emit(prefix_event::kind type, uint32_t id) {
@@ -56,7 +86,8 @@ struct kv_cache::prefix_state {
           seqs(n_seq_max),
           on_event(p.on_event),
           swa(swa_rule),
-          n_swa(window) {
+          n_swa(window),
+          tier_params(p.tiers) {
         if (!windowed()) return;
         placed.reserve(n_seq_max);  // recording a placement allocates nothing
         is_placed.resize(n_seq_max);

@@ -135,6 +135,7 @@ void prefix_index::add_chunk() {
     c.blocks = std::make_unique<block[]>(chunk);
     c.tokens = std::make_unique<token_t[]>(size_t{chunk} * bs_);
     c.cells = std::make_unique<uint32_t[]>(size_t{chunk} * bs_);
+    c.keys = std::make_unique<uint64_t[]>(chunk);
 }
 
 uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_t> toks,
@@ -160,7 +161,7 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
     b.stream = static_cast<uint16_t>(stream);
     b.priority = std::min(priority, prefix_max_priority);
     b.st = state::held;
-    if (parent == none && key != 0) root_keys_[id] = key;
+    chunks_[id / chunk].keys[id % chunk] = parent == none ? key : key_of(parent);
     std::copy(toks.begin(), toks.end(), chunks_[id / chunk].tokens.get() + size_t{id % chunk} * bs_);
     std::copy(cells.begin(), cells.end(), chunks_[id / chunk].cells.get() + size_t{id % chunk} * bs_);
     if (parent != none) {
@@ -366,7 +367,6 @@ void prefix_index::free_record(uint32_t id) {
     const uint32_t gen = rec(id).gen;
     rec(id) = block{};
     rec(id).gen = gen;
-    root_keys_.erase(id);
     free_ids_.push_back(id);
 }
 
@@ -406,7 +406,6 @@ void prefix_index::remove(uint32_t id) {
 void prefix_index::clear() {
     chunks_.clear();
     n_records_ = 0;
-    root_keys_.clear();
     free_ids_.clear();
     slots_.assign(64, none);
     n_live_ = 0;
@@ -414,10 +413,8 @@ void prefix_index::clear() {
 }
 
 size_t prefix_index::bytes() const {
-    constexpr size_t node = sizeof(std::pair<const uint32_t, uint64_t>) + 2 * sizeof(void*);  // a map entry
-    return chunks_.size() * (chunk * (sizeof(block) + bs_ * (sizeof(token_t) + sizeof(uint32_t)))) +
-           chunks_.capacity() * sizeof(chunk_data) + root_keys_.size() * node +
-           root_keys_.bucket_count() * sizeof(void*) + free_ids_.capacity() * sizeof(uint32_t) +
+    return chunks_.size() * (chunk * (sizeof(block) + sizeof(uint64_t) + bs_ * (sizeof(token_t) + sizeof(uint32_t)))) +
+           chunks_.capacity() * sizeof(chunk_data) + free_ids_.capacity() * sizeof(uint32_t) +
            slots_.capacity() * sizeof(uint32_t);
 }
 

@@ -24,7 +24,6 @@
 #include <functional>
 #include <memory>
 #include <span>
-#include <unordered_map>
 #include <vector>
 
 #include <kvcache/prefix_cache.h>
@@ -54,7 +53,10 @@ public:
         uint8_t segment : 1 = 0;  // 1: protected (SLRU)
         uint8_t hit : 1 = 0;      // attached since it last left protection
         state st : 3 = state::unused;
+        uint8_t stored : 3 = 0;  // bit t: tier t holds its record (kv_cache's tiers)
     };
+    static_assert(prefix_max_tiers <= 3, "block::stored has a bit per tier");
+    static_assert(sizeof(block) == 40, "a block record stays 40 bytes");
 
     // max_protected: queued protected blocks per stream (SLRU); ignored by LRU.
     prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected);
@@ -69,9 +71,13 @@ public:
     std::span<const uint32_t> cells(uint32_t id) const {
         return {chunks_[id / chunk].cells.get() + size_t{id % chunk} * bs_, bs_};
     }
+    void set_stored(uint32_t id, uint8_t tiers) { rec(id).stored = tiers & 7u; }
     void set_cell(uint32_t id, uint32_t j, uint32_t cell) {
         chunks_[id / chunk].cells[size_t{id % chunk} * bs_ + j] = cell;
     }
+    // The key of the chain a block is in: its root's (with a window, every block is a root keyed by its
+    // parent's hash).
+    uint64_t key_of(uint32_t id) const { return chunks_[id / chunk].keys[id % chunk]; }
     // The seed of its hash: the parent's hash, or a root's key.
     uint64_t seed(uint32_t id) const { return seed_of(at(id).parent, root_key(id)); }
     // A block is alive while it is in the table; (id, gen) names one life of a record.
@@ -153,15 +159,13 @@ private:
         std::unique_ptr<block[]> blocks;
         std::unique_ptr<token_t[]> tokens;  // [chunk * bs]
         std::unique_ptr<uint32_t[]> cells;  // [chunk * bs]
+        std::unique_ptr<uint64_t[]> keys;   // [chunk]: the key of the block's chain (its root's)
     };
     block& rec(uint32_t id) { return chunks_[id / chunk].blocks[id % chunk]; }
     void add_chunk();
     uint64_t hash_of(uint64_t seed, std::span<const token_t> toks) const { return chain_hash(seed, toks); }
     uint64_t seed_of(uint32_t parent, uint64_t key) const { return parent == none ? key : at(parent).hash; }
-    uint64_t root_key(uint32_t id) const {
-        const auto it = root_keys_.find(id);
-        return it == root_keys_.end() ? 0 : it->second;
-    }
+    uint64_t root_key(uint32_t id) const { return key_of(id); }
     // The block is the one after `parent` (a root of `key`) holding `toks`, whose hash is h.
     bool is(uint32_t id, uint64_t h, uint32_t parent, uint64_t key, std::span<const token_t> toks) const;
     static uint32_t level_of(const block& b) { return 2u * b.priority + b.segment; }
@@ -184,7 +188,6 @@ private:
     uint32_t max_protected_;
     std::vector<chunk_data> chunks_;
     uint32_t n_records_ = 0;
-    std::unordered_map<uint32_t, uint64_t> root_keys_;  // key of each root with a non-zero key
     std::vector<uint32_t> free_ids_;
     std::vector<uint32_t> slots_;  // open addressing by hash, linear probing; none = empty
     uint32_t n_live_ = 0;

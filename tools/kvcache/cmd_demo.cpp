@@ -2,7 +2,8 @@
 // sequences through the cache the way an inference server does — a shared system prompt, parallel
 // decoding, a context shift, a sequence saved to a session file and restored into another, compaction,
 // then chat sessions through the prefix cache (turns that reuse what earlier turns and sessions
-// computed, sessions that end, evictions) — and after every phase the logits are compared with a
+// computed, sessions that end, evictions; then a fresh cache, as after a restart or in another process,
+// that brings the conversations back from a disk tier) — and after every phase the logits are compared with a
 // reference that recomputes attention from plain f32 keys and values without the cache. Exit status 1
 // if a difference exceeds the K/V types' tolerance. A mamba or jamba model runs the recurrent demo
 // instead (cmd_demo_recurrent.cpp).
@@ -19,6 +20,8 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <xxhash.h>
+#include <kvcache/disk_store.h>
 #include <kvcache/runtime/runtime.h>
 #include <kvcache/runtime/tiny_model.h>
 #include <kvcache/session.h>
@@ -46,6 +49,8 @@ struct demo_options {
     bool unified = true;
     uint32_t swa = 0;  // > 0: every other layer slides a window of this many positions (iSWA memory)
     std::string plot;
+    std::string tier_dir;   // the disk tier's directory (empty: a temporary one)
+    uint64_t model_id = 0;  // XXH3-64 of the model file: names the blocks of this model in the tier
 };
 
 // Colours of sequences in the cell pictures.
@@ -80,6 +85,12 @@ public:
             mem_ = iswa_.get();
         } else {
             p.prefix.enabled = true;  // the chat phases reuse prompt prefixes
+            // below it a disk tier that every published block is written to, for the restart phase
+            disk_store_params dp;
+            dp.dir = o.tier_dir;
+            tier_ = std::make_shared<disk_block_store>(dp);
+            p.prefix.tiers = {.stores = {tier_}, .model_id = o.model_id, .write = tier_write::through};
+            params_ = p;
             cache_ = std::make_unique<kv_cache>(p);
             rt_ = std::make_unique<runtime>(m, *cache_, rp);
             mem_ = cache_.get();
@@ -111,6 +122,9 @@ public:
                 o_.swa, iswa_->get_swa().get_size(),
                 static_cast<double>(iswa_->get_swa().size_bytes()) *
                     (static_cast<double>(c.get_size()) / iswa_->get_swa().get_size() - 1) / 1024);
+        if (tier_)
+            fmt::print("tier    {}: every published block is written there (write-through)\n",
+                       tier_->describe());
         fmt::print(
             "cells   one character per {} cells: the sequence holding them, + several, : cached (prefix "
             "cache), . empty\n\n",
@@ -249,6 +263,19 @@ private:
         chat_phase("chat: second turns", [&] { turn(sessions(0, n)); });
         chat_phase("chat: new sessions", [&] { turn(sessions(n, n + more)); });
         chat_phase("chat: third turns", [&] { turn(sessions(0, n)); });
+        // A fresh cache on the same directory, as after a restart or in a second process: its memory is
+        // empty, and the sessions' fourth turns bring their conversations back from the disk tier.
+        rt_.reset();
+        cache_.reset();
+        disk_store_params dp;
+        dp.dir = o_.tier_dir;
+        tier_ = std::make_shared<disk_block_store>(dp);  // reopened: it knows the files from the directory
+        params_.prefix.tiers.stores = {tier_};
+        cache_ = std::make_unique<kv_cache>(params_);
+        rt_ =
+            std::make_unique<runtime>(m_, *cache_, runtime_params{.n_threads = o_.threads, .n_ubatch = 512});
+        mem_ = cache_.get();
+        chat_phase("restart: fourth turns", [&] { turn(sessions(0, n)); });
     }
 
     // The cache attaches the cached prefix of prompt to s (the reference decodes it, unchecked); returns
@@ -273,9 +300,11 @@ private:
             const uint64_t looked = b.tokens_looked_up - a.tokens_looked_up,
                            hit = b.hit_tokens - a.hit_tokens;
             return fmt::format(
-                "{} requests, {} of {} prompt tokens reused ({:.0f}%), {} blocks published, {} evicted",
+                "{} requests, {} of {} prompt tokens reused ({:.0f}%), {} blocks published, {} evicted, {} "
+                "from disk",
                 b.lookups - a.lookups, hit, looked, looked ? 100.0 * hit / looked : 0.0,
-                b.published_blocks - a.published_blocks, b.evicted_blocks - a.evicted_blocks);
+                b.published_blocks - a.published_blocks, b.evicted_blocks - a.evicted_blocks,
+                b.tier_fetched_blocks - a.tier_fetched_blocks);
         });
     }
 
@@ -478,9 +507,11 @@ private:
 
     demo_options o_;
     const model& m_;
-    std::unique_ptr<kv_cache> cache_;      // the memory: a KV cache,
-    std::unique_ptr<kv_cache_iswa> iswa_;  // or an iSWA memory (--swa)
-    memory_i* mem_ = nullptr;              // the one in use
+    std::shared_ptr<disk_block_store> tier_;  // the KV cache's disk tier
+    kv_cache_params params_;                  // the KV cache's parameters (the restart makes another)
+    std::unique_ptr<kv_cache> cache_;         // the memory: a KV cache,
+    std::unique_ptr<kv_cache_iswa> iswa_;     // or an iSWA memory (--swa)
+    memory_i* mem_ = nullptr;                 // the one in use
     std::unique_ptr<runtime> rt_;
     reference_memory ref_;
     uint64_t rng_state_;
@@ -489,6 +520,22 @@ private:
     size_t n_decoded_ = 0;
     int n_phase_ = 0;
 };
+
+// XXH3-64 of a file's bytes: the model's name in a tier (two models of the same shapes differ there).
+uint64_t file_hash(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) throw error(errc::io, fmt::format("{}: cannot open", path));
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    std::vector<char> buf(1 << 20);
+    while (f) {
+        f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+        XXH3_64bits_update(st, buf.data(), static_cast<size_t>(f.gcount()));
+    }
+    const uint64_t h = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    return h;
+}
 
 int run_demo(const demo_options& o) {
     if (o.seqs < 2 || o.seqs > 64)
@@ -513,6 +560,20 @@ int run_demo(const demo_options& o) {
             if (!p.empty()) fs::remove(p, ec);
         }
     } cleanup{tmp};
+    demo_options opts = o;
+    fs::path tier_tmp;
+    if (opts.tier_dir.empty()) {
+        tier_tmp = fs::temp_directory_path() / fmt::format("kvcache-demo-tier-{}", ::getpid());
+        opts.tier_dir = tier_tmp.string();
+    }
+    struct remove_dir {
+        fs::path p;
+        ~remove_dir() {
+            std::error_code ec;
+            if (!p.empty()) fs::remove_all(p, ec);
+        }
+    } cleanup_tier{tier_tmp};
+    opts.model_id = file_hash(path);
     const model m = model::load(path);
     if (m.memory_kind() != model_memory::kv) {
         if (o.swa > 0) throw error(errc::invalid_argument, "--swa is for llama models");
@@ -534,7 +595,7 @@ int run_demo(const demo_options& o) {
             throw error(errc::io,
                         fmt::format("--plot {}: cannot create the directory: {}", o.plot, ec.message()));
     }
-    demo d(o, m);
+    demo d(opts, m);
     return d.run();
 }
 
@@ -566,6 +627,9 @@ void add_demo_command(CLI::App& app, int& exit_code) {
            "cache is sized for the window")
         ->capture_default_str();
     cmd->add_option("--plot", opt->plot, "write an SVG picture of the cells after each phase to DIR");
+    cmd->add_option("--tier-dir", opt->tier_dir,
+                    "the disk tier's directory, kept after the run: a second run hits what the first wrote "
+                    "(default: a temporary one)");
     cmd->callback([opt, &exit_code] { exit_code = run_demo(*opt); });
 }
 
