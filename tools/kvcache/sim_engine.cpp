@@ -229,6 +229,7 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
     const auto route = [&](size_t q) -> instance& {
         if (n_inst == 1) return inst[0];
         if (o.route == sim_route::rr) return inst[rr++ % n_inst];
+        scratch.clear();  // prompt_tokens appends
         prompt_tokens(reqs[q], o.trace_block, scratch);
         size_t best = 0;
         uint32_t best_hit = 0;
