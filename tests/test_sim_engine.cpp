@@ -298,12 +298,12 @@ TEST(sim_engine, instances_and_tiers_are_refused_where_they_do_not_apply) {
 // Four instances sharing a disk tier hit what the others computed: more than four independent ones, never
 // more than an infinite cache; the hits the tier brought back are counted apart.
 TEST(sim_engine, a_shared_disk_tier_raises_the_hits_of_instances) {
-    const auto reqs = shared_prefix(8, 8, 512, 32, 8);
+    const auto reqs = shared_prefix(6, 6, 256, 32, 8);
     const trace_stats st = analyse_trace(reqs, 16, 16);
     for (tier_write w : {tier_write::on_evict, tier_write::through}) {
         temp_dir dir(w == tier_write::through ? "through" : "evict");
         // room for a request or two per instance: on_evict writes what memory loses
-        sim_options o = small(2048, 4);
+        sim_options o = small(1024, 4);
         o.instances = 4;
         const sim_result alone = run_sim(reqs, sim_policy::kvcache, o);
         o.tiers.stores.push_back(dir.store());

@@ -243,7 +243,9 @@ void print_instances(const std::vector<sim_result>& rs) {
     }
 }
 
-nlohmann::ordered_json to_json(const sim_result& r) {
+// `instance`: one of several instances' figures, whose stores' own counters are the whole run's (in the
+// sum), not its own.
+nlohmann::ordered_json to_json(const sim_result& r, bool instance = false) {
     nlohmann::ordered_json j;
     j["policy"] = to_string(r.policy);
     j["budget_tokens"] = r.budget_tokens;
@@ -283,28 +285,32 @@ nlohmann::ordered_json to_json(const sim_result& r) {
     if (!r.tiers.empty()) {
         j["tier_hit_tokens"] = r.tier_hit_tokens;
         auto& ts = j["tiers"] = nlohmann::ordered_json::array();
-        for (const sim_tier_result& t : r.tiers)
-            ts.push_back({{"where", t.where},
-                          {"fetches", t.fetches},
-                          {"fetched_blocks", t.fetched_blocks},
-                          {"refused_blocks", t.refused_blocks},
-                          {"written_blocks", t.written_blocks},
-                          {"errors", t.errors},
-                          {"bytes_in", t.store.bytes_in},
-                          {"bytes_out", t.store.bytes_out},
-                          {"store_errors", t.store.errors},
-                          {"store_damaged", t.store.damaged},
-                          {"store_lookups", t.store.lookups},
-                          {"store_hits", t.store.hits},
-                          {"store_evictions", t.store.evictions},
-                          {"round_trips", t.store.round_trips},
-                          {"store_calls", t.store.calls},
-                          {"store_latency_ns", t.store.latency_ns}});
+        for (const sim_tier_result& t : r.tiers) {
+            nlohmann::ordered_json x{{"where", t.where},
+                                     {"fetches", t.fetches},
+                                     {"fetched_blocks", t.fetched_blocks},
+                                     {"refused_blocks", t.refused_blocks},
+                                     {"written_blocks", t.written_blocks},
+                                     {"errors", t.errors}};
+            if (!instance) {
+                x["bytes_in"] = t.store.bytes_in;
+                x["bytes_out"] = t.store.bytes_out;
+                x["store_errors"] = t.store.errors;
+                x["store_damaged"] = t.store.damaged;
+                x["store_lookups"] = t.store.lookups;
+                x["store_hits"] = t.store.hits;
+                x["store_evictions"] = t.store.evictions;
+                x["round_trips"] = t.store.round_trips;
+                x["store_calls"] = t.store.calls;
+                x["store_latency_ns"] = t.store.latency_ns;
+            }
+            ts.push_back(std::move(x));
+        }
     }
     if (!r.per_instance.empty()) {
         j["instances"] = r.instances;
         auto& is = j["per_instance"] = nlohmann::ordered_json::array();
-        for (const sim_result& x : r.per_instance) is.push_back(to_json(x));
+        for (const sim_result& x : r.per_instance) is.push_back(to_json(x, true));
     }
     return j;
 }
