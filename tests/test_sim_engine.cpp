@@ -1,7 +1,13 @@
 // kvcache sim's serving loop and policies (tools/kvcache/sim_engine.cpp and the backends): the hits it
 // reports are the prefix cache's own, requests wait rather than fail, budgets are checked before a run,
 // and the policies keep their order (oracle >= kvcache >= none).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
+#include <kvcache/disk_store.h>
+
+#include <filesystem>
+#include <set>
 
 #include "sim_engine.h"
 #include "sim_generate.h"
@@ -195,6 +201,132 @@ TEST(sim_engine, state_options_must_be_positive) {
         o.memory = sim_memory::hybrid;
         o.*bad = 0;
         EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, o), error);
+    }
+}
+
+// Several instances (issue 19). Request i goes to instance i % N under rr; with room for everything an
+// instance hits exactly the system prompts it computed itself before, so N instances lose, against one,
+// one system prompt per (group, instance) pair beyond the first of each group: they share nothing.
+TEST(sim_engine, instances_round_robin_hit_only_what_each_computed) {
+    const auto reqs = shared_prefix(6, 8, 256, 32, 8);
+    sim_options o = small(1 << 16, 4);
+    const sim_result one = run_sim(reqs, sim_policy::kvcache, o);
+    o.instances = 4;
+    const sim_result four = run_sim(reqs, sim_policy::kvcache, o);
+    std::set<uint64_t> seen1;
+    std::set<std::pair<uint64_t, size_t>> seen4;
+    uint64_t expect1 = 0, expect4 = 0;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+        expect1 += seen1.insert(reqs[i].hash_ids[0]).second ? 0 : 256;
+        expect4 += seen4.insert({reqs[i].hash_ids[0], i % 4}).second ? 0 : 256;
+    }
+    EXPECT_EQ(one.hit_tokens, expect1);
+    EXPECT_EQ(four.hit_tokens, expect4);
+    EXPECT_LT(four.hit_tokens, one.hit_tokens);
+    ASSERT_EQ(four.per_instance.size(), 4u);
+    uint64_t requests = 0, hits = 0;
+    for (const sim_result& x : four.per_instance) {
+        EXPECT_EQ(x.requests, reqs.size() / 4);  // round-robin
+        EXPECT_EQ(x.hit_tokens + x.probe_hit_tokens, x.cache_hit_tokens);
+        EXPECT_LE(x.max_live, 4u);
+        requests += x.requests;
+        hits += x.hit_tokens;
+    }
+    EXPECT_EQ(requests, reqs.size());
+    EXPECT_EQ(hits, four.hit_tokens);
+    EXPECT_EQ(four.hit_tokens + four.prefill_tokens, four.prompt_tokens);
+    EXPECT_EQ(four.instances, 4u);
+    EXPECT_LE(four.max_live, 16u);
+}
+
+// The prefix route sends a request to the instance that holds its system prompt: with room for
+// everything, the same hits as one instance save the first request of each group while it is computed.
+TEST(sim_engine, instances_prefix_route_keeps_groups_together) {
+    const auto reqs = shared_prefix(6, 8, 256, 32, 8);
+    sim_options o = small(1 << 16, 4);
+    o.instances = 4;
+    const sim_result rr = run_sim(reqs, sim_policy::kvcache, o);
+    o.route = sim_route::prefix;
+    const sim_result px = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_GT(px.hit_tokens, rr.hit_tokens);
+    const trace_stats st = analyse_trace(reqs, 16, 16);
+    EXPECT_LE(px.hit_tokens, st.reusable_tokens);
+    EXPECT_EQ(px.requests, reqs.size());
+    // none runs several instances too, and hits nothing
+    EXPECT_EQ(run_sim(reqs, sim_policy::none, o).hit_tokens, 0u);
+}
+
+// A temporary directory, removed at the end.
+struct temp_dir {
+    std::shared_ptr<block_store_i> store() const {
+        disk_store_params p;
+        p.dir = path.string();
+        return std::make_shared<disk_block_store>(p);
+    }
+    std::filesystem::path path;
+    explicit temp_dir(const std::string& name)
+        : path(std::filesystem::temp_directory_path() / fmt::format("kvc-sim-{}-{}", name, ::getpid())) {
+        std::filesystem::remove_all(path);
+    }
+    ~temp_dir() { std::filesystem::remove_all(path); }
+};
+
+TEST(sim_engine, instances_and_tiers_are_refused_where_they_do_not_apply) {
+    const auto reqs = shared_prefix(2, 2, 64, 16, 4);
+    sim_options o = small(4096);
+    o.instances = 0;
+    EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, o), error);
+    o.instances = 2;
+    try {
+        run_sim(reqs, sim_policy::llama_server, o);
+        FAIL() << "llama-server ran 2 instances";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("--instances 2: policy llama-server"), std::string::npos)
+            << e.what();
+    }
+    o.instances = 1;
+    temp_dir dir("refuse");
+    o.tiers.stores.push_back(dir.store());
+    try {
+        run_sim(reqs, sim_policy::none, o);
+        FAIL() << "none ran with a tier";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("--tier: policy none"), std::string::npos) << e.what();
+    }
+}
+
+// Four instances sharing a disk tier hit what the others computed: more than four independent ones, never
+// more than an infinite cache; the hits the tier brought back are counted apart.
+TEST(sim_engine, a_shared_disk_tier_raises_the_hits_of_instances) {
+    const auto reqs = shared_prefix(6, 6, 256, 32, 8);
+    const trace_stats st = analyse_trace(reqs, 16, 16);
+    for (tier_write w : {tier_write::on_evict, tier_write::through}) {
+        temp_dir dir(w == tier_write::through ? "through" : "evict");
+        // room for a request or two per instance: on_evict writes what memory loses
+        sim_options o = small(1024, 4);
+        o.instances = 4;
+        const sim_result alone = run_sim(reqs, sim_policy::kvcache, o);
+        o.tiers.stores.push_back(dir.store());
+        o.tiers.write = w;
+        o.tiers.model_id = 42;
+        const sim_result shared = run_sim(reqs, sim_policy::kvcache, o);
+        SCOPED_TRACE(w == tier_write::through ? "through" : "evict");
+        EXPECT_GT(shared.hit_tokens, alone.hit_tokens);
+        EXPECT_LE(shared.hit_tokens, st.reusable_tokens);
+        EXPECT_EQ(shared.hit_tokens + shared.prefill_tokens, shared.prompt_tokens);
+        EXPECT_GT(shared.tier_hit_tokens, 0u);
+        EXPECT_LE(shared.tier_hit_tokens, shared.hit_tokens);
+        ASSERT_EQ(shared.tiers.size(), 1u);
+        const sim_tier_result& t = shared.tiers[0];
+        EXPECT_GT(t.fetched_blocks, 0u);
+        EXPECT_GT(t.written_blocks, 0u);
+        EXPECT_EQ(t.errors, 0u);
+        EXPECT_EQ(t.store.errors, 0u);
+        EXPECT_GT(t.store.bytes_in, 0u);
+        EXPECT_GT(t.store.bytes_out, 0u);
+        EXPECT_LE(shared.tier_hit_tokens, t.fetched_blocks * 16);
+        for (const sim_result& x : shared.per_instance)
+            EXPECT_EQ(x.hit_tokens + x.probe_hit_tokens, x.cache_hit_tokens);
     }
 }
 

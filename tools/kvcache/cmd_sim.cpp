@@ -8,12 +8,17 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <kvcache/disk_store.h>
+#ifdef KVC_SIM_REDIS
+#include <kvcache/redis/redis_store.h>
+#endif
 
 #include "commands.h"
 #include "rss.h"
@@ -33,6 +38,9 @@ struct sim_cli_options {
     std::string evict = "lru", arrival = "ignore", memory = "kv";
     sim_options sim;
     bool json = false;
+    bool policy_given = false;  // --policy was on the command line (else the default adapts to the options)
+    std::string route = "rr", tier_write = "evict";
+    std::vector<std::string> tiers;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -64,6 +72,74 @@ uint32_t parse_budget(const std::string& s, uint64_t unique, uint32_t block) {
                     fmt::format("budget '{}' is {:.0f} tokens, above the limit 2e9", s, tokens));
     const auto t = static_cast<uint64_t>(tokens);
     return static_cast<uint32_t>((t + block - 1) / block * block);
+}
+
+// "1073741824", "64M", "8G": bytes (K, M, G, T are powers of 1024).
+uint64_t parse_bytes(const std::string& s, const std::string& what) {
+    size_t used = 0;
+    uint64_t v = 0;
+    try {
+        v = std::stoull(s, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    int shift = 0;
+    if (used > 0 && used + 1 == s.size()) {
+        const std::string units = "KMGT";
+        const size_t u = units.find(static_cast<char>(std::toupper(static_cast<unsigned char>(s.back()))));
+        if (u != std::string::npos) shift = 10 * static_cast<int>(u + 1), ++used;
+    }
+    if (used == 0 || used != s.size() || (shift && v > (UINT64_MAX >> shift)))
+        throw error(errc::invalid_argument,
+                    fmt::format("{}: max='{}' is not a byte count (e.g. 1073741824, 64M, 8G)", what, s));
+    return v << shift;
+}
+
+// --tier disk:DIR[,max=BYTES] or redis:HOST:PORT: a store every instance's prefix cache shares.
+std::shared_ptr<block_store_i> make_tier(const std::string& spec) {
+    const std::string what = fmt::format("--tier '{}'", spec);
+    const auto bad = [&] {
+        return error(errc::invalid_argument,
+                     fmt::format("{}: want disk:DIR[,max=BYTES] or redis:HOST:PORT", what));
+    };
+    if (spec.rfind("disk:", 0) == 0) {
+        std::string dir = spec.substr(5);
+        uint64_t max = 0;
+        if (const size_t c = dir.rfind(",max="); c != std::string::npos) {
+            max = parse_bytes(dir.substr(c + 5), what);
+            dir.resize(c);
+        }
+        if (dir.empty()) throw bad();
+        disk_store_params p;
+        p.dir = dir;
+        p.max_bytes = max;
+        return std::make_shared<disk_block_store>(p);
+    }
+    if (spec.rfind("redis:", 0) == 0) {
+        const std::string hp = spec.substr(6);
+        const size_t c = hp.rfind(':');
+        if (c == std::string::npos || c == 0 || c + 1 == hp.size()) throw bad();
+        int port = 0;
+        size_t used = 0;
+        try {
+            port = std::stoi(hp.substr(c + 1), &used);
+        } catch (const std::exception&) {
+            used = 0;
+        }
+        if (used != hp.size() - c - 1 || port < 1 || port > 65535)
+            throw error(errc::invalid_argument,
+                        fmt::format("{}: port '{}' not in [1, 65535]", what, hp.substr(c + 1)));
+#ifdef KVC_SIM_REDIS
+        redis_store_params p;
+        p.host = hp.substr(0, c);
+        p.port = port;
+        return std::make_shared<redis_block_store>(p);
+#else
+        throw error(errc::unsupported,
+                    fmt::format("{}: this build has no Redis store (built with KVC_BUILD_REDIS=OFF)", what));
+#endif
+    }
+    throw bad();
 }
 
 std::string pct(double x) {
@@ -124,7 +200,52 @@ void print_snapshots(const std::vector<sim_result>& rs, const sim_options& o) {
     }
 }
 
-nlohmann::ordered_json to_json(const sim_result& r) {
+// Several instances or tiers: what the figures stand for (printed above the table).
+void print_setup(const sim_options& o) {
+    std::string tiers;
+    for (const auto& st : o.tiers.stores) {
+        if (!tiers.empty()) tiers.append(", ");
+        tiers.append(st->describe());
+    }
+    fmt::print("instances {}, route {} (budget and concurrency per instance; peaks summed over them)",
+               o.instances, to_string(o.route));
+    if (!tiers.empty())
+        fmt::print("; tiers {}, write {}", tiers, o.tiers.write == tier_write::through ? "through" : "evict");
+    fmt::print("\n");
+}
+
+std::string mib(uint64_t bytes) {
+    return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
+// Several instances: each one's hit rate; tiers: what each store did.
+void print_instances(const std::vector<sim_result>& rs) {
+    for (const sim_result& r : rs) {
+        if (!r.per_instance.empty()) {
+            std::string hits, reqs;
+            for (const sim_result& x : r.per_instance) {
+                hits.append(fmt::format(" {}", pct(x.hit_rate())));
+                reqs.append(fmt::format(" {}", x.requests));
+            }
+            fmt::print("{:<13} per instance: hit{}; requests{}\n", to_string(r.policy), hits, reqs);
+        }
+        for (const sim_tier_result& t : r.tiers)
+            fmt::print(
+                "{:<13} tier {}: fetched {} blocks in {} fetches ({} read), written {} blocks ({}), refused "
+                "{}, errors {} (store: {} errors, {} damaged, {} evicted, {} round trips)\n",
+                to_string(r.policy), t.where, t.fetched_blocks, t.fetches, mib(t.store.bytes_in),
+                t.written_blocks, mib(t.store.bytes_out), t.refused_blocks, t.errors, t.store.errors,
+                t.store.damaged, t.store.evictions, t.store.round_trips);
+        if (!r.tiers.empty())
+            fmt::print("{:<13} hit tokens from tiers: {} ({} of the hit tokens)\n", to_string(r.policy),
+                       r.tier_hit_tokens,
+                       pct(r.hit_tokens ? static_cast<double>(r.tier_hit_tokens) / r.hit_tokens : 0));
+    }
+}
+
+// `instance`: one of several instances' figures, whose stores' own counters are the whole run's (in the
+// sum), not its own.
+nlohmann::ordered_json to_json(const sim_result& r, bool instance = false) {
     nlohmann::ordered_json j;
     j["policy"] = to_string(r.policy);
     j["budget_tokens"] = r.budget_tokens;
@@ -160,6 +281,36 @@ nlohmann::ordered_json to_json(const sim_result& r) {
     if (r.policy == sim_policy::kvcache) {
         j["cache_hit_tokens"] = r.cache_hit_tokens;  // the prefix cache's own counter
         j["probe_hit_tokens"] = r.probe_hit_tokens;
+    }
+    if (!r.tiers.empty()) {
+        j["tier_hit_tokens"] = r.tier_hit_tokens;
+        auto& ts = j["tiers"] = nlohmann::ordered_json::array();
+        for (const sim_tier_result& t : r.tiers) {
+            nlohmann::ordered_json x{{"where", t.where},
+                                     {"fetches", t.fetches},
+                                     {"fetched_blocks", t.fetched_blocks},
+                                     {"refused_blocks", t.refused_blocks},
+                                     {"written_blocks", t.written_blocks},
+                                     {"errors", t.errors}};
+            if (!instance) {
+                x["bytes_in"] = t.store.bytes_in;
+                x["bytes_out"] = t.store.bytes_out;
+                x["store_errors"] = t.store.errors;
+                x["store_damaged"] = t.store.damaged;
+                x["store_lookups"] = t.store.lookups;
+                x["store_hits"] = t.store.hits;
+                x["store_evictions"] = t.store.evictions;
+                x["round_trips"] = t.store.round_trips;
+                x["store_calls"] = t.store.calls;
+                x["store_latency_ns"] = t.store.latency_ns;
+            }
+            ts.push_back(std::move(x));
+        }
+    }
+    if (!r.per_instance.empty()) {
+        j["instances"] = r.instances;
+        auto& is = j["per_instance"] = nlohmann::ordered_json::array();
+        for (const sim_result& x : r.per_instance) is.push_back(to_json(x, true));
     }
     return j;
 }
@@ -212,6 +363,28 @@ void run(sim_cli_options o) {
         throw error(errc::invalid_argument,
                     fmt::format("--arrival '{}': not one of ignore, respect", o.arrival));
     o.sim.respect_arrival = o.arrival == "respect";
+    if (o.route == "rr")
+        o.sim.route = sim_route::rr;
+    else if (o.route == "prefix")
+        o.sim.route = sim_route::prefix;
+    else
+        throw error(errc::invalid_argument, fmt::format("--route '{}': not one of rr, prefix", o.route));
+    if (o.tier_write == "evict")
+        o.sim.tiers.write = tier_write::on_evict;
+    else if (o.tier_write == "through")
+        o.sim.tiers.write = tier_write::through;
+    else
+        throw error(errc::invalid_argument,
+                    fmt::format("--tier-write '{}': not one of evict, through", o.tier_write));
+    if (o.tiers.size() > prefix_max_tiers)
+        throw error(errc::invalid_argument,
+                    fmt::format("--tier given {} times, at most {}", o.tiers.size(), prefix_max_tiers));
+    for (const std::string& t : o.tiers) o.sim.tiers.stores.push_back(make_tier(t));
+    // several instances or tiers: the policies that can use them, unless asked for others (refused)
+    if (!o.policy_given && !o.tiers.empty())
+        o.policies = "kvcache";
+    else if (!o.policy_given && o.sim.instances != 1)
+        o.policies = "kvcache,none";
     std::vector<sim_policy> policies;
     for (const std::string& p : split(o.policies)) {
         const auto v = parse_sim_policy(p);
@@ -220,6 +393,7 @@ void run(sim_cli_options o) {
                 errc::invalid_argument,
                 fmt::format("--policy '{}': not one of kvcache, none, llama-server, oracle, lru-blocks", p));
         policies.push_back(*v);
+        check_instances(*v, o.sim);
     }
     if (policies.empty()) throw error(errc::invalid_argument, "--policy: no policy given");
     if (o.sim.cache_block == 0 || o.sim.trace_block % o.sim.cache_block != 0)
@@ -245,6 +419,10 @@ void run(sim_cli_options o) {
             ts.requests, ts.prompt_tokens, double(ts.prompt_tokens) / double(ts.requests), ts.output_tokens,
             ts.unique_tokens, pct(ideal));
     const bool tty = ::isatty(2) != 0;
+    // every run writes its tier records under a model id of its own, so that no run (nor an earlier
+    // kvcache sim on the same directory or server) reads another's: each starts with cold tiers
+    uint64_t model_id = std::random_device{}();
+    model_id = (model_id << 32) ^ std::random_device{}();
     std::vector<sim_result> all;
     for (size_t bi = 0; bi < budgets.size(); ++bi) {
         sim_options so = o.sim;
@@ -252,6 +430,7 @@ void run(sim_cli_options o) {
         std::vector<sim_result> rs;
         for (sim_policy p : policies) {
             if (tty) so.progress = progress_bar{fmt::format("{} @ {}", to_string(p), budget_specs[bi])};
+            so.tiers.model_id = model_id++;
             rs.push_back(run_sim(reqs, p, so));
         }
         if (!o.json) {
@@ -260,8 +439,10 @@ void run(sim_cli_options o) {
                 "memory {}\n",
                 so.budget, pct(double(so.budget) / double(ts.unique_tokens)), so.concurrency,
                 so.budget / so.cache_block, so.cache_block, o.evict, o.memory);
+            if (so.instances != 1 || !so.tiers.stores.empty()) print_setup(so);
             print_table(rs);
             if (so.memory != sim_memory::kv) print_snapshots(rs, so);
+            print_instances(rs);
         }
         all.insert(all.end(), rs.begin(), rs.end());
     }
@@ -282,6 +463,15 @@ void run(sim_cli_options o) {
         j["memory"] = o.memory;
         if (o.sim.memory == sim_memory::iswa) j["window"] = o.sim.window;
         if (o.sim.memory != sim_memory::kv) j["state_tokens"] = o.sim.state_tokens;
+        if (o.sim.instances != 1) {
+            j["instances"] = o.sim.instances;
+            j["route"] = to_string(o.sim.route);
+        }
+        if (!o.sim.tiers.stores.empty()) {
+            j["tiers"] = nlohmann::ordered_json::array();
+            for (const auto& st : o.sim.tiers.stores) j["tiers"].push_back(st->describe());
+            j["tier_write"] = o.tier_write;
+        }
         j["rss_bytes"] = mem.now;
         j["peak_rss_bytes"] = mem.peak;
         auto& arr = j["results"] = nlohmann::ordered_json::array();
@@ -317,8 +507,10 @@ void add_sim_command(CLI::App& app) {
     cmd->add_option("--out", o->out,
                     "write the workload as JSONL to FILE (then stop unless --budget/--sweep)");
     cmd->add_option("--policy", o->policies,
-                    "policies, comma-separated: kvcache, llama-server, none, oracle, lru-blocks")
-        ->capture_default_str();
+                    "policies, comma-separated: kvcache, llama-server, none, oracle, lru-blocks (with "
+                    "--tier: kvcache; with --instances: kvcache,none)")
+        ->capture_default_str()
+        ->each([o](const std::string&) { o->policy_given = true; });
     cmd->add_option("--budget", o->budget,
                     "cache size: TOKENS or a percentage of the unique prompt tokens "
                     "(default 10%)");
@@ -386,6 +578,21 @@ void add_sim_command(CLI::App& app) {
         "--recency", o->gen.recency,
         "mooncake-like: follow-ups continue the k-th most recent conversation, k ~ Exp(N) (default "
         "32); 0: uniform over the 256 most recent");
+    cmd->add_option("--instances", o->sim.instances,
+                    "serving instances in lockstep, each with its own budget and concurrency (kvcache, none)")
+        ->capture_default_str();
+    cmd->add_option("--route", o->route,
+                    "several instances: rr (round-robin) or prefix (the instance holding the longest prefix "
+                    "of the prompt; else the least loaded)")
+        ->capture_default_str();
+    cmd->add_option("--tier", o->tiers,
+                    "kvcache: a store below every instance's prefix cache, shared: disk:DIR[,max=BYTES] or "
+                    "redis:HOST:PORT (repeatable, asked in order)")
+        ->allow_extra_args(false);
+    cmd->add_option("--tier-write", o->tier_write,
+                    "tiers: write blocks when memory evicts them (evict) or when they are published "
+                    "(through)")
+        ->capture_default_str();
     cmd->add_flag("--json", o->json, "print JSON");
     cmd->add_option("--plot", o->plot, "draw hit rate against budget, one line per policy, into FILE.svg");
     cmd->callback([o] { run(*o); });

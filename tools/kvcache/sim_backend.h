@@ -38,6 +38,8 @@ public:
     virtual uint64_t live_cells() const = 0;            ///< cells live requests hold now
     virtual void report(sim_result& r) const = 0;       ///< evictions, copies
     virtual bool needs_tokens() const { return true; }  ///< start() reads `prompt`
+    /// Prompt tokens the cache's memory holds now (the prefix route); 0 where the policy cannot tell.
+    virtual uint32_t cached_prefix(std::span<const token_t> /*prompt*/) { return 0; }
 };
 
 /// The library's kv_cache, with its prefix cache (policy kvcache) or without (policy none).

@@ -99,146 +99,300 @@ void check_budget(const std::vector<sim_request>& reqs, const sim_options& o) {
     }
 }
 
+namespace {
+
+// One serving instance: its cache (backend), queue, live requests and figures.
+struct instance {
+    std::unique_ptr<sim_backend> be;
+    sim_result r;
+    std::vector<seq_id_t> free_seqs;
+    std::deque<size_t> queue;
+    std::vector<live_request> live;
+    std::vector<token_t> out_tok;
+    std::vector<sim_work> work;
+    std::unordered_set<uint64_t> computing;  // trace blocks the requests admitted in this step compute
+    uint64_t reserved = 0, sum_live = 0;
+    bool may_fit = true;  // the head of the queue may fit: something ended since it last did not
+    double ns = 0;
+    size_t load() const { return queue.size() + live.size(); }
+};
+
+// Adds up the instances' figures: counts and peaks summed (each instance peaks on its own), waits summed,
+// max_wait the largest.
+void add_instance(sim_result& a, const sim_result& b) {
+    a.prompt_tokens += b.prompt_tokens;
+    a.hit_tokens += b.hit_tokens;
+    a.prefill_tokens += b.prefill_tokens;
+    a.output_tokens += b.output_tokens;
+    a.evicted_tokens += b.evicted_tokens;
+    a.copied_tokens += b.copied_tokens;
+    a.bytes_copied += b.bytes_copied;
+    a.peak_cells += b.peak_cells;
+    a.peak_committed_cells += b.peak_committed_cells;
+    a.final_committed_cells += b.final_committed_cells;
+    a.queued += b.queued;
+    a.wait_steps += b.wait_steps;
+    a.max_wait_steps = std::max(a.max_wait_steps, b.max_wait_steps);
+    a.bookkeeping_ns += b.bookkeeping_ns;
+    a.cache_hit_tokens += b.cache_hit_tokens;
+    a.probe_hit_tokens += b.probe_hit_tokens;
+    a.peak_snapshots += b.peak_snapshots;
+    a.swa_cells += b.swa_cells;
+    a.tier_hit_tokens += b.tier_hit_tokens;
+    if (a.tiers.size() < b.tiers.size()) a.tiers.resize(b.tiers.size());
+    for (size_t i = 0; i < b.tiers.size(); ++i) {
+        sim_tier_result& t = a.tiers[i];
+        t.where = b.tiers[i].where;
+        t.fetches += b.tiers[i].fetches;
+        t.fetched_blocks += b.tiers[i].fetched_blocks;
+        t.refused_blocks += b.tiers[i].refused_blocks;
+        t.written_blocks += b.tiers[i].written_blocks;
+        t.errors += b.tiers[i].errors;
+    }
+}
+
+block_store_stats minus(const block_store_stats& a, const block_store_stats& b) {
+    return {.lookups = a.lookups - b.lookups,
+            .hits = a.hits - b.hits,
+            .puts = a.puts - b.puts,
+            .skipped = a.skipped - b.skipped,
+            .bytes_in = a.bytes_in - b.bytes_in,
+            .bytes_out = a.bytes_out - b.bytes_out,
+            .errors = a.errors - b.errors,
+            .damaged = a.damaged - b.damaged,
+            .evictions = a.evictions - b.evictions,
+            .round_trips = a.round_trips - b.round_trips,
+            .calls = a.calls - b.calls,
+            .latency_ns = a.latency_ns - b.latency_ns,
+            .max_latency_ns = a.max_latency_ns};
+}
+
+}  // namespace
+
+void check_instances(sim_policy policy, const sim_options& o) {
+    if (o.instances == 0 || o.instances > 256)
+        throw error(errc::invalid_argument, fmt::format("--instances {} not in [1, 256]", o.instances));
+    if (o.instances > 1 && policy != sim_policy::kvcache && policy != sim_policy::none)
+        throw error(errc::invalid_argument,
+                    fmt::format("--instances {}: policy {} runs one instance only (kvcache and none run "
+                                "several)",
+                                o.instances, to_string(policy)));
+    if (o.tiers.stores.empty()) return;
+    if (o.tiers.stores.size() > prefix_max_tiers)
+        throw error(errc::invalid_argument, fmt::format("--tier given {} times, at most {}",
+                                                        o.tiers.stores.size(), prefix_max_tiers));
+    if (policy != sim_policy::kvcache)
+        throw error(errc::invalid_argument,
+                    fmt::format("--tier: policy {} has no prefix cache to put tiers under (only kvcache)",
+                                to_string(policy)));
+    if (o.memory != sim_memory::kv)
+        throw error(errc::invalid_argument,
+                    fmt::format("--tier: --memory {} has no tiers yet (only kv)", to_string(o.memory)));
+}
+
+const char* to_string(sim_route r) {
+    return r == sim_route::rr ? "rr" : "prefix";
+}
+
 sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, const sim_options& o) {
     check_budget(reqs, o);
+    check_instances(policy, o);
     if (policy == sim_policy::oracle) return run_oracle(reqs, o);
     if (policy == sim_policy::lru_blocks) return run_lru_blocks(reqs, o);
     const auto t_start = clock_type::now();
-    std::unique_ptr<sim_backend> be = policy == sim_policy::llama_server
-                                          ? make_llama_server_backend(o, reqs)
-                                          : make_kv_backend(o, policy == sim_policy::kvcache);
-    sim_result r;
-    r.policy = policy;
-    r.budget_tokens = o.budget;
-    r.requests = reqs.size();
-    double ns = 0;
-    const auto timed = [&](auto&& f) {
+    std::vector<block_store_stats> store_before;
+    for (const auto& s : o.tiers.stores) store_before.push_back(s->stats());
+    const uint32_t n_inst = o.instances;
+    std::vector<instance> inst(n_inst);
+    for (instance& in : inst) {
+        in.be = policy == sim_policy::llama_server ? make_llama_server_backend(o, reqs)
+                                                   : make_kv_backend(o, policy == sim_policy::kvcache);
+        in.r.policy = policy;
+        in.r.budget_tokens = o.budget;
+        for (uint32_t s = o.concurrency; s-- > 0;) in.free_seqs.push_back(static_cast<seq_id_t>(s));
+        in.out_tok.resize(o.concurrency);
+    }
+    const auto timed = [](instance& in, auto&& f) {
         const auto t0 = clock_type::now();
         f();
-        ns += std::chrono::duration<double, std::nano>(clock_type::now() - t0).count();
+        in.ns += std::chrono::duration<double, std::nano>(clock_type::now() - t0).count();
     };
 
-    std::vector<seq_id_t> free_seqs;
-    for (uint32_t s = o.concurrency; s-- > 0;) free_seqs.push_back(static_cast<seq_id_t>(s));
-    std::deque<size_t> queue;
     std::vector<uint64_t> arrived(reqs.size(), 0);  // step of arrival
-    std::vector<live_request> live;
-    std::vector<token_t> out_tok(o.concurrency);
-    std::vector<sim_work> work;
-    size_t next = 0, done = 0;
-    uint64_t step = 0, reserved = 0, sum_live = 0;
-    bool may_fit = true;  // the head of the queue may fit: something ended since it last did not
-    const bool tokens = be->needs_tokens();
+    size_t next = 0, done = 0, in_system = 0, rr = 0;
+    uint64_t step = 0, rounds = 0, sum_live = 0, max_live = 0, peak_live_cells = 0;
+    const bool tokens = inst[0].be->needs_tokens();
     size_t progress_mark = 0;
     const bool defer = o.defer_shared && policy == sim_policy::kvcache;
-    std::unordered_set<uint64_t> computing;  // trace blocks the requests admitted in this step compute
+    std::vector<token_t> scratch;
+    // the instance a request goes to, at its arrival
+    const auto route = [&](size_t q) -> instance& {
+        if (n_inst == 1) return inst[0];
+        if (o.route == sim_route::rr) return inst[rr++ % n_inst];
+        scratch.clear();  // prompt_tokens appends
+        prompt_tokens(reqs[q], o.trace_block, scratch);
+        size_t best = 0;
+        uint32_t best_hit = 0;
+        for (size_t i = 0; i < n_inst; ++i) {
+            uint32_t hit = 0;
+            timed(inst[i], [&] { hit = inst[i].be->cached_prefix(scratch); });
+            if (hit > best_hit || (hit == best_hit && inst[i].load() < inst[best].load()))
+                best = i, best_hit = hit;
+        }
+        return inst[best];
+    };
+    const auto arrive = [&](size_t q) {
+        arrived[q] = step;
+        route(q).queue.push_back(q);
+        ++in_system;
+    };
 
     while (done < reqs.size()) {
         // arrivals
         if (o.respect_arrival) {
-            if (queue.empty() && live.empty() && next < reqs.size())  // idle: skip to the next arrival
+            if (in_system == 0 && next < reqs.size())  // idle: skip to the next arrival
                 step = std::max<uint64_t>(step,
                                           static_cast<uint64_t>(std::ceil(reqs[next].timestamp / o.step_ms)));
-            while (next < reqs.size() && reqs[next].timestamp <= static_cast<double>(step) * o.step_ms) {
-                arrived[next] = step;
-                queue.push_back(next++);
-            }
+            while (next < reqs.size() && reqs[next].timestamp <= static_cast<double>(step) * o.step_ms)
+                arrive(next++);
         } else {  // closed loop: a request arrives when a sequence is free for it
-            while (next < reqs.size() && queue.size() + live.size() < o.concurrency) {
-                arrived[next] = step;
-                queue.push_back(next++);
-            }
+            while (next < reqs.size() && in_system < static_cast<size_t>(o.concurrency) * n_inst)
+                arrive(next++);
         }
-        // admissions, in arrival order: the head waits until it fits
-        computing.clear();
-        while (may_fit && !queue.empty() && live.size() < o.concurrency) {
-            const size_t q = queue.front();
-            if (defer && std::any_of(reqs[q].hash_ids.begin(), reqs[q].hash_ids.end(),
-                                     [&](uint64_t id) { return computing.count(id) != 0; }))
-                break;  // part of its prompt is being computed in this step: attach it at the next
-            live_request lr;
-            lr.req = q;
-            lr.seq = free_seqs.back();
-            if (tokens) prompt_tokens(reqs[q], o.trace_block, lr.prompt);
-            std::optional<uint32_t> hit;
-            timed([&] { hit = be->start(lr.seq, q, lr.prompt, reqs[q].output_length, reserved); });
-            if (!hit) {
-                may_fit = false;
-                break;
+        // admissions, in arrival order: the head waits until it fits. Every instance admits before any
+        // steps, so that what one reads from a shared tier was written before this round.
+        size_t live_now = 0;
+        for (instance& in : inst) {
+            sim_result& r = in.r;
+            in.computing.clear();
+            while (in.may_fit && !in.queue.empty() && in.live.size() < o.concurrency) {
+                const size_t q = in.queue.front();
+                if (defer && std::any_of(reqs[q].hash_ids.begin(), reqs[q].hash_ids.end(),
+                                         [&](uint64_t id) { return in.computing.count(id) != 0; }))
+                    break;  // part of its prompt is being computed in this step: attach it at the next
+                live_request lr;
+                lr.req = q;
+                lr.seq = in.free_seqs.back();
+                if (tokens) prompt_tokens(reqs[q], o.trace_block, lr.prompt);
+                std::optional<uint32_t> hit;
+                timed(in,
+                      [&] { hit = in.be->start(lr.seq, q, lr.prompt, reqs[q].output_length, in.reserved); });
+                if (!hit) {
+                    in.may_fit = false;
+                    break;
+                }
+                in.free_seqs.pop_back();
+                in.queue.pop_front();
+                lr.hit = *hit;
+                if (defer)
+                    for (size_t k = lr.hit / o.trace_block; k < reqs[q].hash_ids.size(); ++k)
+                        in.computing.insert(reqs[q].hash_ids[k]);
+                const uint64_t waited = step - arrived[q];
+                r.queued += waited > 0;
+                r.wait_steps += waited;
+                r.max_wait_steps = std::max(r.max_wait_steps, waited);
+                r.prompt_tokens += reqs[q].input_length;
+                r.hit_tokens += lr.hit;
+                ++r.requests;
+                in.reserved += reqs[q].input_length - lr.hit + reqs[q].output_length;
+                in.live.push_back(std::move(lr));
             }
-            free_seqs.pop_back();
-            queue.pop_front();
-            lr.hit = *hit;
-            if (defer)
-                for (size_t k = lr.hit / o.trace_block; k < reqs[q].hash_ids.size(); ++k)
-                    computing.insert(reqs[q].hash_ids[k]);
-            const uint64_t waited = step - arrived[q];
-            r.queued += waited > 0;
-            r.wait_steps += waited;
-            r.max_wait_steps = std::max(r.max_wait_steps, waited);
-            r.prompt_tokens += reqs[q].input_length;
-            r.hit_tokens += lr.hit;
-            reserved += reqs[q].input_length - lr.hit + reqs[q].output_length;
-            live.push_back(std::move(lr));
+            live_now += in.live.size();
         }
-        if (live.empty())  // the budget was checked: an idle cache holds any request
+        if (live_now == 0)  // the budget was checked: an idle cache holds any request
             throw error(errc::invalid_state, "sim: nothing live and the next request does not fit (a bug)");
-        // one step: the prompt of each new request, one output token of the others
-        work.clear();
-        uint64_t placed = 0;
-        for (size_t i = 0; i < live.size(); ++i) {
-            const live_request& l = live[i];
-            const sim_request& q = reqs[l.req];
-            sim_work w;
-            w.seq = l.seq;
-            if (!l.prefilled) {
-                w.p0 = static_cast<pos_t>(l.hit);
-                w.n = q.input_length - l.hit;
-                if (tokens) w.tokens = std::span<const token_t>(l.prompt).subspan(l.hit);
-                r.prefill_tokens += w.n;
-            } else {
-                out_tok[i] = output_token(l.req, l.out_done);
-                w.p0 = static_cast<pos_t>(q.input_length + l.out_done);
-                w.n = 1;
-                w.tokens = std::span<const token_t>(&out_tok[i], 1);
-                r.output_tokens += 1;
+        // one step of each instance: the prompt of each new request, one output token of the others
+        uint64_t live_cells = 0;
+        for (instance& in : inst) {
+            if (in.live.empty()) continue;
+            sim_result& r = in.r;
+            in.work.clear();
+            uint64_t placed = 0;
+            for (size_t i = 0; i < in.live.size(); ++i) {
+                const live_request& l = in.live[i];
+                const sim_request& q = reqs[l.req];
+                sim_work w;
+                w.seq = l.seq;
+                if (!l.prefilled) {
+                    w.p0 = static_cast<pos_t>(l.hit);
+                    w.n = q.input_length - l.hit;
+                    if (tokens) w.tokens = std::span<const token_t>(l.prompt).subspan(l.hit);
+                    r.prefill_tokens += w.n;
+                } else {
+                    in.out_tok[i] = output_token(l.req, l.out_done);
+                    w.p0 = static_cast<pos_t>(q.input_length + l.out_done);
+                    w.n = 1;
+                    w.tokens = std::span<const token_t>(&in.out_tok[i], 1);
+                    r.output_tokens += 1;
+                }
+                placed += w.n;
+                in.work.push_back(w);
             }
-            placed += w.n;
-            work.push_back(w);
+            timed(in, [&] { in.be->step(in.work); });
+            in.reserved -= placed;
+            ++r.steps;
+            in.sum_live += in.live.size();
+            r.max_live = std::max<uint64_t>(r.max_live, in.live.size());
+            r.peak_live_cells = std::max(r.peak_live_cells, in.be->live_cells());
+            live_cells += in.be->live_cells();
+            // advance, and end the requests that are done (their sequence is free for the next)
+            for (size_t i = 0; i < in.live.size();) {
+                live_request& l = in.live[i];
+                if (!l.prefilled)
+                    l.prefilled = true;
+                else
+                    ++l.out_done;
+                if (l.out_done < reqs[l.req].output_length) {
+                    ++i;
+                    continue;
+                }
+                timed(in, [&] { in.be->finish(l.seq); });
+                in.free_seqs.push_back(l.seq);
+                in.live[i] = std::move(in.live.back());
+                in.live.pop_back();
+                ++done;
+                --in_system;
+                in.may_fit = true;
+            }
         }
-        timed([&] { be->step(work); });
-        reserved -= placed;
-        ++r.steps;
-        sum_live += live.size();
-        r.max_live = std::max<uint64_t>(r.max_live, live.size());
-        r.peak_live_cells = std::max(r.peak_live_cells, be->live_cells());
+        ++rounds;
+        sum_live += live_now;
+        max_live = std::max<uint64_t>(max_live, live_now);
+        peak_live_cells = std::max(peak_live_cells, live_cells);
         ++step;
-        // advance, and end the requests that are done (their sequence is free for the next)
-        for (size_t i = 0; i < live.size();) {
-            live_request& l = live[i];
-            if (!l.prefilled)
-                l.prefilled = true;
-            else
-                ++l.out_done;
-            if (l.out_done < reqs[l.req].output_length) {
-                ++i;
-                continue;
-            }
-            timed([&] { be->finish(l.seq); });
-            free_seqs.push_back(l.seq);
-            live[i] = std::move(live.back());
-            live.pop_back();
-            ++done;
-            may_fit = true;
-        }
         if (o.progress && done * 200 / reqs.size() != progress_mark) {
             progress_mark = done * 200 / reqs.size();
             o.progress(static_cast<double>(done) / static_cast<double>(reqs.size()));
         }
     }
-    r.mean_live = r.steps ? static_cast<double>(sum_live) / static_cast<double>(r.steps) : 0;
-    be->report(r);
-    r.bookkeeping_ns = ns;
+    for (instance& in : inst) {
+        sim_result& r = in.r;
+        r.mean_live = r.steps ? static_cast<double>(in.sum_live) / static_cast<double>(r.steps) : 0;
+        in.be->report(r);
+        r.bookkeeping_ns = in.ns;
+    }
+    sim_result r;
+    if (n_inst == 1) {
+        r = std::move(inst[0].r);
+    } else {
+        r.policy = policy;
+        r.budget_tokens = o.budget;
+        r.instances = n_inst;
+        for (instance& in : inst) {
+            add_instance(r, in.r);
+            r.per_instance.push_back(std::move(in.r));
+        }
+        r.steps = rounds;
+        r.mean_live = rounds ? static_cast<double>(sum_live) / static_cast<double>(rounds) : 0;
+        r.max_live = max_live;
+        r.peak_live_cells = peak_live_cells;
+    }
+    r.requests = reqs.size();
+    for (size_t i = 0; i < o.tiers.stores.size(); ++i) {
+        if (r.tiers.size() <= i) r.tiers.resize(i + 1);
+        r.tiers[i].where = o.tiers.stores[i]->describe();
+        r.tiers[i].store = minus(o.tiers.stores[i]->stats(), store_before[i]);
+    }
     r.wall_seconds = std::chrono::duration<double>(clock_type::now() - t_start).count();
     return r;
 }

@@ -43,6 +43,14 @@ enum class sim_memory : uint8_t {
 };
 const char* to_string(sim_memory m);
 
+/// How requests are spread over several instances (sim_options::instances) at arrival.
+enum class sim_route : uint8_t {
+    rr,      ///< round-robin, in arrival order
+    prefix,  ///< the instance whose memory holds the longest prefix of the prompt; ties and misses: the
+             ///< least loaded (live + queued requests), then the lowest index
+};
+const char* to_string(sim_route r);
+
 struct sim_options {
     uint32_t budget = 0;         ///< cells (tokens) of the cache
     uint32_t concurrency = 64;   ///< live requests at most (sequences, slots)
@@ -72,6 +80,23 @@ struct sim_options {
     uint64_t cache_ram = 0;                ///< llama-server: tokens its RAM prompt cache holds (0: off)
     float slot_similarity = 0.1f;          ///< llama-server: --slot-prompt-similarity
     std::function<void(double)> progress;  ///< called with the fraction of requests done (may be empty)
+    /// Serving instances run in lockstep (one step of each per round), each with its own cache of
+    /// `budget` cells and `concurrency` sequences; kvcache and none only when more than one.
+    uint32_t instances = 1;
+    sim_route route = sim_route::rr;  ///< how arrivals are spread over the instances
+    /// kvcache: stores below every instance's prefix cache, shared by all of them (the same objects).
+    prefix_tier_params tiers;
+};
+
+/// What one tier did during a run, summed over the instances.
+struct sim_tier_result {
+    std::string where;            ///< the store's describe()
+    uint64_t fetches = 0;         ///< read_many calls of attaches
+    uint64_t fetched_blocks = 0;  ///< blocks they brought back into memory
+    uint64_t refused_blocks = 0;  ///< values that were not the block asked for
+    uint64_t written_blocks = 0;  ///< blocks the caches wrote to it
+    uint64_t errors = 0;          ///< calls that threw (caught by the caches)
+    block_store_stats store;      ///< the store's own counters during the run (bytes, errors, round trips)
 };
 
 /// What one policy did with one trace at one budget.
@@ -106,6 +131,11 @@ struct sim_result {
     /// recurrent, hybrid: the most snapshots (kvcache) or checkpoints (llama-server) held at once
     uint64_t peak_snapshots = 0;
     uint64_t swa_cells = 0;  ///< iswa, kvcache and none: cells of the SWA cache
+    /// tiers: hit tokens of admitted requests whose blocks a store brought back for their attach
+    uint64_t tier_hit_tokens = 0;
+    std::vector<sim_tier_result> tiers;  ///< tiers, in order (empty without)
+    uint32_t instances = 1;              ///< instances the figures above add up (peaks: summed per instance)
+    std::vector<sim_result> per_instance;  ///< more than one instance: each one's figures
 
     double hit_rate() const { return prompt_tokens ? static_cast<double>(hit_tokens) / prompt_tokens : 0; }
     double ns_per_token() const {
@@ -116,6 +146,10 @@ struct sim_result {
 /// Replays `reqs` through `policy`. Throws kvc::error when a request is larger than the budget (before
 /// anything runs) or an option is out of range.
 sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, const sim_options& o);
+
+/// Whether `policy` can run with o.instances and o.tiers (kvcache: both; none: instances only); throws
+/// kvc::error naming the option otherwise.
+void check_instances(sim_policy policy, const sim_options& o);
 
 /// The cells a request needs at least (prompt and output), checked against the budget before a run.
 void check_budget(const std::vector<sim_request>& reqs, const sim_options& o);

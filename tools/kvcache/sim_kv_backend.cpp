@@ -62,6 +62,7 @@ public:
             }
         }
         pc_ = dynamic_cast<prefix_cache_i*>(mem_.get());
+        tiers_ = prefix && o.memory == sim_memory::kv && !o.tiers.stores.empty();
     }
 
     std::optional<uint32_t> start(seq_id_t seq, uint64_t /*req*/, std::span<const token_t> prompt,
@@ -76,7 +77,10 @@ public:
         const auto room = [&] { return static_cast<int64_t>(size - held_ - reserved); };
         if (!prefix_)
             return room() >= static_cast<int64_t>(len + n_out) ? std::optional<uint32_t>(0) : std::nullopt;
+        const uint64_t fetched0 = tiers_ ? tier_fetched() : 0;
         const uint32_t n = pc_->prefix_attach(seq, prompt, 0, prefix_default_priority, UINT32_MAX);
+        // blocks a tier brought back are cached cells now, then attached: alone() counts them as the
+        // sequence's like any other attached block
         const uint64_t took = alone(seq);  // attached cells that were cached only: no longer evictable
         held_ += took;
         if (room() < static_cast<int64_t>(len - n + n_out)) {
@@ -85,6 +89,8 @@ public:
             probe_hits_ += n;
             return std::nullopt;
         }
+        // the fetched blocks continue what memory held: they are the attach's last ones
+        if (tiers_) tier_hits_ += std::min<uint64_t>(n, (tier_fetched() - fetched0) * block_);
         return n;
     }
 
@@ -124,6 +130,10 @@ public:
         mem_->seq_rm(seq, -1, -1);
     }
 
+    uint32_t cached_prefix(std::span<const token_t> prompt) override {
+        return prefix_ ? pc_->prefix_lookup(prompt, 0) : 0;
+    }
+
     uint64_t used_cells() const override { return kv_ ? kv_->cells(0).get_used() : 0; }
     uint64_t live_cells() const override { return held_; }
 
@@ -136,6 +146,16 @@ public:
         r.cache_hit_tokens = st.hit_tokens;
         r.peak_snapshots = peak_snapshots_;
         r.swa_cells = swa_cells_;
+        r.tier_hit_tokens = tier_hits_;
+        if (tiers_)
+            for (const prefix_tier_stats& t : kv_->get_tier_stats())
+                r.tiers.push_back({.where = t.where,
+                                   .fetches = t.fetches,
+                                   .fetched_blocks = t.fetched_blocks,
+                                   .refused_blocks = t.refused_blocks,
+                                   .written_blocks = t.written_blocks,
+                                   .errors = t.errors,
+                                   .store = {}});
         if (kv_ == nullptr) return;
         const uint64_t cell = kv_->size_bytes() / kv_->get_size();
         r.peak_committed_cells = peak_committed_ / cell;
@@ -154,6 +174,7 @@ private:
         p.n_seq_max = o.concurrency;
         p.n_kv_pad = 1;
         p.prefix = {.enabled = prefix, .block_size = o.cache_block, .policy = o.evict};
+        if (prefix) p.prefix.tiers = o.tiers;  // the same store objects in every instance
         return p;
     }
 
@@ -168,6 +189,11 @@ private:
         const kv_cells& c = kv_->cells(0);
         uint64_t n = 0;
         for (uint32_t i = 0; i < c.size(); ++i) n += c.seq_count(i) > 0;
+        return n;
+    }
+    uint64_t tier_fetched() const {
+        uint64_t n = 0;
+        for (const prefix_tier_stats& t : kv_->get_tier_stats()) n += t.fetched_blocks;
         return n;
     }
     uint32_t n_seq_max() const {
@@ -188,6 +214,8 @@ private:
     uint64_t peak_ = 0;
     uint64_t peak_committed_ = 0;  // bytes
     uint64_t probe_hits_ = 0;
+    bool tiers_ = false;      // a kv_cache with stores below its prefix cache
+    uint64_t tier_hits_ = 0;  // hit tokens of admitted requests that a store brought back
 };
 
 }  // namespace
