@@ -50,7 +50,7 @@ set(KVC_INCLUDE_RANKS
   "5 kv_cache.h memory_recurrent.h recurrent_engine.h kv_cache_iswa.h memory_hybrid.h"
   "6 state.h state_summary.h session.h"
   "7 runtime/gguf.h runtime/kv_tensors.h runtime/thread_pool.h runtime/tiny_model.h runtime/runtime.h runtime/reference_recurrent.h redis/redis_store.h"
-  "8 kvcache.h kvcache_state.h kvcache_prefix.h kvcache_engine.h"
+  "8 kvcache.h kvcache_state.h kvcache_prefix.h kvcache_engine.h kvcache_tiers.h"
 )
 # Sources whose header has another name.
 set(KVC_SOURCE_HEADERS
