@@ -9,8 +9,10 @@
 #include <utility>
 #include <vector>
 
+#include <kvcache/disk_store.h>
 #include <kvcache/dtype.h>
 #include <kvcache/prefix_cache.h>
+#include <kvcache/prefix_tiers.h>
 #include <kvcache/types.h>
 
 #include "common.h"
@@ -226,6 +228,66 @@ void bind_params(py::module_& m) {
         .def_readwrite("rope", &layer_desc::rope);
     set_fields(layer, {"n_head_kv", "n_embd_head_k", "n_embd_head_v", "is_swa", "has_kv", "rope"});
 
+    // -- tiers: block stores below a KV cache's prefix cache (docs/tiers.md) --
+    py::class_<block_store_stats>(m, "BlockStoreStats", "What a block store did (every counter only grows).")
+        .def_readonly("lookups", &block_store_stats::lookups)
+        .def_readonly("hits", &block_store_stats::hits)
+        .def_readonly("puts", &block_store_stats::puts)
+        .def_readonly("skipped", &block_store_stats::skipped)
+        .def_readonly("bytes_in", &block_store_stats::bytes_in)
+        .def_readonly("bytes_out", &block_store_stats::bytes_out)
+        .def_readonly("errors", &block_store_stats::errors)
+        .def_readonly("damaged", &block_store_stats::damaged)
+        .def_readonly("evictions", &block_store_stats::evictions)
+        .def_readonly("round_trips", &block_store_stats::round_trips)
+        .def_readonly("calls", &block_store_stats::calls)
+        .def_readonly("latency_ns", &block_store_stats::latency_ns)
+        .def_readonly("max_latency_ns", &block_store_stats::max_latency_ns)
+        .def("__repr__", [](const block_store_stats& s) {
+            return "BlockStoreStats(lookups=" + std::to_string(s.lookups) +
+                   ", hits=" + std::to_string(s.hits) + ", puts=" + std::to_string(s.puts) +
+                   ", errors=" + std::to_string(s.errors) + ", damaged=" + std::to_string(s.damaged) + ")";
+        });
+    // Stores are shared: several caches (and the Python object) hold one, so they are shared_ptrs.
+    py::class_<block_store_i, std::shared_ptr<block_store_i>>(
+        m, "BlockStore", "A store below a KV cache's prefix cache (a tier): DiskStore.")
+        .def(
+            "stats", [](const block_store_i& s) { return s.stats(); },
+            "What the store did so far (shared by every cache using it).")
+        .def("describe", &block_store_i::describe, "Where the store is ('disk:DIR').")
+        .def("__repr__", [](const block_store_i& s) { return "<kvcache store " + s.describe() + ">"; });
+    py::class_<disk_block_store, block_store_i, std::shared_ptr<disk_block_store>>(
+        m, "DiskStore",
+        "A directory of blocks, one file per value, written atomically; least recently used files go first "
+        "beyond max_bytes (0: no limit). One process per directory.")
+        .def(py::init([](const py::object& dir, uint64_t max_bytes, uint64_t max_value_bytes) {
+                 disk_store_params p;
+                 p.dir = py::str(py::module_::import("os").attr("fspath")(dir)).cast<std::string>();
+                 p.max_bytes = max_bytes;
+                 p.max_value_bytes = max_value_bytes;
+                 if (p.dir.empty()) fail_argument("DiskStore: dir is empty");
+                 if (max_value_bytes == 0) fail_argument("DiskStore: max_value_bytes is 0");
+                 return std::make_shared<disk_block_store>(std::move(p));
+             }),
+             py::arg("dir"), py::arg("max_bytes") = 0,
+             py::arg("max_value_bytes") = disk_store_params{}.max_value_bytes)
+        .def_property_readonly("bytes", &disk_block_store::bytes, "bytes of the files it holds now")
+        .def_property_readonly("entries", &disk_block_store::entries, "files it holds now");
+
+    bind_enum<tier_write>(
+        m, "TierWrite",
+        {{"on_evict", tier_write::on_evict}, {"through", tier_write::through}, {"never", tier_write::never}});
+    py::class_<prefix_tier_params> tiers(m, "PrefixTierParams",
+                                         "Stores below a KVCache's prefix cache (at most 3, fastest first).");
+    kwargs_init(tiers)
+        .def_readwrite("stores", &prefix_tier_params::stores)
+        .def_readwrite("model_id", &prefix_tier_params::model_id)
+        .def_readwrite("write", &prefix_tier_params::write)
+        .def_readwrite("fetch", &prefix_tier_params::fetch)
+        .def_readwrite("prefill_ns_per_token", &prefix_tier_params::prefill_ns_per_token)
+        .def_readwrite("probe_every", &prefix_tier_params::probe_every);
+    set_fields(tiers, {"stores", "model_id", "write", "fetch", "prefill_ns_per_token", "probe_every"});
+
     py::class_<prefix_cache_params> prefix(m, "PrefixCacheParams",
                                            "The prefix cache of a KV cache, recurrent or hybrid memory.");
     kwargs_init(prefix)
@@ -237,13 +299,14 @@ void bind_params(py::module_& m) {
         .def_readwrite("n_vocab", &prefix_cache_params::n_vocab)
         .def_readwrite("snapshot_interval", &prefix_cache_params::snapshot_interval)
         .def_readwrite("max_snapshots", &prefix_cache_params::max_snapshots)
+        .def_readwrite("tiers", &prefix_cache_params::tiers)
         .def_property(
             "on_event", [](const prefix_cache_params& p) { return static_cast<bool>(p.on_event); },
             [](prefix_cache_params& p, const py::object& f) { p.on_event = to_event_callback(f); },
             "A callable receiving a dict (type, hash, parent_hash, depth, tokens) per index event; reads as "
             "whether one is set.");
     set_fields(prefix, {"enabled", "block_size", "policy", "protected_fraction", "max_pinned_fraction",
-                        "n_vocab", "snapshot_interval", "max_snapshots"});
+                        "n_vocab", "snapshot_interval", "max_snapshots", "tiers"});
 
     py::class_<kv_cache_params> kv(m, "KVCacheParams",
                                    "Everything a KVCache is made from (auto_update defaults to True here).");
