@@ -127,6 +127,7 @@ typedef struct mem_store {
     int n;
     int reads, puts, contains;
     int fail_reads; /* read_many returns false, delivering nothing */
+    int bad_values; /* read_many delivers an index out of range and an empty value instead */
     int* destroyed; /* set when destroy runs (the struct is gone then) */
 } mem_store;
 
@@ -140,6 +141,12 @@ static bool ms_read(void* user, const char* const* keys, size_t n, kvc_block_val
     mem_store* s = (mem_store*)user;
     ++s->reads;
     if (s->fail_reads) return false;
+    if (s->bad_values) {
+        static const uint8_t byte = 1;
+        on_value(n, &byte, 1, ctx);
+        on_value(0, &byte, 0, ctx);
+        return true;
+    }
     for (size_t i = 0; i < n; ++i) {
         const int j = find(s, keys[i]);
         if (j >= 0) on_value(i, s->values[j], s->sizes[j], ctx);
@@ -257,6 +264,13 @@ static void test_failing_store(void) {
     kvc_block_store_stats ss;
     CHECK_OK(kvc_block_store_get_stats(store, &ss));
     CHECK(ss.errors == 1 && ss.hits == 0);
+    /* values for keys not asked for, or empty: errors, not handed to the cache */
+    s->fail_reads = 0;
+    s->bad_values = 1;
+    CHECK_OK(kvc_memory_prefix_attach(m2, 0, prompt, 9, 0, 50, &n));
+    CHECK(n == 0);
+    CHECK_OK(kvc_block_store_get_stats(store, &ss));
+    CHECK(ss.errors == 3 && ss.hits == 0);
     kvc_memory_free(a);
     kvc_memory_free(m2);
     kvc_block_store_free(store);
@@ -292,6 +306,10 @@ static void test_bad_params(void) {
               "callbacks.put_many is NULL");
     CHECK(cs == NULL);
     CHECK_ERR(kvc_block_store_get_stats(NULL, NULL), KVC_ERR_INVALID_ARGUMENT, "store is NULL");
+    /* what libraries on the C API (kvcache_redis) record their errors with */
+    CHECK(kvc_set_last_error(KVC_ERR_IO, "my_store_new", "disk gone") == KVC_ERR_IO);
+    CHECK(strcmp(kvc_last_error(), "my_store_new: disk gone") == 0);
+    CHECK(kvc_set_last_error(KVC_ERR_IO, NULL, NULL) == KVC_ERR_IO && strcmp(kvc_last_error(), "") == 0);
     kvc_block_store_free(NULL);
 
     kvc_block_store* four[4] = {store, store, store, store};

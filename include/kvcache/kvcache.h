@@ -93,10 +93,11 @@ KVC_API const char* kvc_last_error(void) KVC_NOEXCEPT;
 /// @brief Forgets this thread's last error message: kvc_last_error() returns "" until the next failure.
 KVC_API void kvc_clear_last_error(void) KVC_NOEXCEPT;
 
-/// @brief Records this thread's error message, "function: message", for libraries built on this API
+/// @brief Records this thread's error message, "function: message" (or the message alone without a
+/// function), for libraries built on this API
 /// (kvcache_redis's kvc_redis_store_new()) so that their failures read like kvcache's own.
 /// @param status The status of the failure (returned).
-/// @param function The failing function's name (NULL: none).
+/// @param function The failing function's name, or NULL.
 /// @param message What went wrong, naming the offending value (NULL: "").
 /// @return status.
 KVC_API kvc_status kvc_set_last_error(kvc_status status, const char* function,

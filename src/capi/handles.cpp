@@ -409,7 +409,16 @@ void kvc_clear_last_error(void) noexcept {
 }
 
 kvc_status kvc_set_last_error(kvc_status status, const char* function, const char* message) noexcept {
-    return fail(status, function != nullptr ? function : "", message != nullptr ? message : "");
+    const char* what = message != nullptr ? message : "";
+    if (function != nullptr) return fail(status, function, what);
+    error_slot& e = t_error;  // no function: the message alone
+    try {
+        e.text.assign(what);
+        e.message = e.text.c_str();
+    } catch (...) {
+        e.message = "kvcache: out of memory while recording an error";
+    }
+    return status;
 }
 
 void kvc_set_log_callback(kvc_log_callback callback, void* user_data) noexcept {
