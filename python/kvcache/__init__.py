@@ -12,6 +12,7 @@ from ._kvcache import (  # noqa: F401
     Batch,
     BlockStore,
     BlockStoreStats,
+    CallbackStore,
     Context,
     CorruptDataError,
     DiskStore,

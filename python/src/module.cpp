@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <mutex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -163,6 +165,116 @@ std::function<void(const prefix_event&)> to_event_callback(const py::object& f) 
     };
 }
 
+// A store made of Python callables (kvcache.CallbackStore): a tier of the program's own (a dict, Redis
+// through redis-py). The cache calls it without the GIL, holding the memory's lock; each call takes the
+// GIL (as prefix events do), copies what Python returned and gives the GIL back before the cache decodes.
+// What the callables raise is a miss, counted, never an error of the cache (a tier is a cache).
+class py_callback_store final : public block_store_i {
+public:
+    py_callback_store(py::function read, py::function put, const py::object& contains, std::string where)
+        : read_(std::make_shared<held_function>(std::move(read))),
+          put_(std::make_shared<held_function>(std::move(put))),
+          contains_(contains.is_none()
+                        ? nullptr
+                        : std::make_shared<held_function>(py::reinterpret_borrow<py::function>(contains))),
+          where_(std::move(where)) {}
+
+    size_t read_many(std::span<const std::string> keys, const block_value_fn& on_value) override {
+        std::lock_guard lock(mu_);
+        block_store_call_timer timer(st_);
+        st_.lookups += keys.size();
+        std::vector<std::pair<size_t, std::string>> got;
+        if (!call("read_many", [&] {
+                py::object r = read_->fn(py::cast(std::vector<std::string>(keys.begin(), keys.end())));
+                size_t i = 0;
+                for (const py::handle v : r) {
+                    if (i >= keys.size()) throw py::value_error("read_many returned more values than keys");
+                    if (!v.is_none())
+                        got.emplace_back(i, std::string(py::bytes(py::reinterpret_borrow<py::object>(v))));
+                    ++i;
+                }
+            }))
+            return 0;
+        size_t n = 0;
+        for (const auto& [i, v] : got) {
+            if (v.empty()) continue;  // values are never empty: a miss
+            on_value(i, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size()));
+            ++n;
+            ++st_.hits;
+            st_.bytes_in += v.size();
+        }
+        return n;
+    }
+
+    void put_many(std::span<const block_put> items) override {
+        std::lock_guard lock(mu_);
+        block_store_call_timer timer(st_);
+        uint64_t bytes = 0;
+        for (const block_put& it : items) bytes += it.value.size();
+        if (call("put_many", [&] {
+                py::list l;
+                for (const block_put& it : items)
+                    l.append(py::make_tuple(
+                        py::str(it.key.data(), it.key.size()),
+                        py::bytes(reinterpret_cast<const char*>(it.value.data()), it.value.size())));
+                put_->fn(l);
+            })) {
+            st_.puts += items.size();
+            st_.bytes_out += bytes;
+        }
+    }
+
+    std::vector<uint8_t> contains_many(std::span<const std::string> keys) override {
+        std::lock_guard lock(mu_);
+        std::vector<uint8_t> out(keys.size(), 0);
+        if (!contains_) return out;  // all absent: put_many is asked to skip what it holds
+        block_store_call_timer timer(st_);
+        std::vector<uint8_t> has(keys.size(), 0);
+        if (call("contains_many", [&] {
+                py::object r = contains_->fn(py::cast(std::vector<std::string>(keys.begin(), keys.end())));
+                size_t i = 0;
+                for (const py::handle v : r) {
+                    if (i < has.size()) has[i] = py::bool_(py::reinterpret_borrow<py::object>(v)) ? 1 : 0;
+                    ++i;
+                }
+            }))
+            out = has;
+        return out;
+    }
+
+    block_store_stats stats() const override {
+        std::lock_guard lock(mu_);
+        return st_;
+    }
+    std::string describe() const override { return where_; }
+
+private:
+    // Runs f with the GIL; false (counted, logged once) when Python raised.
+    template <class F>
+    bool call(const char* what, const F& f) {
+        py::gil_scoped_acquire gil;
+        try {
+            f();
+            return true;
+        } catch (py::error_already_set& e) {
+            ++st_.errors;
+            if (!logged_) log(log_level::warn, where_ + ": " + what + " raised: " + e.what());
+            logged_ = true;
+        } catch (const std::exception& e) {
+            ++st_.errors;
+            if (!logged_) log(log_level::warn, where_ + ": " + what + ": " + e.what());
+            logged_ = true;
+        }
+        return false;
+    }
+
+    std::shared_ptr<held_function> read_, put_, contains_;
+    std::string where_;
+    mutable std::mutex mu_;
+    block_store_stats st_;
+    bool logged_ = false;
+};
+
 // Parameter structs are built with keyword arguments naming their fields: KVCacheParams(kv_size=256, ...).
 // An unknown name is a TypeError naming it.
 template <class T, class... Extra>
@@ -273,6 +385,19 @@ void bind_params(py::module_& m) {
              py::arg("max_value_bytes") = disk_store_params{}.max_value_bytes)
         .def_property_readonly("bytes", &disk_block_store::bytes, "bytes of the files it holds now")
         .def_property_readonly("entries", &disk_block_store::entries, "files it holds now");
+
+    py::class_<py_callback_store, block_store_i, std::shared_ptr<py_callback_store>>(
+        m, "CallbackStore",
+        "A store of Python callables: read_many(keys) -> a value (bytes) or None per key; put_many([(key, "
+        "value), ...]) stores those it does not hold; contains_many(keys) -> a bool per key (None: every "
+        "key taken as absent). What they raise is a counted miss. The cache calls them from the thread "
+        "calling into the memory, holding its lock: they must not use a memory that has this store.")
+        .def(py::init([](const py::function& read_many, const py::function& put_many,
+                         const py::object& contains_many, const std::string& describe) {
+                 return std::make_shared<py_callback_store>(read_many, put_many, contains_many, describe);
+             }),
+             py::arg("read_many"), py::arg("put_many"), py::arg("contains_many") = py::none(),
+             py::arg("describe") = "python");
 
     bind_enum<tier_write>(
         m, "TierWrite",

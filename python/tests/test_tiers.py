@@ -73,3 +73,51 @@ def test_bad_tier_params(tmp_path):
     with pytest.raises(TypeError):
         kvcache.PrefixTierParams(stores=["not a store"])
     assert small_cache().tier_stats() == []
+
+
+def dict_store(d, calls):
+    def read_many(keys):
+        calls.append("read")
+        return [d.get(k) for k in keys]
+
+    def put_many(items):
+        calls.append("put")
+        for k, v in items:
+            d.setdefault(k, v)
+
+    return kvcache.CallbackStore(read_many, put_many, contains_many=lambda keys: [k in d for k in keys],
+                                 describe="dict")
+
+
+def test_callback_store_of_python_callables():
+    d, calls = {}, []
+    store = dict_store(d, calls)
+    a = tiered_cache([store], write="through")
+    fill(a, list(range(1, 10)))
+    a.prefix_publish()
+    assert len(d) == 2 and all(isinstance(v, bytes) and k.startswith("kvcb1-") for k, v in d.items())
+    b = tiered_cache([store])
+    assert b.prefix_attach(0, list(range(1, 10))) == 8
+    (t,) = b.tier_stats()
+    assert t.where == "dict" and t.fetched_blocks == 2 and t.store.hits == 2 and t.store.puts == 2
+
+
+def test_a_raising_callback_store_is_a_counted_miss():
+    d, calls = {}, []
+    good = dict_store(d, calls)
+    a = tiered_cache([good], write="through")
+    fill(a, list(range(1, 10)))
+    a.prefix_publish()
+
+    def broken(keys):
+        raise RuntimeError("server gone")
+
+    bad = kvcache.CallbackStore(broken, lambda items: None)
+    c = tiered_cache([bad])
+    assert c.prefix_attach(0, list(range(1, 10))) == 0  # recomputed, not raised
+    assert bad.stats().errors == 1 and c.tier_stats()[0].fetched_blocks == 0
+    # a value that is not the block asked for is refused by the cache, never used
+    wrong = kvcache.CallbackStore(lambda keys: [b"not a block" for _ in keys], lambda items: None)
+    c = tiered_cache([wrong])
+    assert c.prefix_attach(0, list(range(1, 10))) == 0
+    assert c.tier_stats()[0].refused_blocks == 1
