@@ -6,7 +6,9 @@
 #            pool, tiny model, reference; links the core
 #   redis    libkvcache_redis (target kvcache_redis, kvcache::redis): the Redis block store on hiredis; on the
 #            public headers of the core only, and the core never sees it (its headers refuse
-#            KVC_LAYER_CORE and KVC_LAYER_CAPI), so the core does not depend on hiredis
+#            KVC_LAYER_CORE and KVC_LAYER_CAPI), so the core does not depend on hiredis; its C constructor
+#            (src/redis/capi, redis/kvcache_redis.h) is built on the public C API: it hands the C++ store to
+#            kvc_block_store_from_callbacks, so the C API never sees hiredis either
 #   capi     the C API (src/capi, headers kvcache.h): compiled into libkvcache, on the public C++ API only
 #   python   the Python module (python/src): on the public headers of the core and the runtime only
 #
@@ -50,7 +52,7 @@ set(KVC_INCLUDE_RANKS
   "5 kv_cache.h memory_recurrent.h recurrent_engine.h kv_cache_iswa.h memory_hybrid.h"
   "6 state.h state_summary.h session.h"
   "7 runtime/gguf.h runtime/kv_tensors.h runtime/thread_pool.h runtime/tiny_model.h runtime/runtime.h runtime/reference_recurrent.h redis/redis_store.h"
-  "8 kvcache.h kvcache_state.h kvcache_prefix.h kvcache_engine.h"
+  "8 kvcache.h kvcache_state.h kvcache_prefix.h kvcache_engine.h kvcache_tiers.h redis/kvcache_redis.h"
 )
 # Sources whose header has another name.
 set(KVC_SOURCE_HEADERS
@@ -67,5 +69,6 @@ set(KVC_SOURCE_RANKS
   "src/detail 6"
   "src/runtime 7"
   "src/redis 7"
+  "src/redis/capi 8"
   "src/capi 8"
 )

@@ -93,6 +93,16 @@ KVC_API const char* kvc_last_error(void) KVC_NOEXCEPT;
 /// @brief Forgets this thread's last error message: kvc_last_error() returns "" until the next failure.
 KVC_API void kvc_clear_last_error(void) KVC_NOEXCEPT;
 
+/// @brief Records this thread's error message, "function: message" (or the message alone without a
+/// function), for libraries built on this API
+/// (kvcache_redis's kvc_redis_store_new()) so that their failures read like kvcache's own.
+/// @param status The status of the failure (returned).
+/// @param function The failing function's name, or NULL.
+/// @param message What went wrong, naming the offending value (NULL: "").
+/// @return status.
+KVC_API kvc_status kvc_set_last_error(kvc_status status, const char* function,
+                                      const char* message) KVC_NOEXCEPT;
+
 /// @brief Severity of a log message.
 typedef enum kvc_log_level {
     KVC_LOG_DEBUG = 0,  ///< details for debugging
@@ -270,6 +280,39 @@ typedef struct kvc_prefix_event {
 /// @param user_data The `on_event_user_data` of the parameters.
 typedef void (*kvc_prefix_event_fn)(const kvc_prefix_event* event, void* user_data);
 
+/// @brief A block store below a prefix cache: a tier (kvcache_tiers.h, docs/tiers.md). A handle holds a
+/// reference: the store lives until its handle is freed and no memory uses it.
+typedef struct kvc_block_store kvc_block_store;
+
+/// @brief When a prefix cache writes blocks to its tiers (the C++ kvc::tier_write).
+typedef enum kvc_tier_write {
+    KVC_TIER_WRITE_ON_EVICT = 0,  ///< when a block leaves memory to make room (the default)
+    KVC_TIER_WRITE_THROUGH = 1,   ///< when a block is published (more writes, earlier sharing)
+    KVC_TIER_WRITE_NEVER = 2,     ///< never: the tiers are read only (another process fills them)
+} kvc_tier_write;
+
+/// @brief Most stores a prefix cache takes (the C++ kvc::prefix_max_tiers).
+#define KVC_PREFIX_MAX_TIERS 3
+
+/// @brief The stores below a KV cache's prefix cache (the C++ kvc::prefix_tier_params, docs/tiers.md).
+/// KV caches without a sliding window only; the defaults (no stores) are a prefix cache without tiers.
+typedef struct kvc_prefix_tier_params {
+    /// [n_stores] asked in this order (the fastest first); read at creation: the memory keeps its own
+    /// references, so the handles may be freed after creating it
+    kvc_block_store* const* stores;
+    size_t n_stores;  ///< entries of stores, at most #KVC_PREFIX_MAX_TIERS (0: no tiers)
+    /// names the model and how its keys were computed: caches whose layouts or models differ never read
+    /// each other's records
+    uint64_t model_id;
+    kvc_tier_write write;  ///< when blocks are written
+    bool fetch;            ///< whether kvc_memory_prefix_attach() asks the stores (true by default)
+    /// the engine's cost of computing one prompt token (ns): a store is asked only when its measured cost
+    /// is lower (0: always ask)
+    double prefill_ns_per_token;
+    /// while the cost model declines a store, one attach in this many asks it anyway (0: never)
+    uint32_t probe_every;
+} kvc_prefix_tier_params;
+
 /// @brief A memory's prefix cache (kvcache_prefix.h, docs/prefix-cache.md): a KV cache's, a recurrent
 /// memory's (snapshots of states at block boundaries) or a hybrid memory's (both).
 typedef struct kvc_prefix_cache_params {
@@ -286,6 +329,7 @@ typedef struct kvc_prefix_cache_params {
     uint32_t snapshot_interval;
     /// recurrent and hybrid memories: snapshots the pool holds at most (0: 4 x n_seq_max)
     uint32_t max_snapshots;
+    kvc_prefix_tier_params tiers;  ///< KV caches: stores below memory (none by default)
 } kvc_prefix_cache_params;
 
 /// @brief An engine that owns the K/V tensors (kvcache_engine.h).
@@ -945,5 +989,7 @@ KVC_API kvc_status kvc_memory_get_s(kvc_memory_context* ctx, uint32_t il, kvc_te
 #include <kvcache/kvcache_prefix.h>
 // Engine-owned storage.
 #include <kvcache/kvcache_engine.h>
+// Tiers of the prefix cache: block stores.
+#include <kvcache/kvcache_tiers.h>
 
 #endif  // KVCACHE_KVCACHE_H

@@ -36,6 +36,8 @@ typedef struct kvc_prefix_stats {
     uint32_t swa_blocks;            ///< iSWA: blocks in the sliding-window cache's index now
     uint64_t swa_published_blocks;  ///< iSWA: blocks the sliding-window cache kept
     uint64_t swa_evicted_blocks;    ///< iSWA: blocks the sliding-window cache evicted
+    uint64_t tier_fetched_blocks;   ///< tiers: blocks attaches brought back from a store (kvcache_tiers.h)
+    uint64_t tier_written_blocks;   ///< tiers: blocks written to a store (each store counts)
 } kvc_prefix_stats;
 
 /// @brief How many of the tokens kvc_memory_prefix_attach() would give a sequence now: the longest

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <kvcache/prefix_cache.h>
+#include <kvcache/prefix_tiers.h>
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
@@ -126,6 +127,8 @@ void bind_reports(py::module_& m) {
         .def_readonly("swa_blocks", &prefix_stats::swa_blocks)
         .def_readonly("swa_published_blocks", &prefix_stats::swa_published_blocks)
         .def_readonly("swa_evicted_blocks", &prefix_stats::swa_evicted_blocks)
+        .def_readonly("tier_fetched_blocks", &prefix_stats::tier_fetched_blocks)
+        .def_readonly("tier_written_blocks", &prefix_stats::tier_written_blocks)
         .def("__repr__", [](const prefix_stats& s) {
             return "PrefixStats(lookups=" + std::to_string(s.lookups) +
                    ", hit_tokens=" + std::to_string(s.hit_tokens) + ", blocks=" + std::to_string(s.blocks) +
@@ -332,6 +335,23 @@ void bind_memory_base(py::module_& m) {
 }
 
 void bind_kv_cache(py::module_& m) {
+    py::class_<prefix_tier_stats>(m, "TierStats", "What a prefix cache did with one of its stores.")
+        .def_readonly("where", &prefix_tier_stats::where)
+        .def_readonly("fetches", &prefix_tier_stats::fetches)
+        .def_readonly("fetched_blocks", &prefix_tier_stats::fetched_blocks)
+        .def_readonly("declined", &prefix_tier_stats::declined)
+        .def_readonly("refused_blocks", &prefix_tier_stats::refused_blocks)
+        .def_readonly("written_blocks", &prefix_tier_stats::written_blocks)
+        .def_readonly("errors", &prefix_tier_stats::errors)
+        .def_readonly("est_latency_ns", &prefix_tier_stats::est_latency_ns)
+        .def_readonly("est_ns_per_byte", &prefix_tier_stats::est_ns_per_byte)
+        .def_readonly("store", &prefix_tier_stats::store)
+        .def("__repr__", [](const prefix_tier_stats& s) {
+            return "TierStats(where='" + s.where + "', fetched_blocks=" + std::to_string(s.fetched_blocks) +
+                   ", written_blocks=" + std::to_string(s.written_blocks) +
+                   ", declined=" + std::to_string(s.declined) + ", errors=" + std::to_string(s.errors) + ")";
+        });
+
     py::class_<py_kv_cache, py_memory>(m, "KVCache", "The attention KV cache (llama_kv_cache).")
         .def(py::init([](const kv_cache_params& p) {
                  return make_owned<py_kv_cache>(std::make_shared<kv_cache>(p));
@@ -482,7 +502,11 @@ void bind_kv_cache(py::module_& m) {
         .def(
             "prefix_stats",
             [](const py_kv_cache& s) { return s.locked([&] { return s.kv->get_prefix_stats(); }); },
-            "What the prefix cache did and holds.");
+            "What the prefix cache did and holds.")
+        .def(
+            "tier_stats",
+            [](const py_kv_cache& s) { return s.locked([&] { return s.kv->get_tier_stats(); }); },
+            "What the prefix cache did with each of its tiers (prefix.tiers.stores, in order).");
 }
 
 void bind_composites(py::module_& m) {

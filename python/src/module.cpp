@@ -5,12 +5,16 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <mutex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include <kvcache/disk_store.h>
 #include <kvcache/dtype.h>
 #include <kvcache/prefix_cache.h>
+#include <kvcache/prefix_tiers.h>
 #include <kvcache/types.h>
 
 #include "common.h"
@@ -161,6 +165,116 @@ std::function<void(const prefix_event&)> to_event_callback(const py::object& f) 
     };
 }
 
+// A store made of Python callables (kvcache.CallbackStore): a tier of the program's own (a dict, Redis
+// through redis-py). The cache calls it without the GIL, holding the memory's lock; each call takes the
+// GIL (as prefix events do), copies what Python returned and gives the GIL back before the cache decodes.
+// What the callables raise is a miss, counted, never an error of the cache (a tier is a cache).
+class py_callback_store final : public block_store_i {
+public:
+    py_callback_store(py::function read, py::function put, const py::object& contains, std::string where)
+        : read_(std::make_shared<held_function>(std::move(read))),
+          put_(std::make_shared<held_function>(std::move(put))),
+          contains_(contains.is_none()
+                        ? nullptr
+                        : std::make_shared<held_function>(py::reinterpret_borrow<py::function>(contains))),
+          where_(std::move(where)) {}
+
+    size_t read_many(std::span<const std::string> keys, const block_value_fn& on_value) override {
+        std::lock_guard lock(mu_);
+        block_store_call_timer timer(st_);
+        st_.lookups += keys.size();
+        std::vector<std::pair<size_t, std::string>> got;
+        if (!call("read_many", [&] {
+                py::object r = read_->fn(py::cast(std::vector<std::string>(keys.begin(), keys.end())));
+                size_t i = 0;
+                for (const py::handle v : r) {
+                    if (i >= keys.size()) throw py::value_error("read_many returned more values than keys");
+                    if (!v.is_none())
+                        got.emplace_back(i, std::string(py::bytes(py::reinterpret_borrow<py::object>(v))));
+                    ++i;
+                }
+            }))
+            return 0;
+        size_t n = 0;
+        for (const auto& [i, v] : got) {
+            if (v.empty()) continue;  // values are never empty: a miss
+            on_value(i, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size()));
+            ++n;
+            ++st_.hits;
+            st_.bytes_in += v.size();
+        }
+        return n;
+    }
+
+    void put_many(std::span<const block_put> items) override {
+        std::lock_guard lock(mu_);
+        block_store_call_timer timer(st_);
+        uint64_t bytes = 0;
+        for (const block_put& it : items) bytes += it.value.size();
+        if (call("put_many", [&] {
+                py::list l;
+                for (const block_put& it : items)
+                    l.append(py::make_tuple(
+                        py::str(it.key.data(), it.key.size()),
+                        py::bytes(reinterpret_cast<const char*>(it.value.data()), it.value.size())));
+                put_->fn(l);
+            })) {
+            st_.puts += items.size();
+            st_.bytes_out += bytes;
+        }
+    }
+
+    std::vector<uint8_t> contains_many(std::span<const std::string> keys) override {
+        std::lock_guard lock(mu_);
+        std::vector<uint8_t> out(keys.size(), 0);
+        if (!contains_) return out;  // all absent: put_many is asked to skip what it holds
+        block_store_call_timer timer(st_);
+        std::vector<uint8_t> has(keys.size(), 0);
+        if (call("contains_many", [&] {
+                py::object r = contains_->fn(py::cast(std::vector<std::string>(keys.begin(), keys.end())));
+                size_t i = 0;
+                for (const py::handle v : r) {
+                    if (i < has.size()) has[i] = py::bool_(py::reinterpret_borrow<py::object>(v)) ? 1 : 0;
+                    ++i;
+                }
+            }))
+            out = has;
+        return out;
+    }
+
+    block_store_stats stats() const override {
+        std::lock_guard lock(mu_);
+        return st_;
+    }
+    std::string describe() const override { return where_; }
+
+private:
+    // Runs f with the GIL; false (counted, logged once) when Python raised.
+    template <class F>
+    bool call(const char* what, const F& f) {
+        py::gil_scoped_acquire gil;
+        try {
+            f();
+            return true;
+        } catch (py::error_already_set& e) {
+            ++st_.errors;
+            if (!logged_) log(log_level::warn, where_ + ": " + what + " raised: " + e.what());
+            logged_ = true;
+        } catch (const std::exception& e) {
+            ++st_.errors;
+            if (!logged_) log(log_level::warn, where_ + ": " + what + ": " + e.what());
+            logged_ = true;
+        }
+        return false;
+    }
+
+    std::shared_ptr<held_function> read_, put_, contains_;
+    std::string where_;
+    mutable std::mutex mu_;
+    block_store_stats st_;
+    bool logged_ = false;
+};
+
 // Parameter structs are built with keyword arguments naming their fields: KVCacheParams(kv_size=256, ...).
 // An unknown name is a TypeError naming it.
 template <class T, class... Extra>
@@ -226,6 +340,79 @@ void bind_params(py::module_& m) {
         .def_readwrite("rope", &layer_desc::rope);
     set_fields(layer, {"n_head_kv", "n_embd_head_k", "n_embd_head_v", "is_swa", "has_kv", "rope"});
 
+    // -- tiers: block stores below a KV cache's prefix cache (docs/tiers.md) --
+    py::class_<block_store_stats>(m, "BlockStoreStats", "What a block store did (every counter only grows).")
+        .def_readonly("lookups", &block_store_stats::lookups)
+        .def_readonly("hits", &block_store_stats::hits)
+        .def_readonly("puts", &block_store_stats::puts)
+        .def_readonly("skipped", &block_store_stats::skipped)
+        .def_readonly("bytes_in", &block_store_stats::bytes_in)
+        .def_readonly("bytes_out", &block_store_stats::bytes_out)
+        .def_readonly("errors", &block_store_stats::errors)
+        .def_readonly("damaged", &block_store_stats::damaged)
+        .def_readonly("evictions", &block_store_stats::evictions)
+        .def_readonly("round_trips", &block_store_stats::round_trips)
+        .def_readonly("calls", &block_store_stats::calls)
+        .def_readonly("latency_ns", &block_store_stats::latency_ns)
+        .def_readonly("max_latency_ns", &block_store_stats::max_latency_ns)
+        .def("__repr__", [](const block_store_stats& s) {
+            return "BlockStoreStats(lookups=" + std::to_string(s.lookups) +
+                   ", hits=" + std::to_string(s.hits) + ", puts=" + std::to_string(s.puts) +
+                   ", errors=" + std::to_string(s.errors) + ", damaged=" + std::to_string(s.damaged) + ")";
+        });
+    // Stores are shared: several caches (and the Python object) hold one, so they are shared_ptrs.
+    py::class_<block_store_i, std::shared_ptr<block_store_i>>(
+        m, "BlockStore", "A store below a KV cache's prefix cache (a tier): DiskStore.")
+        .def(
+            "stats", [](const block_store_i& s) { return s.stats(); },
+            "What the store did so far (shared by every cache using it).")
+        .def("describe", &block_store_i::describe, "Where the store is ('disk:DIR').")
+        .def("__repr__", [](const block_store_i& s) { return "<kvcache store " + s.describe() + ">"; });
+    py::class_<disk_block_store, block_store_i, std::shared_ptr<disk_block_store>>(
+        m, "DiskStore",
+        "A directory of blocks, one file per value, written atomically; least recently used files go first "
+        "beyond max_bytes (0: no limit). One process per directory.")
+        .def(py::init([](const py::object& dir, uint64_t max_bytes, uint64_t max_value_bytes) {
+                 disk_store_params p;
+                 p.dir = py::str(py::module_::import("os").attr("fspath")(dir)).cast<std::string>();
+                 p.max_bytes = max_bytes;
+                 p.max_value_bytes = max_value_bytes;
+                 if (p.dir.empty()) fail_argument("DiskStore: dir is empty");
+                 if (max_value_bytes == 0) fail_argument("DiskStore: max_value_bytes is 0");
+                 return std::make_shared<disk_block_store>(std::move(p));
+             }),
+             py::arg("dir"), py::arg("max_bytes") = 0,
+             py::arg("max_value_bytes") = disk_store_params{}.max_value_bytes)
+        .def_property_readonly("bytes", &disk_block_store::bytes, "bytes of the files it holds now")
+        .def_property_readonly("entries", &disk_block_store::entries, "files it holds now");
+
+    py::class_<py_callback_store, block_store_i, std::shared_ptr<py_callback_store>>(
+        m, "CallbackStore",
+        "A store of Python callables: read_many(keys) -> a value (bytes) or None per key; put_many([(key, "
+        "value), ...]) stores those it does not hold; contains_many(keys) -> a bool per key (None: every "
+        "key taken as absent). What they raise is a counted miss. The cache calls them from the thread "
+        "calling into the memory, holding its lock: they must not use a memory that has this store.")
+        .def(py::init([](const py::function& read_many, const py::function& put_many,
+                         const py::object& contains_many, const std::string& describe) {
+                 return std::make_shared<py_callback_store>(read_many, put_many, contains_many, describe);
+             }),
+             py::arg("read_many"), py::arg("put_many"), py::arg("contains_many") = py::none(),
+             py::arg("describe") = "python");
+
+    bind_enum<tier_write>(
+        m, "TierWrite",
+        {{"on_evict", tier_write::on_evict}, {"through", tier_write::through}, {"never", tier_write::never}});
+    py::class_<prefix_tier_params> tiers(m, "PrefixTierParams",
+                                         "Stores below a KVCache's prefix cache (at most 3, fastest first).");
+    kwargs_init(tiers)
+        .def_readwrite("stores", &prefix_tier_params::stores)
+        .def_readwrite("model_id", &prefix_tier_params::model_id)
+        .def_readwrite("write", &prefix_tier_params::write)
+        .def_readwrite("fetch", &prefix_tier_params::fetch)
+        .def_readwrite("prefill_ns_per_token", &prefix_tier_params::prefill_ns_per_token)
+        .def_readwrite("probe_every", &prefix_tier_params::probe_every);
+    set_fields(tiers, {"stores", "model_id", "write", "fetch", "prefill_ns_per_token", "probe_every"});
+
     py::class_<prefix_cache_params> prefix(m, "PrefixCacheParams",
                                            "The prefix cache of a KV cache, recurrent or hybrid memory.");
     kwargs_init(prefix)
@@ -237,13 +424,14 @@ void bind_params(py::module_& m) {
         .def_readwrite("n_vocab", &prefix_cache_params::n_vocab)
         .def_readwrite("snapshot_interval", &prefix_cache_params::snapshot_interval)
         .def_readwrite("max_snapshots", &prefix_cache_params::max_snapshots)
+        .def_readwrite("tiers", &prefix_cache_params::tiers)
         .def_property(
             "on_event", [](const prefix_cache_params& p) { return static_cast<bool>(p.on_event); },
             [](prefix_cache_params& p, const py::object& f) { p.on_event = to_event_callback(f); },
             "A callable receiving a dict (type, hash, parent_hash, depth, tokens) per index event; reads as "
             "whether one is set.");
     set_fields(prefix, {"enabled", "block_size", "policy", "protected_fraction", "max_pinned_fraction",
-                        "n_vocab", "snapshot_interval", "max_snapshots"});
+                        "n_vocab", "snapshot_interval", "max_snapshots", "tiers"});
 
     py::class_<kv_cache_params> kv(m, "KVCacheParams",
                                    "Everything a KVCache is made from (auto_update defaults to True here).");

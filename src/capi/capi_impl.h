@@ -7,6 +7,7 @@
 //   memories.cpp     creating memories, batches, placement through contexts, sequence operations
 //   inputs.cpp       K/V rows and views, attention inputs, recurrent state rows
 //   state_files.cpp  state buffers and session files
+//   tiers.cpp        block stores (a directory, callbacks) and the counters of a prefix cache's tiers
 //
 // Built on the public C++ API only. The C layer keeps no state the C++ objects already have: a context
 // handle is the C++ context plus what its batch needs to outlive the call that made it.
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <new>
 #include <optional>
 #include <string>
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include <kvcache/batch.h>
+#include <kvcache/block_store.h>
 #include <kvcache/dtype.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
@@ -47,6 +50,11 @@ struct kvc_memory {
     kvc::memory_recurrent* recr = nullptr;  // a recurrent memory, or a hybrid's recurrent part
     uint32_t n_seq_max = 1;                 // what batches are validated against
     uint32_t n_pos = 1;
+};
+
+/// A reference to a block store (kvcache_tiers.h); memories made with it hold their own.
+struct kvc_block_store {
+    std::shared_ptr<kvc::block_store_i> store;
 };
 
 struct kvc_batch {

@@ -117,6 +117,36 @@ std::function<bool(uint32_t)> to_cpp(kvc_layer_filter filter, void* user_data) {
 
 }  // namespace
 
+namespace {
+
+prefix_tier_params tiers_to_cpp(const kvc_prefix_tier_params& c, const char* name) {
+    if (c.n_stores > prefix_max_tiers)
+        throw_error(errc::invalid_argument,
+                    fmt::format("{}.prefix.tiers.n_stores = {} exceeds {} (KVC_PREFIX_MAX_TIERS)", name,
+                                c.n_stores, prefix_max_tiers));
+    if (c.n_stores > 0 && c.stores == nullptr)
+        throw_error(errc::invalid_argument,
+                    fmt::format("{}.prefix.tiers.stores is NULL for {} stores", name, c.n_stores));
+    const int32_t write = raw(c.write);
+    if (write < 0 || write > static_cast<int32_t>(tier_write::never))
+        throw_error(errc::invalid_argument,
+                    fmt::format("{}.prefix.tiers.write = {} is not a kvc_tier_write (0 to 2)", name, write));
+    prefix_tier_params p{.stores = {},
+                         .model_id = c.model_id,
+                         .write = static_cast<tier_write>(write),
+                         .fetch = c.fetch,
+                         .prefill_ns_per_token = c.prefill_ns_per_token,
+                         .probe_every = c.probe_every};
+    for (size_t i = 0; i < c.n_stores; ++i) {
+        if (c.stores[i] == nullptr || !c.stores[i]->store)
+            throw_error(errc::invalid_argument, fmt::format("{}.prefix.tiers.stores[{}] is NULL", name, i));
+        p.stores.push_back(c.stores[i]->store);  // the memory's own reference
+    }
+    return p;
+}
+
+}  // namespace
+
 prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* name) {
     const int32_t policy = raw(c.policy);
     if (policy < 0 || policy > static_cast<int32_t>(evict_policy::slru))
@@ -130,7 +160,8 @@ prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* 
                           .n_vocab = c.n_vocab,
                           .snapshot_interval = c.snapshot_interval,
                           .max_snapshots = c.max_snapshots,
-                          .on_event = {}};
+                          .on_event = {},
+                          .tiers = tiers_to_cpp(c.tiers, name)};
     if (c.on_event != nullptr)
         p.on_event = [fn = c.on_event, user = c.on_event_user_data](const prefix_event& e) {
             const kvc_prefix_event ce{.type = static_cast<kvc_prefix_event_type>(e.type),
@@ -154,7 +185,14 @@ kvc_prefix_cache_params to_c(const prefix_cache_params& p) {
             .on_event = nullptr,
             .on_event_user_data = nullptr,
             .snapshot_interval = p.snapshot_interval,
-            .max_snapshots = p.max_snapshots};
+            .max_snapshots = p.max_snapshots,
+            .tiers = {.stores = nullptr,
+                      .n_stores = 0,
+                      .model_id = p.tiers.model_id,
+                      .write = static_cast<kvc_tier_write>(p.tiers.write),
+                      .fetch = p.tiers.fetch,
+                      .prefill_ns_per_token = p.tiers.prefill_ns_per_token,
+                      .probe_every = p.tiers.probe_every}};
 }
 
 namespace {
@@ -368,6 +406,19 @@ const char* kvc_last_error(void) noexcept {
 
 void kvc_clear_last_error(void) noexcept {
     t_error.message = "";
+}
+
+kvc_status kvc_set_last_error(kvc_status status, const char* function, const char* message) noexcept {
+    const char* what = message != nullptr ? message : "";
+    if (function != nullptr) return fail(status, function, what);
+    error_slot& e = t_error;  // no function: the message alone
+    try {
+        e.text.assign(what);
+        e.message = e.text.c_str();
+    } catch (...) {
+        e.message = "kvcache: out of memory while recording an error";
+    }
+    return status;
 }
 
 void kvc_set_log_callback(kvc_log_callback callback, void* user_data) noexcept {
