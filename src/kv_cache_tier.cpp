@@ -241,29 +241,13 @@ void kv_cache::tier_fetch(std::span<const token_t> tokens, uint64_t key, uint32_
 
 void kv_cache::tier_evicting(uint32_t id) {
     prefix_state& ps = *prefix_;
-    if (!ps.tiers.write_on_evict()) return;
-    const prefix_index::block& b = ps.index.at(id);
-    ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), prefix_index::none, 0,
-                   [&] { return tier_encode(id, ps.tiers.layout()); });
+    ps.tiers.evicting(ps.index, id, [&](uint32_t b) { return tier_encode(b, ps.tiers.layout()); });
 }
 
 void kv_cache::tier_flush() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    if (ps.tiers.empty() || ps.tiers.fetching) return;
-    // write-through: blocks published since the last flush
-    for (const auto& [bid, bgen] : ps.tiers.published) {
-        const uint32_t id = bid, gen = bgen;  // captured below
-        if (!ps.index.alive(id, gen)) continue;
-        const prefix_index::block& b = ps.index.at(id);
-        ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), id, gen,
-                       [&] { return tier_encode(id, ps.tiers.layout()); });
-    }
-    ps.tiers.published.clear();
-    ps.tiers.flush([&](uint32_t id, uint32_t gen, uint8_t bit) {
-        if (id != prefix_index::none && ps.index.alive(id, gen))
-            ps.index.set_stored(id, ps.index.at(id).stored | bit);
-    });
+    ps.tiers.write(ps.index, [&](uint32_t b) { return tier_encode(b, ps.tiers.layout()); });
 }
 
 void kv_cache::prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,

@@ -60,28 +60,15 @@ std::vector<uint8_t> memory_recurrent::tier_encode(uint32_t id) const {
 
 void memory_recurrent::tier_evicting(uint32_t id) {
     prefix_state& ps = *prefix_;
-    if (!ps.tiers.write_on_evict()) return;
-    const detail::prefix_index::block& b = ps.index.at(id);
-    ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), none, 0,
-                   [&] { return tier_encode(id); });
+    ps.tiers.evicting(ps.index, id, [&](uint32_t b) { return tier_encode(b); });
 }
 
 void memory_recurrent::tier_flush() {
     if (!prefix_) return;
     prefix_state& ps = *prefix_;
-    if (ps.tiers.empty() || ps.tiers.fetching) return;
-    // write-through: snapshots kept since the last flush
-    for (const auto& [bid, bgen] : ps.tiers.published) {
-        const uint32_t id = bid, gen = bgen;  // captured below
-        if (!ps.index.alive(id, gen) || !ps.has_snapshot(id)) continue;
-        const detail::prefix_index::block& b = ps.index.at(id);
-        ps.tiers.queue(ps.index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), id, gen,
-                       [&] { return tier_encode(id); });
-    }
-    ps.tiers.published.clear();
-    ps.tiers.flush([&](uint32_t id, uint32_t gen, uint8_t bit) {
-        if (id != none && ps.index.alive(id, gen)) ps.index.set_stored(id, ps.index.at(id).stored | bit);
-    });
+    // write-through: the snapshots kept since the last flush, if they still are
+    ps.tiers.write(
+        ps.index, [&](uint32_t b) { return tier_encode(b); }, [&](uint32_t b) { return ps.has_snapshot(b); });
 }
 
 bool memory_recurrent::install_snapshot(std::span<const token_t> tokens, uint64_t key, uint32_t d,

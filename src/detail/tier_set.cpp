@@ -72,6 +72,28 @@ void tier_set::flush(const std::function<void(uint32_t id, uint32_t gen, uint8_t
     writes_.clear();
 }
 
+void tier_set::evicting(const prefix_index& index, uint32_t id, const encode_fn& encode) {
+    if (!write_on_evict()) return;
+    const prefix_index::block& b = index.at(id);
+    queue(index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), prefix_index::none, 0,
+          [&] { return encode(id); });
+}
+
+void tier_set::write(prefix_index& index, const encode_fn& encode, const std::function<bool(uint32_t)>& has) {
+    if (empty() || fetching) return;
+    for (const auto& [bid, bgen] : published) {
+        const uint32_t id = bid;  // captured below
+        if (!index.alive(id, bgen) || (has && !has(id))) continue;
+        const prefix_index::block& b = index.at(id);
+        queue(index.key_of(id), b.hash, static_cast<uint8_t>(~b.stored), id, bgen,
+              [&] { return encode(id); });
+    }
+    published.clear();
+    flush([&](uint32_t id, uint32_t gen, uint8_t bit) {
+        if (id != prefix_index::none && index.alive(id, gen)) index.set_stored(id, index.at(id).stored | bit);
+    });
+}
+
 bool tier_set::worth_asking(uint32_t t, double bytes, double tokens) {
     tier& tr = tiers_[t];
     const double p = p_.prefill_ns_per_token;

@@ -12,6 +12,7 @@
 #include <kvcache/block_record.h>
 #include <kvcache/prefix_tiers.h>
 
+#include "detail/prefix_index.h"
 #include "detail/tier_cost.h"
 
 namespace kvc::detail {
@@ -40,6 +41,15 @@ public:
     // Writes what is queued: one put_many per store. stored(id, gen, bit) marks a block still alive.
     // Nothing while `fetching` (a store is inside a read).
     void flush(const std::function<void(uint32_t id, uint32_t gen, uint8_t bit)>& stored);
+
+    // The records a memory writes: encode(id) makes block id's (its rows are intact), has(id) says
+    // whether a published block has one now (empty: always).
+    using encode_fn = std::function<std::vector<uint8_t>(uint32_t id)>;
+    // on_evict: block id leaves memory; its record joins the next flush for the tiers that lack it.
+    void evicting(const prefix_index& index, uint32_t id, const encode_fn& encode);
+    // The records of the blocks published since the last call (write-through) and what evictions
+    // queued, written; the blocks still alive marked stored in the tiers that took them.
+    void write(prefix_index& index, const encode_fn& encode, const std::function<bool(uint32_t)>& has = {});
 
     // Whether reading `bytes` from tier t may cost less than computing `tokens` (the cost model; a
     // declined tier is still asked every probe_every times).
