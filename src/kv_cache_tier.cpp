@@ -258,6 +258,10 @@ void kv_cache::prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, ui
     tier_fetch(tokens, key, seq_to_stream(seq_id), max_tokens);
 }
 
+void kv_cache::prefix_tier_drain() {
+    if (prefix_) prefix_->tiers.drain();
+}
+
 std::vector<prefix_tier_stats> kv_cache::get_tier_stats() const {
     return prefix_ ? prefix_->tiers.stats() : std::vector<prefix_tier_stats>{};
 }

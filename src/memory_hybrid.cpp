@@ -122,6 +122,12 @@ prefix_stats memory_hybrid::get_prefix_stats() const {
     return s;
 }
 
+void memory_hybrid::prefix_tier_drain() {
+    if (!kv_) return;
+    kv_->prefix_tier_drain();
+    recr_->prefix_tier_drain();
+}
+
 std::vector<prefix_tier_stats> memory_hybrid::get_tier_stats() const {
     if (!kv_) return {};
     std::vector<prefix_tier_stats> a = kv_->get_tier_stats();
@@ -132,6 +138,7 @@ std::vector<prefix_tier_stats> memory_hybrid::get_tier_stats() const {
         a[i].declined += r[i].declined;
         a[i].refused_blocks += r[i].refused_blocks;
         a[i].written_blocks += r[i].written_blocks;
+        a[i].dropped_blocks += r[i].dropped_blocks;
         a[i].errors += r[i].errors;
     }
     return a;

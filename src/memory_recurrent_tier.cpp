@@ -36,6 +36,10 @@ void memory_recurrent::prefix_fetch(std::span<const token_t> tokens, uint64_t ke
     tier_fetch(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key);
 }
 
+void memory_recurrent::prefix_tier_drain() {
+    if (prefix_) prefix_->tiers.drain();
+}
+
 std::vector<prefix_tier_stats> memory_recurrent::get_tier_stats() const {
     return prefix_ ? prefix_->tiers.stats() : std::vector<prefix_tier_stats>{};
 }

@@ -3,9 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -946,6 +949,86 @@ TEST(prefix_tiers, failing_and_damaged_stores_are_misses) {
     ASSERT_NO_FATAL_FAILURE(e.check_cells());
 }
 
+// A store whose writes wait until the test opens it (at most 10 s: then it says it timed out).
+class gated_store final : public block_store_i {
+public:
+    size_t read_many(std::span<const std::string> keys, const block_value_fn& on_value) override {
+        const std::lock_guard lock(m_);
+        size_t n = 0;
+        for (size_t i = 0; i < keys.size(); ++i)
+            if (auto it = values_.find(keys[i]); it != values_.end()) {
+                on_value(i, it->second);
+                ++n;
+            }
+        return n;
+    }
+    void put_many(std::span<const block_put> items) override {
+        std::unique_lock lock(m_);
+        if (!cv_.wait_for(lock, std::chrono::seconds(10), [this] { return open_; })) timed_out_ = true;
+        for (const block_put& b : items) values_[std::string(b.key)].assign(b.value.begin(), b.value.end());
+    }
+    std::vector<uint8_t> contains_many(std::span<const std::string> keys) override {
+        return std::vector<uint8_t>(keys.size(), 0);
+    }
+    block_store_stats stats() const override { return {}; }
+    std::string describe() const override { return "gated"; }
+    void open() {
+        {
+            const std::lock_guard lock(m_);
+            open_ = true;
+        }
+        cv_.notify_all();
+    }
+    size_t size() const {
+        const std::lock_guard lock(m_);
+        return values_.size();
+    }
+    bool timed_out() const {
+        const std::lock_guard lock(m_);
+        return timed_out_;
+    }
+
+private:
+    mutable std::mutex m_;
+    std::condition_variable cv_;
+    bool open_ = false, timed_out_ = false;
+    std::map<std::string, std::vector<uint8_t>> values_;
+};
+
+// async_writes: a step that evicts returns while its writes wait in the store; they land later, and a
+// queue too small for a record drops it (counted, and the block is not marked stored).
+TEST(prefix_tiers, async_writes_never_hold_up_a_step) {
+    const auto a = seq_of({1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4});
+    auto gate = std::make_shared<gated_store>();
+    kv_cache_params p = tier_params({gate});
+    p.prefix.tiers.async_writes = true;
+    {
+        engine e(p);
+        ASSERT_NO_FATAL_FAILURE(decode_then_evict(e, a));  // returns with the write still held at the gate
+        EXPECT_EQ(gate->size(), 0u);
+        EXPECT_EQ(e.c.get_tier_stats()[0].written_blocks, 0u);
+        gate->open();
+        e.c.prefix_tier_drain();
+        EXPECT_EQ(gate->size(), 3u);
+        EXPECT_EQ(e.c.get_tier_stats()[0].written_blocks, 3u);
+        EXPECT_EQ(e.c.get_prefix_stats().tier_written_blocks, 3u);
+        EXPECT_FALSE(gate->timed_out()) << "the step waited for the store";
+        engine f(p);
+        EXPECT_EQ(f.attach(0, a), 12u);
+        ASSERT_NO_FATAL_FAILURE(f.check(0));
+    }
+    auto t = std::make_shared<test_store>();
+    p = tier_params({t});
+    p.prefix.tiers.async_writes = true;
+    p.prefix.tiers.max_queued_bytes = 100;  // less than one record
+    engine e(p);
+    ASSERT_NO_FATAL_FAILURE(decode_then_evict(e, a));
+    e.c.prefix_tier_drain();
+    EXPECT_TRUE(t->values.empty());
+    EXPECT_EQ(e.c.get_tier_stats()[0].dropped_blocks, 3u);
+    EXPECT_EQ(e.c.get_tier_stats()[0].written_blocks, 0u);
+}
+
 TEST(prefix_tiers, parameters_are_checked) {
     const auto refused = [](const kv_cache_params& p, const std::string& what) {
         try {
@@ -964,6 +1047,10 @@ TEST(prefix_tiers, parameters_are_checked) {
     p = tier_params({t});
     p.prefix.tiers.prefill_ns_per_token = -1;
     refused(p, "prefill_ns_per_token -1 must be in [0, 1e12]");
+    p = tier_params({t});
+    p.prefix.tiers.async_writes = true;
+    p.prefix.tiers.max_queued_bytes = 0;
+    refused(p, "async_writes needs max_queued_bytes > 0");
     p = tier_params({t});
     p.n_swa = 8;
     p.swa = swa_type::standard;

@@ -509,8 +509,11 @@ TEST_P(prefix_equals_recompute, blocks_through_a_disk_tier) {
 // (written when evicted, or when published); attaching an evicted conversation, here or in a fresh cache
 // sharing the store, brings its blocks back and decodes with the logits of recomputing.
 TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
-    for (const tier_write write : {tier_write::on_evict, tier_write::through}) {
-        SCOPED_TRACE(static_cast<int>(write));
+    // on eviction and through, written by the step; on eviction, written by the cache's own thread
+    for (const auto& [write, async] :
+         {std::pair{tier_write::on_evict, false}, std::pair{tier_write::through, false},
+          std::pair{tier_write::on_evict, true}}) {
+        SCOPED_TRACE(fmt::format("write {} async {}", static_cast<int>(write), async));
         const std::filesystem::path dir =
             std::filesystem::temp_directory_path() /
             fmt::format("kvc-tiers-{}-{:x}", ::getpid(), std::hash<std::string>{}(GetParam().name()));
@@ -518,7 +521,8 @@ TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
         disk_store_params dp;
         dp.dir = dir.string();
         auto store = std::make_shared<disk_block_store>(dp);
-        const prefix_tier_params tiers{.stores = {store}, .model_id = 7, .write = write};
+        prefix_tier_params tiers{.stores = {store}, .model_id = 7, .write = write};
+        tiers.async_writes = async;
         pair_run r(GetParam(), 4, 64, tiers);  // 64 cells
         std::vector<std::vector<token_t>> prompts;
         const bool unified = GetParam().unified;
@@ -536,6 +540,7 @@ TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
             });
         }
         EXPECT_EQ(r.cache().prefix_lookup(prompts[0]), 0u);  // not in memory: lookups do not ask tiers
+        r.cache().prefix_tier_drain();                       // async: what the thread still has to write
         const uint64_t written = r.cache().get_prefix_stats().tier_written_blocks;
         EXPECT_GT(written, 0u);
         // the first conversation comes back from the tier: 4 blocks (the prompt's last token is computed)
@@ -571,6 +576,7 @@ TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
         EXPECT_CLOSE(b);
         // write-through writes what b published itself (each conversation's fifth block; the store has it
         // already and skips it), never a block it fetched
+        b.cache().prefix_tier_drain();
         EXPECT_EQ(b.cache().get_tier_stats()[0].written_blocks, write == tier_write::through ? 2u : 0u);
         std::filesystem::remove_all(dir);
     }

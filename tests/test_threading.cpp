@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <kvcache/disk_store.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/kvcache.h>
 #include <kvcache/kvcache_state.h>
@@ -198,6 +199,50 @@ TEST(threading, different_memories_are_used_from_different_threads_freely) {
     for (int t = 0; t < n_threads; ++t) threads.emplace_back([&, t] { got[t] = run(t); });
     for (std::thread& th : threads) th.join();
     for (int t = 0; t < n_threads; ++t) EXPECT_EQ(got[t], run(t)) << "thread " << t;
+}
+
+// Caches on four threads share one disk store, each writing it from its own writer thread (async_writes)
+// while its engine thread evicts and reads the counters: every record reaches the store.
+TEST(threading, caches_sharing_a_store_write_it_from_their_writer_threads) {
+    const fs::path dir = fs::temp_directory_path() / fmt::format("kvc-threading-tier-{}", ::getpid());
+    fs::remove_all(dir);
+    disk_store_params dp;
+    dp.dir = dir.string();
+    const auto store = std::make_shared<disk_block_store>(dp);
+    std::vector<uint64_t> written(n_threads);
+    const auto run = [&](int t) {
+        kv_cache_params p = params_for(dtype::f16, dtype::f16, false, true, 1);
+        p.prefix = {.enabled = true, .block_size = 4};
+        p.prefix.tiers = {
+            .stores = {store}, .model_id = static_cast<uint64_t>(t), .write = tier_write::on_evict};
+        p.prefix.tiers.async_writes = true;
+        kv_cache c(p);
+        for (int round = 0; round < n_rounds; ++round) {  // 16 new tokens a round in 64 cells: evictions
+            std::vector<pos_t> pos(16);
+            for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<pos_t>(i);
+            ubatch ub = make_ub(pos, 0);
+            for (int i = 0; i < 16; ++i) ub.token.push_back(static_cast<token_t>(round * 16 + i));
+            auto ctx = c.init_ubatches({ub}, {});
+            ASSERT_EQ(ctx->get_status(), memory_status::success);
+            ctx->apply();
+            c.prefix_publish();
+            c.seq_rm(0, -1, -1);
+            (void)c.get_tier_stats();  // while the writer thread writes
+        }
+        c.prefix_tier_drain();
+        written[static_cast<size_t>(t)] = c.get_tier_stats()[0].written_blocks;
+    };
+    std::vector<std::thread> threads;
+    for (int t = 0; t < n_threads; ++t) threads.emplace_back([&, t] { run(t); });
+    for (std::thread& th : threads) th.join();
+    uint64_t total = 0;
+    for (int t = 0; t < n_threads; ++t) {
+        EXPECT_GT(written[static_cast<size_t>(t)], 0u) << "thread " << t;
+        total += written[static_cast<size_t>(t)];
+    }
+    EXPECT_EQ(store->stats().puts, total);
+    EXPECT_EQ(store->stats().errors, 0u);
+    fs::remove_all(dir);
 }
 
 }  // namespace

@@ -264,6 +264,9 @@ public:
                                  uint64_t key = 0, uint32_t stream = 0);
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
     std::vector<prefix_tier_stats> get_tier_stats() const;
+    /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
+    /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
+    void prefix_tier_drain();
     /// For memories built of parts (memory_hybrid): brings back from the tiers what memory lacks of the
     /// first max_tokens of `tokens` (whole blocks, the last token excluded), into seq_id's stream, as
     /// prefix_attach does first. Nothing without tiers. Throws as prefix_attach for bad tokens or ids.

@@ -117,6 +117,9 @@ public:
     /// attention part's blocks and the recurrent part's snapshots through the same stores, counted together
     /// (est_* and store: the attention part's).
     std::vector<prefix_tier_stats> get_tier_stats() const;
+    /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
+    /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
+    void prefix_tier_drain();
 
     // -- parts --
     memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)

@@ -241,6 +241,9 @@ public:
     block_layout prefix_block_layout(uint64_t model_id) const;
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
     std::vector<prefix_tier_stats> get_tier_stats() const;
+    /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
+    /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
+    void prefix_tier_drain();
     /// For memories built of parts (memory_hybrid): brings back from the tiers a snapshot deeper than
     /// memory's for the first max_tokens + 1 of `tokens`, as prefix_attach does first. Nothing without
     /// tiers. Throws as prefix_attach for bad tokens.

@@ -47,6 +47,11 @@ struct prefix_tier_params {
     /// While the cost model declines a store, one attach in this many asks it anyway, so that a store
     /// that became fast again is noticed (0: never).
     uint32_t probe_every = 64;
+    /// Write from a thread of the cache's own, so that a step that evicts (or publishes) never waits for
+    /// a store; records wait in a queue of at most max_queued_bytes (what does not fit is dropped and
+    /// counted). false: a step writes before it returns (deterministic: tests, kvcache sim).
+    bool async_writes = false;
+    uint64_t max_queued_bytes = uint64_t{256} << 20;  ///< async_writes: the queue's bound (> 0)
 };
 
 /// What the prefix cache did with one of its stores (kv_cache::get_tier_stats).
@@ -57,6 +62,7 @@ struct prefix_tier_stats {
     uint64_t declined = 0;        ///< attaches that did not ask it: it would have cost more than computing
     uint64_t refused_blocks = 0;  ///< values it returned that were not the block asked for (chain ended)
     uint64_t written_blocks = 0;  ///< blocks written to it
+    uint64_t dropped_blocks = 0;  ///< async_writes: blocks not written, the queue being full
     uint64_t errors = 0;          ///< calls that threw (counted, never passed on to the engine)
     double est_latency_ns = 0;    ///< the cost model: ns of a call, whatever it returns
     double est_ns_per_byte = 0;   ///< the cost model: ns per byte returned

@@ -19,6 +19,8 @@ void tier_set::check(const prefix_tier_params& t, const char* who) {
         bad("a prefix tier has no store (null)");
     if (t.write != tier_write::on_evict && t.write != tier_write::through && t.write != tier_write::never)
         bad(fmt::format("prefix tiers: write policy {} unknown", static_cast<int>(t.write)));
+    if (t.async_writes && t.max_queued_bytes == 0)
+        bad("prefix tiers: async_writes needs max_queued_bytes > 0");
     if (!(t.prefill_ns_per_token >= 0 && t.prefill_ns_per_token <= 1e12))
         bad(fmt::format("prefix tiers: prefill_ns_per_token {} must be in [0, 1e12]",
                         t.prefill_ns_per_token));
@@ -33,7 +35,9 @@ void tier_set::init(const prefix_tier_params& p, block_layout layout) {
     }
     p_.stores.clear();  // held by tiers_
     layout_ = std::move(layout);
-    if (!tiers_.empty()) fp_ = layout_.fingerprint();
+    if (tiers_.empty()) return;
+    fp_ = layout_.fingerprint();
+    if (p_.async_writes) writer_ = std::make_unique<tier_writer>(size(), p_.max_queued_bytes);
 }
 
 void tier_set::queue(uint64_t key, uint64_t hash, uint8_t need, uint32_t id, uint32_t gen,
@@ -41,8 +45,11 @@ void tier_set::queue(uint64_t key, uint64_t hash, uint8_t need, uint32_t id, uin
     need &= all();
     if (need == 0) return;
     try {
-        writes_.push_back(
-            {.key = block_key(fp_, key, hash), .value = make(), .need = need, .id = id, .gen = gen});
+        writes_.push_back({.key = block_key(fp_, key, hash),
+                           .value = std::make_shared<const std::vector<uint8_t>>(make()),
+                           .need = need,
+                           .id = id,
+                           .gen = gen});
     } catch (const std::exception&) {  // the record could not be made: lost, as without tiers
         for (uint32_t t = 0; t < tiers_.size(); ++t)
             if (need & (1u << t)) ++tiers_[t].stats.errors;
@@ -51,12 +58,28 @@ void tier_set::queue(uint64_t key, uint64_t hash, uint8_t need, uint32_t id, uin
 
 void tier_set::flush(const std::function<void(uint32_t id, uint32_t gen, uint8_t bit)>& stored) {
     if (fetching || writes_.empty()) return;
+    if (writer_) {  // one job per store for the writer's thread
+        for (uint32_t t = 0; t < tiers_.size(); ++t) {
+            tier_writer::job j{.tier = t, .store = tiers_[t].store, .keys = {}, .values = {}, .bytes = 0};
+            for (const item& w : writes_)
+                if (w.need & (1u << t)) {
+                    j.keys.push_back(w.key);
+                    j.values.push_back(w.value);
+                    j.bytes += w.value->size();
+                }
+            if (j.keys.empty() || !writer_->push(std::move(j))) continue;
+            for (const item& w : writes_)
+                if (w.need & (1u << t)) stored(w.id, w.gen, static_cast<uint8_t>(1u << t));
+        }
+        writes_.clear();
+        return;
+    }
     std::vector<block_put> puts;
     for (uint32_t t = 0; t < tiers_.size(); ++t) {
         tier& tr = tiers_[t];
         puts.clear();
         for (const item& w : writes_)
-            if (w.need & (1u << t)) puts.push_back({w.key, w.value});
+            if (w.need & (1u << t)) puts.push_back({w.key, *w.value});
         if (puts.empty()) continue;
         try {
             tr.store->put_many(puts);
@@ -115,10 +138,24 @@ void tier_set::fetched(uint32_t t, double ns, uint64_t bytes, uint32_t accepted,
     fetched_ += accepted;
 }
 
+uint64_t tier_set::written_total() const {
+    uint64_t n = written_;
+    if (writer_)
+        for (uint32_t t = 0; t < tiers_.size(); ++t) n += writer_->of(t).written;
+    return n;
+}
+
 std::vector<prefix_tier_stats> tier_set::stats() const {
     std::vector<prefix_tier_stats> out;
-    for (const tier& t : tiers_) {
+    for (uint32_t i = 0; i < tiers_.size(); ++i) {
+        const tier& t = tiers_[i];
         prefix_tier_stats s = t.stats;
+        if (writer_) {
+            const tier_writer::counts c = writer_->of(i);
+            s.written_blocks += c.written;
+            s.errors += c.errors;
+            s.dropped_blocks += c.dropped;
+        }
         s.est_latency_ns = t.cost.latency_ns();
         s.est_ns_per_byte = t.cost.ns_per_byte();
         s.store = t.store->stats();

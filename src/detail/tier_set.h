@@ -14,6 +14,7 @@
 
 #include "detail/prefix_index.h"
 #include "detail/tier_cost.h"
+#include "detail/tier_writer.h"
 
 namespace kvc::detail {
 
@@ -60,7 +61,11 @@ public:
 
     std::vector<prefix_tier_stats> stats() const;
     uint64_t fetched_total() const { return fetched_; }
-    uint64_t written_total() const { return written_; }
+    uint64_t written_total() const;
+    // async_writes: returns when every write queued so far is done
+    void drain() {
+        if (writer_) writer_->drain();
+    }
 
     bool fetching = false;  // inside a store's read_many: writes wait (a store is not reentrant)
     std::vector<std::pair<uint32_t, uint32_t>> published;  // write-through: (id, gen) since the last flush
@@ -74,7 +79,7 @@ private:
     };
     struct item {
         std::string key;
-        std::vector<uint8_t> value;
+        std::shared_ptr<const std::vector<uint8_t>> value;  // shared by the stores' writes
         uint8_t need = 0;
         uint32_t id = 0;
         uint32_t gen = 0;
@@ -85,6 +90,7 @@ private:
     std::vector<tier> tiers_;
     std::vector<item> writes_;
     uint64_t fetched_ = 0, written_ = 0;
+    std::unique_ptr<tier_writer> writer_;  // async_writes
 };
 
 // While alive: the set's writes wait (a store calls back into the memory during read_many).
