@@ -243,6 +243,39 @@ static void test_callbacks_store(void) {
     CHECK(destroyed == 1);
 }
 
+/* async_writes: the memory's own thread writes; kvc_memory_prefix_tier_drain() waits for it. */
+static void test_async_writes(void) {
+    int destroyed = 0;
+    mem_store* s = NULL;
+    kvc_block_store* store = new_mem_store(&destroyed, &s);
+    kvc_kv_cache_params p = small_params(16, 1);
+    p.prefix.enabled = true;
+    p.prefix.block_size = 4;
+    p.prefix.tiers.stores = &store;
+    p.prefix.tiers.n_stores = 1;
+    p.prefix.tiers.model_id = 7;
+    p.prefix.tiers.write = KVC_TIER_WRITE_THROUGH;
+    p.prefix.tiers.async_writes = true;
+    kvc_memory* a = NULL;
+    p.prefix.tiers.max_queued_bytes = 0;
+    CHECK_ERR(kvc_kv_cache_create(&p, &a), KVC_ERR_INVALID_ARGUMENT, "max_queued_bytes > 0");
+    p.prefix.tiers.max_queued_bytes = 1 << 20;
+    CHECK_OK(kvc_kv_cache_create(&p, &a));
+    kvc_block_store_free(store);
+    kvc_batch* b = tok_batch(0, 0, 9, 100);
+    decode(a, b, 16);
+    kvc_batch_free(b);
+    CHECK_OK(kvc_memory_prefix_publish(a));
+    CHECK_OK(kvc_memory_prefix_tier_drain(a));
+    CHECK(s->n == 2);
+    kvc_tier_stats ts;
+    CHECK_OK(kvc_memory_get_tier_stats(a, 0, &ts));
+    CHECK(ts.written_blocks == 2 && ts.dropped_blocks == 0);
+    CHECK_ERR(kvc_memory_prefix_tier_drain(NULL), KVC_ERR_INVALID_ARGUMENT, "mem");
+    kvc_memory_free(a);
+    CHECK(destroyed == 1);
+}
+
 /* A failing store: the attach recomputes, the error is counted. */
 static void test_failing_store(void) {
     int destroyed = 0;
@@ -385,6 +418,7 @@ static void test_bad_params(void) {
 int main(void) {
     test_disk_tier();
     test_callbacks_store();
+    test_async_writes();
     test_failing_store();
     test_bad_params();
     return capi_report("capi_tiers");

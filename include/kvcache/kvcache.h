@@ -294,8 +294,9 @@ typedef enum kvc_tier_write {
 /// @brief Most stores a prefix cache takes (the C++ kvc::prefix_max_tiers).
 #define KVC_PREFIX_MAX_TIERS 3
 
-/// @brief The stores below a KV cache's prefix cache (the C++ kvc::prefix_tier_params, docs/tiers.md).
-/// KV caches without a sliding window only; the defaults (no stores) are a prefix cache without tiers.
+/// @brief The stores below a prefix cache (the C++ kvc::prefix_tier_params, docs/tiers.md): KV caches
+/// without a sliding window, recurrent and hybrid memories; the defaults (no stores) are a prefix cache
+/// without tiers.
 typedef struct kvc_prefix_tier_params {
     /// [n_stores] asked in this order (the fastest first); read at creation: the memory keeps its own
     /// references, so the handles may be freed after creating it
@@ -311,6 +312,11 @@ typedef struct kvc_prefix_tier_params {
     double prefill_ns_per_token;
     /// while the cost model declines a store, one attach in this many asks it anyway (0: never)
     uint32_t probe_every;
+    /// write from a thread of the memory's own, so that a step never waits for a store (false by default:
+    /// a step writes before it returns); kvc_memory_prefix_tier_drain() waits for the queue
+    bool async_writes;
+    uint64_t
+        max_queued_bytes;  ///< async_writes: the queue's bound in bytes (> 0; what does not fit is dropped)
 } kvc_prefix_tier_params;
 
 /// @brief A memory's prefix cache (kvcache_prefix.h, docs/prefix-cache.md): a KV cache's, a recurrent

@@ -121,6 +121,7 @@ typedef struct kvc_tier_stats {
     uint64_t declined;            ///< attaches that did not ask it: it would have cost more than computing
     uint64_t refused_blocks;      ///< values it returned that were not the block asked for (chain ended)
     uint64_t written_blocks;      ///< blocks written to it
+    uint64_t dropped_blocks;      ///< async_writes: blocks not written, the queue being full
     uint64_t errors;              ///< calls that failed (counted, never passed on)
     double est_latency_ns;        ///< the cost model: ns of a call, whatever it returns
     double est_ns_per_byte;       ///< the cost model: ns per byte returned
@@ -142,6 +143,12 @@ KVC_API kvc_status kvc_memory_get_tier_count(const kvc_memory* mem, uint32_t* ou
 /// beyond the tiers (the message names both).
 KVC_API kvc_status kvc_memory_get_tier_stats(const kvc_memory* mem, uint32_t index,
                                              kvc_tier_stats* out) KVC_NOEXCEPT;
+
+/// @brief With kvc_prefix_tier_params::async_writes: returns when every write queued so far is done
+/// (before reading the stores from elsewhere, or counters that must include them). Nothing otherwise.
+/// @param mem A memory (one without tiers returns at once).
+/// @return #KVC_OK; #KVC_ERR_INVALID_ARGUMENT for NULL.
+KVC_API kvc_status kvc_memory_prefix_tier_drain(kvc_memory* mem) KVC_NOEXCEPT;
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -342,6 +342,7 @@ void bind_kv_cache(py::module_& m) {
         .def_readonly("declined", &prefix_tier_stats::declined)
         .def_readonly("refused_blocks", &prefix_tier_stats::refused_blocks)
         .def_readonly("written_blocks", &prefix_tier_stats::written_blocks)
+        .def_readonly("dropped_blocks", &prefix_tier_stats::dropped_blocks)
         .def_readonly("errors", &prefix_tier_stats::errors)
         .def_readonly("est_latency_ns", &prefix_tier_stats::est_latency_ns)
         .def_readonly("est_ns_per_byte", &prefix_tier_stats::est_ns_per_byte)
@@ -506,7 +507,10 @@ void bind_kv_cache(py::module_& m) {
         .def(
             "tier_stats",
             [](const py_kv_cache& s) { return s.locked([&] { return s.kv->get_tier_stats(); }); },
-            "What the prefix cache did with each of its tiers (prefix.tiers.stores, in order).");
+            "What the prefix cache did with each of its tiers (prefix.tiers.stores, in order).")
+        .def(
+            "prefix_tier_drain", [](const py_kv_cache& s) { s.locked([&] { s.kv->prefix_tier_drain(); }); },
+            "With prefix.tiers.async_writes: returns when every write queued so far is done.");
 }
 
 void bind_composites(py::module_& m) {

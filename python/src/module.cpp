@@ -410,8 +410,11 @@ void bind_params(py::module_& m) {
         .def_readwrite("write", &prefix_tier_params::write)
         .def_readwrite("fetch", &prefix_tier_params::fetch)
         .def_readwrite("prefill_ns_per_token", &prefix_tier_params::prefill_ns_per_token)
-        .def_readwrite("probe_every", &prefix_tier_params::probe_every);
-    set_fields(tiers, {"stores", "model_id", "write", "fetch", "prefill_ns_per_token", "probe_every"});
+        .def_readwrite("probe_every", &prefix_tier_params::probe_every)
+        .def_readwrite("async_writes", &prefix_tier_params::async_writes)
+        .def_readwrite("max_queued_bytes", &prefix_tier_params::max_queued_bytes);
+    set_fields(tiers, {"stores", "model_id", "write", "fetch", "prefill_ns_per_token", "probe_every",
+                       "async_writes", "max_queued_bytes"});
 
     py::class_<prefix_cache_params> prefix(m, "PrefixCacheParams",
                                            "The prefix cache of a KV cache, recurrent or hybrid memory.");

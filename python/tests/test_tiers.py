@@ -62,6 +62,21 @@ def test_write_through_shares_at_once(tmp_path):
     assert b.tier_stats()[0].written_blocks == 0
 
 
+def test_async_writes_land_after_a_drain(tmp_path):
+    store = kvcache.DiskStore(tmp_path)
+    tiers = kvcache.PrefixTierParams(stores=[store], model_id=42, async_writes=True, max_queued_bytes=1 << 20)
+    c = small_cache(kv_size=16, n_seq_max=1, n_kv_pad=4,
+                    prefix=kvcache.PrefixCacheParams(enabled=True, block_size=4, tiers=tiers))
+    assert c.params.prefix.tiers.async_writes
+    fill(c, list(range(1, 14)))
+    c.prefix_publish()
+    c.seq_rm(0)
+    fill(c, list(range(100, 116)), start=0)  # evicts the 3 blocks: queued for the writer thread
+    c.prefix_tier_drain()
+    (t,) = c.tier_stats()
+    assert t.written_blocks == 3 and t.dropped_blocks == 0 and store.entries == 3
+
+
 def test_bad_tier_params(tmp_path):
     store = kvcache.DiskStore(tmp_path)
     with pytest.raises(kvcache.InvalidArgumentError, match="at most 3 tiers, not 4"):

@@ -136,7 +136,9 @@ prefix_tier_params tiers_to_cpp(const kvc_prefix_tier_params& c, const char* nam
                          .write = static_cast<tier_write>(write),
                          .fetch = c.fetch,
                          .prefill_ns_per_token = c.prefill_ns_per_token,
-                         .probe_every = c.probe_every};
+                         .probe_every = c.probe_every,
+                         .async_writes = c.async_writes,
+                         .max_queued_bytes = c.max_queued_bytes};
     for (size_t i = 0; i < c.n_stores; ++i) {
         if (c.stores[i] == nullptr || !c.stores[i]->store)
             throw_error(errc::invalid_argument, fmt::format("{}.prefix.tiers.stores[{}] is NULL", name, i));
@@ -192,7 +194,9 @@ kvc_prefix_cache_params to_c(const prefix_cache_params& p) {
                       .write = static_cast<kvc_tier_write>(p.tiers.write),
                       .fetch = p.tiers.fetch,
                       .prefill_ns_per_token = p.tiers.prefill_ns_per_token,
-                      .probe_every = p.tiers.probe_every}};
+                      .probe_every = p.tiers.probe_every,
+                      .async_writes = p.tiers.async_writes,
+                      .max_queued_bytes = p.tiers.max_queued_bytes}};
 }
 
 namespace {

@@ -251,10 +251,23 @@ kvc_status kvc_memory_get_tier_stats(const kvc_memory* mem, uint32_t index, kvc_
         c.declined = s.declined;
         c.refused_blocks = s.refused_blocks;
         c.written_blocks = s.written_blocks;
+        c.dropped_blocks = s.dropped_blocks;
         c.errors = s.errors;
         c.est_latency_ns = s.est_latency_ns;
         c.est_ns_per_byte = s.est_ns_per_byte;
         c.store = to_c(s.store);
         o = c;
+    });
+}
+
+kvc_status kvc_memory_prefix_tier_drain(kvc_memory* mem) noexcept {
+    return guarded(__func__, [&] {
+        kvc_memory& m = need(mem, "mem");
+        if (m.hybrid != nullptr)
+            m.hybrid->prefix_tier_drain();
+        else if (m.kind == KVC_MEMORY_KIND_KV_CACHE && m.kv != nullptr)
+            m.kv->prefix_tier_drain();
+        else if (m.recr != nullptr)
+            m.recr->prefix_tier_drain();
     });
 }
