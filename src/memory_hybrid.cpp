@@ -7,6 +7,8 @@
 #include <kvcache/memory_budget.h>
 #include <kvcache/memory_hybrid.h>
 
+#include "detail/prefix_index.h"
+
 namespace kvc {
 
 memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(params)) {
@@ -66,10 +68,15 @@ uint32_t memory_hybrid::prefix_attach(seq_id_t seq_id, std::span<const token_t> 
     if (!kv_) throw error(errc::unsupported, "prefix_attach: the memory has no prefix cache");
     if (recr_->seq_pos_max(seq_id) >= 0 || kv_->seq_pos_min(seq_id) >= 0)  // checks the id
         throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
+    // checked before the tiers change anything
+    detail::check_prompt_tokens(tokens, params_.prefix.n_vocab, "prefix_attach");
+    if (priority > prefix_max_priority)
+        throw error(errc::invalid_argument,
+                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
     // the tiers first: a deeper snapshot, then the K/V up to the deepest snapshot
+    recr_->prefix_fetch(tokens, key, max_tokens);
     const auto usable = tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1));
-    recr_->prefix_fetch(usable, key, max_tokens);
-    kv_->prefix_fetch(seq_id, usable, key, recr_->prefix_lookup(usable, key));
+    kv_->prefix_fetch(seq_id, tokens, key, recr_->prefix_lookup(usable, key));
     sync_parts();  // what the fetches evicted
     // the deepest boundary with both halves; the attention part attaches up to it (fewer when copies
     // across streams find no room), the recurrent part its snapshot at or before where that stopped

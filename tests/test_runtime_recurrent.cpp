@@ -514,6 +514,12 @@ TEST_P(recurrent_prefix_equals_recompute, snapshots_come_back_from_a_tier) {
         };
         EXPECT_GT(tiers().written_blocks, 0u);
         if (write == tier_write::through) r.renew();  // a restart: memory is empty, the tier is not
+        if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) {  // refused before the tiers are asked
+            const uint64_t asked = tiers().fetches;
+            EXPECT_THROW(h->prefix_attach(1, prompts[0], 0, 101), error);
+            EXPECT_THROW(h->prefix_attach(1, concat(prompts[0], {-1})), error);
+            EXPECT_EQ(tiers().fetches, asked);
+        }
         for (size_t i = 0; i < 2; ++i) {
             // the prompt's end snapshot (or, with interval 0 and a small pool, what eviction wrote)
             const std::vector<token_t> next = concat(prompts[i], r.tokens(3));
