@@ -60,14 +60,21 @@ void tier_set::flush(const std::function<void(uint32_t id, uint32_t gen, uint8_t
     if (fetching || writes_.empty()) return;
     if (writer_) {  // one job per store for the writer's thread
         for (uint32_t t = 0; t < tiers_.size(); ++t) {
-            tier_writer::job j{.tier = t, .store = tiers_[t].store, .keys = {}, .values = {}, .bytes = 0};
+            std::vector<std::string> keys;
+            std::vector<std::shared_ptr<const std::vector<uint8_t>>> values;
+            uint64_t bytes = 0;
             for (const item& w : writes_)
                 if (w.need & (1u << t)) {
-                    j.keys.push_back(w.key);
-                    j.values.push_back(w.value);
-                    j.bytes += w.value->size();
+                    keys.push_back(w.key);
+                    values.push_back(w.value);
+                    bytes += w.value->size();
                 }
-            if (j.keys.empty() || !writer_->push(std::move(j))) continue;
+            if (keys.empty() || !writer_->push({.tier = t,
+                                                .store = tiers_[t].store,
+                                                .keys = std::move(keys),
+                                                .values = std::move(values),
+                                                .bytes = bytes}))
+                continue;
             for (const item& w : writes_)
                 if (w.need & (1u << t)) stored(w.id, w.gen, static_cast<uint8_t>(1u << t));
         }
