@@ -87,6 +87,21 @@ private:
     double s_;
 };
 
+// The tiny llama the decode and tier sections run: 2 layers, 512 wide, 8 heads over 4 KV heads.
+model decode_model() {
+    const fs::path path = fs::temp_directory_path() / fmt::format("kvcache-bench-{}.gguf", ::getpid());
+    tiny_model_options t;
+    t.n_embd = 512;
+    t.n_head = 8;
+    t.n_head_kv = 4;
+    t.n_layer = 2;
+    t.n_ff = 512;
+    write_tiny_model(path.string(), t);
+    model m = model::load(path.string());
+    fs::remove(path);
+    return m;
+}
+
 double memcpy_gbs(size_t bytes, int reps) {
     std::vector<uint8_t> a(bytes, 1), b(bytes, 2);
     const double s = best_of(reps, [&] {
@@ -439,16 +454,7 @@ private:
         section(fmt::format(
                     "runtime decode, one token over n_kv = {} (f16 K/V; K/V read bandwidth vs memcpy)", n_kv)
                     .c_str());
-        const fs::path path = fs::temp_directory_path() / fmt::format("kvcache-bench-{}.gguf", ::getpid());
-        tiny_model_options t;
-        t.n_embd = 512;
-        t.n_head = 8;
-        t.n_head_kv = 4;
-        t.n_layer = 2;
-        t.n_ff = 512;
-        write_tiny_model(path.string(), t);
-        const model m = model::load(path.string());
-        fs::remove(path);
+        const model m = decode_model();
         auto p = m.cache_params(n_kv + 256, 1);
         p.v_trans = false;
         kv_cache c(p);
@@ -476,17 +482,7 @@ private:
                             "tier (vs computing it all)",
                             n, n - 16)
                     .c_str());
-        const fs::path path =
-            fs::temp_directory_path() / fmt::format("kvcache-bench-tier-{}.gguf", ::getpid());
-        tiny_model_options t;
-        t.n_embd = 512;
-        t.n_head = 8;
-        t.n_head_kv = 4;
-        t.n_layer = 2;
-        t.n_ff = 512;
-        write_tiny_model(path.string(), t);
-        const model m = model::load(path.string());
-        fs::remove(path);
+        const model m = decode_model();
         std::mt19937 rng(11);
         std::vector<token_t> prompt(n);
         for (token_t& x : prompt) x = static_cast<token_t>(rng() % m.hparams().n_vocab);
