@@ -241,11 +241,12 @@ void kv_cache::tier_fetch(std::span<const token_t> tokens, uint64_t key, uint32_
 
 void kv_cache::tier_evicting(uint32_t id) {
     prefix_state& ps = *prefix_;
+    if (!ps.tiers.write_on_evict()) return;
     ps.tiers.evicting(ps.index, id, [&](uint32_t b) { return tier_encode(b, ps.tiers.layout()); });
 }
 
 void kv_cache::tier_flush() {
-    if (!prefix_) return;
+    if (!prefix_ || prefix_->tiers.empty()) return;  // every publish and placement passes here
     prefix_state& ps = *prefix_;
     ps.tiers.write(ps.index, [&](uint32_t b) { return tier_encode(b, ps.tiers.layout()); });
 }

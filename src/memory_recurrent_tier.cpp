@@ -64,11 +64,12 @@ std::vector<uint8_t> memory_recurrent::tier_encode(uint32_t id) const {
 
 void memory_recurrent::tier_evicting(uint32_t id) {
     prefix_state& ps = *prefix_;
+    if (!ps.tiers.write_on_evict()) return;
     ps.tiers.evicting(ps.index, id, [&](uint32_t b) { return tier_encode(b); });
 }
 
 void memory_recurrent::tier_flush() {
-    if (!prefix_) return;
+    if (!prefix_ || prefix_->tiers.empty()) return;  // every publish and plan passes here
     prefix_state& ps = *prefix_;
     // write-through: the snapshots kept since the last flush, if they still are
     ps.tiers.write(

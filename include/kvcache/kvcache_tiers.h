@@ -69,8 +69,9 @@ typedef struct kvc_block_put {
 } kvc_block_put;
 
 /// @brief A store of the engine's own, made of callbacks (kvc_block_store_from_callbacks()). Calls are
-/// serialised (one at a time per store) and come from the thread calling into the memory; a callback
-/// must not call into a memory using the store. A store is a cache: a failure is a miss, never an error
+/// serialised (one at a time per store) and come from the thread calling into the memory, or, with
+/// kvc_prefix_tier_params::async_writes, put_many from the memory's writer thread; a callback must not
+/// call into a memory using the store. A store is a cache: a failure is a miss, never an error
 /// of the memory (return false, or deliver nothing). kvcache verifies every value it reads on its
 /// layout, position and tokens, so a damaged value is refused, not used.
 typedef struct kvc_block_store_callbacks {
@@ -82,7 +83,8 @@ typedef struct kvc_block_store_callbacks {
     /// Stores the values whose keys are not stored yet. Returns false when it failed (counted). Required.
     bool (*put_many)(void* user_data, const kvc_block_put* items, size_t n_items);
     /// Sets out[i] to 1 when the store holds keys[i] now, else 0. Returns false when it failed (all
-    /// taken as absent). NULL: every key is taken as absent (put_many then skips those it holds).
+    /// taken as absent). NULL: every key is taken as absent (put_many then skips those it holds), and
+    /// recurrent and hybrid memories, which find snapshots through it, fetch none.
     bool (*contains_many)(void* user_data, const char* const* keys, size_t n_keys, uint8_t* out);
     /// Where the store is (e.g. "s3:bucket"), a NUL-terminated string copied at once. NULL: "callbacks".
     const char* (*describe)(void* user_data);

@@ -549,6 +549,14 @@ void bind_composites(py::module_& m) {
              }),
              "MemoryRecurrent(**fields of RecurrentParams)")
         .def_property_readonly("params", [](const py_memory_recurrent& s) { return s.recr->params(); })
+        .def(
+            "tier_stats",
+            [](const py_memory_recurrent& s) { return s.locked([&] { return s.recr->get_tier_stats(); }); },
+            "What the prefix cache did with each of its tiers (snapshots; prefix.tiers.stores, in order).")
+        .def(
+            "prefix_tier_drain",
+            [](const py_memory_recurrent& s) { s.locked([&] { s.recr->prefix_tier_drain(); }); },
+            "With prefix.tiers.async_writes: returns when every write queued so far is done.")
         .def_property_readonly("size", [](const py_memory_recurrent& s) { return s.recr->get_size(); })
         .def_property_readonly("n_rs_seq",
                                [](const py_memory_recurrent& s) { return s.recr->get_n_rs_seq(); })
@@ -610,6 +618,14 @@ void bind_composites(py::module_& m) {
              }),
              "MemoryHybrid(**fields of MemoryHybridParams)")
         .def_property_readonly("params", [](const py_memory_hybrid& s) { return s.hybrid->params(); })
+        .def(
+            "tier_stats",
+            [](const py_memory_hybrid& s) { return s.locked([&] { return s.hybrid->get_tier_stats(); }); },
+            "What the prefix cache did with each of its tiers (both parts together).")
+        .def(
+            "prefix_tier_drain",
+            [](const py_memory_hybrid& s) { s.locked([&] { s.hybrid->prefix_tier_drain(); }); },
+            "With prefix.tiers.async_writes: returns when every write queued so far is done.")
         .def_property_readonly(
             "attn",
             [](const py_memory_hybrid& s) {

@@ -136,3 +136,13 @@ def test_a_raising_callback_store_is_a_counted_miss():
     c = tiered_cache([wrong])
     assert c.prefix_attach(0, list(range(1, 10))) == 0
     assert c.tier_stats()[0].refused_blocks == 1
+
+
+def test_recurrent_memories_take_tiers(tmp_path):
+    store = kvcache.DiskStore(tmp_path)
+    tiers = kvcache.PrefixTierParams(stores=[store], model_id=5, write="through")
+    m = kvcache.MemoryRecurrent(layers=[kvcache.RecurrentLayerDesc(n_embd_r=4, n_embd_s=4)], n_seq_max=1,
+                                prefix=kvcache.PrefixCacheParams(enabled=True, block_size=4, tiers=tiers))
+    (t,) = m.tier_stats()
+    assert t.where == store.describe() and t.written_blocks == 0
+    m.prefix_tier_drain()
