@@ -26,6 +26,7 @@ memory_recurrent::prefix_state::prefix_state(const prefix_cache_params& p, uint3
                                              uint32_t n_slots)
     : index(p.block_size, 1, p.policy,
             static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * n_slots)),
+      queue(n_slots, p.policy, static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * n_slots)),
       bs(p.block_size),
       interval(p.snapshot_interval),
       seqs(n_seq_max),
@@ -65,14 +66,17 @@ void memory_recurrent::prefix_state::unhold(uint32_t id) {
     collect(id);
 }
 
-void memory_recurrent::prefix_state::collect(uint32_t id) {
+uint32_t memory_recurrent::prefix_state::collect(uint32_t id) {
     using state = detail::prefix_index::state;
+    uint32_t n = 0;
     while (id != none && index.at(id).st == state::queued && !has_snapshot(id)) {
         const uint32_t parent = index.at(id).parent;
         emit(prefix_event::kind::removed, id);
         index.remove(id);
+        ++n;
         id = parent;  // now perhaps a childless leaf itself
     }
+    return n;
 }
 
 uint32_t memory_recurrent::prefix_state::take_slot() {
@@ -86,10 +90,35 @@ uint32_t memory_recurrent::prefix_state::take_slot() {
 }
 
 void memory_recurrent::prefix_state::free_slot(uint32_t slot) {
+    queue.erase(slot);
     slots[slot] = slot_state::free;
     slot_block[slot] = none;
     free_slots.push_back(slot);  // capacity: every slot
     std::push_heap(free_slots.begin(), free_slots.end(), std::greater<>());
+}
+
+void memory_recurrent::prefix_state::publish(uint32_t slot, uint32_t id, bool rolling) {
+    slots[slot] = slot_state::published;
+    slot_block[slot] = id;
+    block_slot[id] = slot;
+    if (rolling)
+        queue.push_rolling(slot);
+    else
+        queue.push(slot, index.at(id).priority);
+    ++stats.snapshots_saved;
+}
+
+// A prompt going on from one snapshot to a deeper one makes the first useless to whoever sent it; only
+// prompts that leave the chain between the two can use it, which none has done while its block has one
+// child. Conversations and agents pass several per turn (interval snapshots, the previous turn's end) and
+// come back to the last only. Snapshots of decoded tokens supersede nothing: whether the next prompt
+// repeats what was decoded is up to the client.
+void memory_recurrent::prefix_state::passed(recurrent_tracker& t, uint32_t id) {
+    if (t.last != none && t.last != id && index.alive(t.last, t.last_gen) && has_snapshot(t.last) &&
+        index.at(t.last).n_children <= 1)
+        queue.demote(block_slot[t.last]);
+    t.last = id;
+    t.last_gen = index.at(id).gen;
 }
 
 void memory_recurrent::prefix_state::drop_snapshot(uint32_t id) {
@@ -102,25 +131,22 @@ void memory_recurrent::prefix_state::drop_snapshot(uint32_t id) {
 }
 
 bool memory_recurrent::prefix_state::evict_one() {
-    std::vector<uint32_t> plan;
-    if (!index.plan_eviction(0, bs, plan)) return false;
-    const uint32_t id = plan.front();
-    const uint32_t parent = index.at(id).parent;
-    if (has_snapshot(id)) {
-        if (before_evict) before_evict(id);
-        free_slot(block_slot[id]);
-        block_slot[id] = none;
-        ++stats.snapshots_dropped;
-    }
-    emit(prefix_event::kind::removed, id);
-    index.remove(id);
-    ++stats.evicted_blocks;
-    collect(parent);
+    const uint32_t slot = queue.front();
+    if (slot == none) return false;
+    const uint32_t id = slot_block[slot];
+    if (before_evict) before_evict(id);
+    free_slot(slot);
+    block_slot[id] = none;
+    ++stats.snapshots_dropped;
+    stats.evicted_blocks += collect(id);
     return true;
 }
 
 void memory_recurrent::prefix_state::stop(recurrent_tracker& t) {
     for (const recurrent_tracker::pending& p : t.snaps) free_slot(p.slot);
+    // its rolling snapshot is the state where it ended: kept now
+    if (t.roll != none && index.alive(t.roll, t.roll_gen) && has_snapshot(t.roll))
+        queue.push(block_slot[t.roll], index.at(t.roll).priority);
     const uint32_t tail = t.tail;
     const bool held = tail != none && index.alive(tail, t.tail_gen);
     t.active = false;
@@ -139,6 +165,7 @@ void memory_recurrent::prefix_state::reset() {
     pending.clear();
     holders.clear();
     block_slot.clear();
+    queue.clear();
     free_slots.clear();
     for (uint32_t s = 0; s < slots.size(); ++s) free_slot(s);
 }
@@ -232,10 +259,12 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     if (d < 0) return 0;
     const auto n_blocks = static_cast<uint32_t>(d + 1);
     for (uint32_t j = 0; j < n_blocks; ++j) {
-        ps.index.hit(chain[j]);
-        if (ps.index.at(chain[j]).priority < priority) ps.index.set_priority(chain[j], priority);
+        if (ps.index.at(chain[j]).priority >= priority) continue;
+        ps.index.set_priority(chain[j], priority);
+        if (ps.has_snapshot(chain[j])) ps.queue.set_priority(ps.block_slot[chain[j]], priority);
     }
     const uint32_t id = chain[n_blocks - 1];
+    ps.queue.hit(ps.block_slot[id]);
     // a cell of its own (one is free: seq_id has none), holding a copy of the snapshot's rows
     const auto c = static_cast<uint32_t>(next_free(head_));
     const uint64_t row0 = (uint64_t{params_.n_rs_seq} + 1) * size_ + ps.block_slot[id];
@@ -251,6 +280,7 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     t.n_full = n_blocks;
     t.tail = id;
     t.tail_gen = ps.index.at(id).gen;
+    ps.passed(t, id);
     ps.hold(id);
     const uint32_t n = n_blocks * ps.bs;
     ps.stats.hit_tokens += n;
@@ -294,12 +324,11 @@ void memory_recurrent::prefix_publish() {
             if (ps.has_snapshot(t.tail)) {  // another sequence left the same state there
                 ps.free_slot(p.slot);
                 if (!p.kept) t.roll = none;
+                if (p.prompt) ps.passed(t, t.tail);
                 continue;
             }
-            ps.slots[p.slot] = prefix_state::slot_state::published;
-            ps.slot_block[p.slot] = t.tail;
-            ps.block_slot[t.tail] = p.slot;
-            ++ps.stats.snapshots_saved;
+            ps.publish(p.slot, t.tail, !p.kept);
+            if (p.prompt) ps.passed(t, t.tail);
             if (p.kept && ps.tiers.write_through()) ps.tiers.published.emplace_back(t.tail, t.tail_gen);
             if (!p.kept) {
                 t.roll = t.tail;
@@ -389,10 +418,11 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
         const bool end = pr != prompts.end() && (n1 + pr->second) / bs * bs == last;
         const uint64_t every = uint64_t{ps.interval} * bs;
         const size_t first = ps.requests.size();
+        const bool prompt = pr != prompts.end();
         if (every > 0)
             for (uint64_t B = (n0 / every + 1) * every; B < last; B += every)
-                ps.requests.push_back({s, b, B, true});
-        ps.requests.push_back({s, b, last, end || (every > 0 && last % every == 0)});
+                ps.requests.push_back({s, b, B, true, prompt});
+        ps.requests.push_back({s, b, last, end || (every > 0 && last % every == 0), prompt});
         // its rolling snapshot gives way to the new ones
         for (auto it = t.snaps.begin(); it != t.snaps.end(); ++it)
             if (!it->kept) {
@@ -442,7 +472,7 @@ void memory_recurrent::prefix_record(const ubatch& ub, rs_slot& slot) {
         for (; req != ps.requests.end() && req->block == b; ++req) {
             const uint32_t sl = ps.take_slot();
             if (sl == none) continue;  // the pool is full of snapshots in use
-            t.snaps.push_back({req->boundary, sl, req->kept});
+            t.snaps.push_back({req->boundary, sl, req->kept, req->prompt});
             ps.snaps.push_back({b, static_cast<uint32_t>(req->boundary - 1 - n0), row0 + sl});
             any = true;
         }

@@ -103,11 +103,8 @@ bool memory_recurrent::install_snapshot(std::span<const token_t> tokens, uint64_
             ps.emit(prefix_event::kind::stored, id);
         }
     }
-    ps.slots[slot] = prefix_state::slot_state::published;
-    ps.slot_block[slot] = id;
-    ps.block_slot[id] = slot;
+    ps.publish(slot, id, /*rolling=*/false);
     ps.index.set_stored(id, ps.index.at(id).stored | tier_bit);
-    ++ps.stats.snapshots_saved;
     return true;
 }
 

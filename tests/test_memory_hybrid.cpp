@@ -474,27 +474,28 @@ TEST(memory_hybrid, prefix_evictions_keep_the_parts_together) {
 // blocks do not wait, unevictable, for children of the duplicate).
 TEST(memory_hybrid, a_sequence_recomputing_cached_blocks_moves_onto_them) {
     memory_hybrid_params p = make_params(256, 2);
-    p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0, .max_snapshots = 1};
+    p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0, .max_snapshots = 3};
     memory_hybrid m(p);
-    std::vector<token_t> t(16);
+    std::vector<token_t> t(20);
     for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(10 + i);
-    // seq 0: a 12-token prompt (its snapshot at 12 takes the one row), then 4 tokens one at a time: the
-    // K/V of 16 tokens, no snapshot at 16 (the pool is full)
+    // seq 0: a 12-token prompt (its snapshot at 12), then 8 tokens one at a time (its rolling snapshot at 16
+    // gives way to the one at 20, kept when it ends): the K/V of 20 tokens, snapshots at 12 and 20
     decode_prompt(m, 0, {t.begin(), t.begin() + 12});
-    for (pos_t q = 12; q < 16; ++q) decode_prompt(m, 0, {t[static_cast<size_t>(q)]}, q);
+    for (pos_t q = 12; q < 20; ++q) decode_prompt(m, 0, {t[static_cast<size_t>(q)]}, q);
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
-    EXPECT_EQ(kv.get_prefix_stats().cached_cells, 16u);
-    // seq 1 resumes at 12 and recomputes block 3 (positions 12-15) before its own two tokens
-    std::vector<token_t> prompt = t;
+    EXPECT_EQ(kv.get_prefix_stats().cached_cells, 20u);
+    // seq 1 leaves the chain at 16: it resumes at 12 and recomputes block 3 (positions 12-15) before its
+    // own two tokens
+    std::vector<token_t> prompt(t.begin(), t.begin() + 16);
     prompt.insert(prompt.end(), {900, 901});
     ASSERT_EQ(m.prefix_attach(1, prompt), 12u);
     decode_prompt(m, 1, {prompt.begin() + 12, prompt.end()}, 12);
     m.prefix_publish();
-    EXPECT_EQ(kv.cells(0).get_used(), 18u);  // the 4 cached blocks and positions 16-17 (not 22)
+    EXPECT_EQ(kv.cells(0).get_used(), 22u);  // the 5 cached blocks and positions 16-17 (not 26)
     const prefix_stats st = kv.get_prefix_stats();
     EXPECT_EQ(st.shared_cells, 16u);
-    EXPECT_EQ(st.cached_cells, 0u);
+    EXPECT_EQ(st.cached_cells, 4u);   // block 4 (positions 16-19), which leads to the snapshot at 20
     EXPECT_EQ(kv.seq_pos_min(1), 0);  // its K/V positions are all there, cached cells included
     EXPECT_EQ(m.seq_pos_max(1), 17);
 }

@@ -289,5 +289,92 @@ TEST(memory_recurrent_prefix, snapshots_are_counted_and_clear_empties_the_pool) 
     EXPECT_EQ(m.get_memory_breakdown().cached, 0u);
 }
 
+// -- the eviction order of snapshots (src/detail/snapshot_queue.h) --
+
+// Decodes `toks` of seq s from p0 as one prompt batch (several tokens) or one decode step (one token).
+void feed(memory_recurrent& m, seq_id_t s, pos_t p0, const std::vector<token_t>& toks) {
+    std::vector<std::tuple<seq_id_t, pos_t, token_t>> b;
+    for (size_t i = 0; i < toks.size(); ++i) b.emplace_back(s, p0 + static_cast<pos_t>(i), toks[i]);
+    ASSERT_TRUE(decode(m, b, 512));
+    m.prefix_publish();
+}
+
+std::vector<token_t> cat(std::vector<token_t> a, const std::vector<token_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+}
+
+// A snapshot under a sequence still decoding (an inner block of its chain) is evictable: the pool never
+// stalls on the chains of live sequences.
+TEST(memory_recurrent_prefix, snapshots_under_live_sequences_give_way_to_new_ones) {
+    memory_recurrent m(make_params(0, 0, 2));
+    const std::vector<token_t> a{1, 2, 3, 4, 5, 6, 7, 8}, b{9, 10, 11, 12}, c{13, 14, 15, 16};
+    feed(m, 0, 0, a);   // 8
+    feed(m, 0, 8, b);   // 12: the pool is full, both under seq 0's chain
+    feed(m, 0, 12, c);  // 16 takes the row of 8
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    const std::vector<token_t> abc = cat(cat(a, b), c);
+    EXPECT_EQ(m.prefix_lookup(cat(abc, {99})), 16u);
+    EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 0u);
+    EXPECT_EQ(m.prefix_attach(1, cat(abc, {99})), 16u);
+    EXPECT_TRUE(state_is(m, 1, abc));
+    m.validate();
+}
+
+// A live sequence's rolling snapshot matters only once it ends: kept snapshots do not give way to it.
+TEST(memory_recurrent_prefix, rolling_snapshots_go_before_kept_ones) {
+    memory_recurrent m(make_params(0, 0, 2));
+    const std::vector<token_t> a{1, 2, 3, 4}, b{5, 6, 7, 8}, q{20, 21, 22, 23, 24, 25, 26, 27, 28};
+    feed(m, 0, 0, a);                                                                     // 4: kept
+    for (size_t i = 0; i < b.size(); ++i) feed(m, 0, static_cast<pos_t>(4 + i), {b[i]});  // 8: rolling
+    feed(m, 1, 0, q);  // 8: kept, in the rolling snapshot's row
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    ASSERT_TRUE(m.seq_rm(1, -1, -1));
+    EXPECT_EQ(m.prefix_lookup(cat(cat(a, b), {99})), 4u);
+    EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 8u);
+    // once its sequence ends, a rolling snapshot is kept like the others
+    memory_recurrent n(make_params(0, 0, 2));
+    feed(n, 0, 0, a);
+    for (size_t i = 0; i < b.size(); ++i) feed(n, 0, static_cast<pos_t>(4 + i), {b[i]});
+    ASSERT_TRUE(n.seq_rm(0, -1, -1));
+    feed(n, 1, 0, q);  // takes the row of 4, the oldest
+    EXPECT_EQ(n.prefix_lookup(cat(cat(a, b), {99})), 8u);
+    EXPECT_EQ(n.prefix_attach(2, cat(cat(a, b), {99})), 8u);
+    EXPECT_TRUE(state_is(n, 2, cat(a, b)));
+}
+
+// A prompt that goes on from a snapshot to a deeper one makes the first the next to go, unless another
+// continuation already hangs from its block (a branch point).
+TEST(memory_recurrent_prefix, snapshots_a_prompt_went_past_go_first_unless_they_are_branch_points) {
+    const std::vector<token_t> a{1, 2, 3, 4}, b{5, 6, 7, 8}, x{9, 9, 9, 9}, q{20, 21, 22, 23, 24},
+        z{30, 31, 32, 33, 34};
+    for (const bool branch : {false, true}) {
+        memory_recurrent m(make_params(0, 0, branch ? 4 : 3));
+        feed(m, 1, 0, q);  // the oldest snapshot
+        ASSERT_TRUE(m.seq_rm(1, -1, -1));
+        feed(m, 0, 0, a);  // 4
+        if (branch) {      // seq 3 decodes another continuation of a: the block of 4 has two children
+            ASSERT_EQ(m.prefix_attach(3, cat(cat(a, x), {99})), 4u);
+            for (size_t i = 0; i < x.size(); ++i) feed(m, 3, static_cast<pos_t>(4 + i), {x[i]});
+            ASSERT_TRUE(m.seq_rm(3, -1, -1));
+        }
+        feed(m, 0, 4, b);  // 8: seq 0's prompt went past 4
+        ASSERT_TRUE(m.seq_rm(0, -1, -1));
+        feed(m, 2, 0, z);  // the pool is full: one goes
+        ASSERT_TRUE(m.seq_rm(2, -1, -1));
+        if (!branch) {
+            EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 0u) << "the snapshot seq 0 went past";
+            EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 4u) << "older, but nobody went past it";
+        } else {
+            EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 4u) << "a branch point";
+            EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 0u) << "the least recently used";
+            EXPECT_EQ(m.prefix_lookup(cat(cat(a, x), {99})), 8u);
+        }
+        EXPECT_EQ(m.prefix_lookup(cat(cat(a, b), {99})), 8u);
+        EXPECT_EQ(m.prefix_lookup(cat(z, {99})), 4u);
+        m.validate();
+    }
+}
+
 }  // namespace
 }  // namespace kvc

@@ -3,8 +3,8 @@
 // decoded in order.
 //
 // A block of the index is useful only through a snapshot at its end or below it: a leaf without a
-// snapshot that no sequence holds is removed at once, so every queued (evictable) block has a snapshot
-// and evicting one frees a slot.
+// snapshot that no sequence holds is removed at once. Eviction takes snapshots (detail/snapshot_queue),
+// wherever their blocks are in a chain, and then the blocks that lead to no other snapshot.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +14,7 @@
 #include <kvcache/memory_recurrent.h>
 
 #include "detail/prefix_index.h"
+#include "detail/snapshot_queue.h"
 #include "detail/tier_set.h"
 
 namespace kvc {
@@ -25,7 +26,8 @@ struct recurrent_tracker {
     struct pending {
         uint64_t boundary = 0;  // the state after tokens [0, boundary)
         uint32_t slot = 0;
-        bool kept = false;  // false: the sequence's rolling snapshot, dropped when it takes its next one
+        bool kept = false;    // false: the sequence's rolling snapshot, dropped when it takes its next one
+        bool prompt = false;  // taken while a prompt was processed (several tokens of the sequence)
     };
     bool active = true;
     uint8_t priority = prefix_default_priority;  // of the blocks it publishes
@@ -37,6 +39,8 @@ struct recurrent_tracker {
     std::vector<pending> snaps;                  // ascending boundaries
     uint32_t roll = detail::prefix_index::none;  // the block of its published rolling snapshot
     uint32_t roll_gen = 0;
+    uint32_t last = detail::prefix_index::none;  // the block of the deepest snapshot it resumed from or left
+    uint32_t last_gen = 0;
     std::vector<token_t> prompt;  // with a key: the attached prompt, which embeddings fed later stand for
 };
 
@@ -48,9 +52,11 @@ struct memory_recurrent::prefix_state {
         uint32_t block = 0;
         uint64_t boundary = 0;
         bool kept = false;
+        bool prompt = false;
     };
 
     detail::prefix_index index;
+    detail::snapshot_queue queue;  // published snapshots in eviction order
     uint32_t bs;
     uint32_t interval;                    // snapshot_interval in blocks (0: prompt and sequence ends only)
     std::vector<recurrent_tracker> seqs;  // [n_seq_max]
@@ -89,12 +95,16 @@ struct memory_recurrent::prefix_state {
     void grow();  // per-record tables cover every index record
     void hold(uint32_t id);
     void unhold(uint32_t id);
-    // Removes id and its ancestors while each is a queued leaf without a snapshot.
-    void collect(uint32_t id);
+    // Removes id and its ancestors while each is a queued leaf without a snapshot; how many went.
+    uint32_t collect(uint32_t id);
     uint32_t take_slot();  // none when the pool is full
     void free_slot(uint32_t slot);
+    // The slot's rows are the state at the end of block id; rolling: a live sequence's newest.
+    void publish(uint32_t slot, uint32_t id, bool rolling);
+    // t resumed from or left the snapshot of block id: the one it passed before is superseded for it
+    void passed(recurrent_tracker& t, uint32_t id);
     void drop_snapshot(uint32_t id);  // the block keeps its place in the chain
-    bool evict_one();                 // the first snapshot in eviction order, with its block
+    bool evict_one();                 // the first snapshot in eviction order, with the blocks only it served
     void stop(recurrent_tracker& t);  // no more publishing; pending snapshots are dropped
     void reset();
 };
