@@ -31,6 +31,7 @@ memory_recurrent::prefix_state::prefix_state(const prefix_cache_params& p, uint3
       interval(p.snapshot_interval),
       seqs(n_seq_max),
       slot_block(n_slots, none),
+      slot_kind(n_slots, snap_kind::rolling),
       slots(n_slots, slot_state::free),
       zeros(p.block_size, 0),
       on_event(p.on_event) {
@@ -97,27 +98,57 @@ void memory_recurrent::prefix_state::free_slot(uint32_t slot) {
     std::push_heap(free_slots.begin(), free_slots.end(), std::greater<>());
 }
 
-void memory_recurrent::prefix_state::publish(uint32_t slot, uint32_t id, bool rolling) {
+void memory_recurrent::prefix_state::publish(uint32_t slot, uint32_t id, snap_kind kind) {
     slots[slot] = slot_state::published;
     slot_block[slot] = id;
     block_slot[id] = slot;
-    if (rolling)
+    if (kind == snap_kind::rolling) {
+        slot_kind[slot] = kind;
         queue.push_rolling(slot);
-    else
-        queue.push(slot, index.at(id).priority);
+    } else {
+        enqueue(slot, kind);
+    }
     ++stats.snapshots_saved;
 }
 
-// A prompt going on from one snapshot to a deeper one makes the first useless to whoever sent it; only
-// prompts that leave the chain between the two can use it, which none has done while its block has one
-// child. Conversations and agents pass several per turn (interval snapshots, the previous turn's end) and
-// come back to the last only. Snapshots of decoded tokens supersede nothing: whether the next prompt
-// repeats what was decoded is up to the client.
-void memory_recurrent::prefix_state::passed(recurrent_tracker& t, uint32_t id) {
+// Like an adaptive insertion policy of a CPU cache: a kind of snapshot that is seldom resumed from enters
+// at the head of the queue, so one that is never used costs a row for a moment only; one in 16 enters at
+// the tail all the same, so a kind that becomes useful is seen to be.
+bool memory_recurrent::prefix_state::cold(snap_kind kind) const {
+    const auto ratio = [this](snap_kind k) {
+        const kind_use& u = use[static_cast<size_t>(k)];
+        // -1: not known yet (a kind taken rarely but resumed from often is known by its uses)
+        return u.taken + u.used < 32 ? -1.0 : static_cast<double>(u.used) / std::max<uint32_t>(u.taken, 1);
+    };
+    const double r = ratio(kind);
+    if (r < 0) return false;
+    double best = 0;
+    for (snap_kind k : {snap_kind::interval, snap_kind::prompt_end, snap_kind::sequence_end})
+        best = std::max(best, ratio(k));
+    return r * 8 < best;
+}
+
+void memory_recurrent::prefix_state::enqueue(uint32_t slot, snap_kind kind) {
+    slot_kind[slot] = kind;
+    kind_use& u = use[static_cast<size_t>(kind)];
+    if (++u.taken >= kind_window) {
+        u.taken /= 2;
+        u.used /= 2;
+    }
+    const bool first = kind != snap_kind::fetched && cold(kind) && ++n_cold % 16 != 0;
+    queue.push(slot, index.at(slot_block[slot]).priority, first);
+}
+
+// A prompt going on from the snapshot it resumed from (or from its previous prompt's end) makes that one
+// useless to whoever sent it: conversations and agents come back to the newest end only. Only prompts that
+// leave the chain between the two can use it, which none has done while its block has one child. Interval
+// snapshots are not superseded this way (they are taken for prompts that branch off), and neither is
+// anything by decoded tokens (whether the next prompt repeats them is up to the client).
+void memory_recurrent::prefix_state::passed(recurrent_tracker& t, uint32_t id, bool end) {
     if (t.last != none && t.last != id && index.alive(t.last, t.last_gen) && has_snapshot(t.last) &&
         index.at(t.last).n_children <= 1)
         queue.demote(block_slot[t.last]);
-    t.last = id;
+    t.last = end ? id : none;
     t.last_gen = index.at(id).gen;
 }
 
@@ -130,9 +161,9 @@ void memory_recurrent::prefix_state::drop_snapshot(uint32_t id) {
     collect(id);
 }
 
-bool memory_recurrent::prefix_state::evict_one() {
+bool memory_recurrent::prefix_state::evict_one(bool rolling_only) {
     const uint32_t slot = queue.front();
-    if (slot == none) return false;
+    if (slot == none || (rolling_only && !queue.rolling(slot))) return false;
     const uint32_t id = slot_block[slot];
     if (before_evict) before_evict(id);
     free_slot(slot);
@@ -146,7 +177,7 @@ void memory_recurrent::prefix_state::stop(recurrent_tracker& t) {
     for (const recurrent_tracker::pending& p : t.snaps) free_slot(p.slot);
     // its rolling snapshot is the state where it ended: kept now
     if (t.roll != none && index.alive(t.roll, t.roll_gen) && has_snapshot(t.roll))
-        queue.push(block_slot[t.roll], index.at(t.roll).priority);
+        enqueue(block_slot[t.roll], snap_kind::sequence_end);
     const uint32_t tail = t.tail;
     const bool held = tail != none && index.alive(tail, t.tail_gen);
     t.active = false;
@@ -265,6 +296,7 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     }
     const uint32_t id = chain[n_blocks - 1];
     ps.queue.hit(ps.block_slot[id]);
+    ++ps.use[static_cast<size_t>(ps.slot_kind[ps.block_slot[id]])].used;
     // a cell of its own (one is free: seq_id has none), holding a copy of the snapshot's rows
     const auto c = static_cast<uint32_t>(next_free(head_));
     const uint64_t row0 = (uint64_t{params_.n_rs_seq} + 1) * size_ + ps.block_slot[id];
@@ -280,7 +312,7 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     t.n_full = n_blocks;
     t.tail = id;
     t.tail_gen = ps.index.at(id).gen;
-    ps.passed(t, id);
+    ps.passed(t, id, /*end=*/true);
     ps.hold(id);
     const uint32_t n = n_blocks * ps.bs;
     ps.stats.hit_tokens += n;
@@ -324,11 +356,12 @@ void memory_recurrent::prefix_publish() {
             if (ps.has_snapshot(t.tail)) {  // another sequence left the same state there
                 ps.free_slot(p.slot);
                 if (!p.kept) t.roll = none;
-                if (p.prompt) ps.passed(t, t.tail);
+                if (p.prompt) ps.passed(t, t.tail, p.end);
                 continue;
             }
-            ps.publish(p.slot, t.tail, !p.kept);
-            if (p.prompt) ps.passed(t, t.tail);
+            using kind = prefix_state::snap_kind;
+            ps.publish(p.slot, t.tail, !p.kept ? kind::rolling : p.end ? kind::prompt_end : kind::interval);
+            if (p.prompt) ps.passed(t, t.tail, p.end);
             if (p.kept && ps.tiers.write_through()) ps.tiers.published.emplace_back(t.tail, t.tail_gen);
             if (!p.kept) {
                 t.roll = t.tail;
@@ -421,8 +454,8 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
         const bool prompt = pr != prompts.end();
         if (every > 0)
             for (uint64_t B = (n0 / every + 1) * every; B < last; B += every)
-                ps.requests.push_back({s, b, B, true, prompt});
-        ps.requests.push_back({s, b, last, end || (every > 0 && last % every == 0), prompt});
+                ps.requests.push_back({s, b, B, true, prompt, false});
+        ps.requests.push_back({s, b, last, end || (every > 0 && last % every == 0), prompt, end});
         // its rolling snapshot gives way to the new ones
         for (auto it = t.snaps.begin(); it != t.snaps.end(); ++it)
             if (!it->kept) {
@@ -436,8 +469,13 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
         t.roll = none;
         t.snaps.reserve(t.snaps.size() + ps.requests.size() - first);
     }
-    // room in the pool, evicting in policy order; what does not fit is not taken
-    while (ps.free_slots.size() < ps.requests.size() && ps.evict_one()) {}
+    // room in the pool, evicting in policy order; what does not fit is not taken. A rolling snapshot serves
+    // only as where its sequence ends: while that kind is cold, it takes a row from rolling ones only.
+    ps.n_kept = static_cast<uint32_t>(
+        std::count_if(ps.requests.begin(), ps.requests.end(), [](const auto& r) { return r.kept; }));
+    while (ps.free_slots.size() < ps.n_kept && ps.evict_one(false)) {}
+    const bool rolls = !ps.cold(prefix_state::snap_kind::sequence_end);
+    while (ps.free_slots.size() < ps.requests.size() && ps.evict_one(!rolls)) {}
     tier_flush();  // the snapshots evicted, when they go to the tiers
     ps.snaps.clear();
     ps.snaps.reserve(ps.requests.size());
@@ -470,9 +508,12 @@ void memory_recurrent::prefix_record(const ubatch& ub, rs_slot& slot) {
         }
         bool any = false;
         for (; req != ps.requests.end() && req->block == b; ++req) {
+            // the rows made room for kept snapshots are theirs
+            if (!req->kept && ps.free_slots.size() <= ps.n_kept) continue;
+            if (req->kept && ps.n_kept > 0) --ps.n_kept;
             const uint32_t sl = ps.take_slot();
             if (sl == none) continue;  // the pool is full of snapshots in use
-            t.snaps.push_back({req->boundary, sl, req->kept, req->prompt});
+            t.snaps.push_back({req->boundary, sl, req->kept, req->prompt, req->end});
             ps.snaps.push_back({b, static_cast<uint32_t>(req->boundary - 1 - n0), row0 + sl});
             any = true;
         }

@@ -79,7 +79,7 @@ void memory_recurrent::tier_flush() {
 bool memory_recurrent::install_snapshot(std::span<const token_t> tokens, uint64_t key, uint32_t d,
                                         const block_view& v, uint8_t tier_bit) {
     prefix_state& ps = *prefix_;
-    while (ps.free_slots.empty() && ps.evict_one()) {}  // their writes wait for the flush
+    while (ps.free_slots.empty() && ps.evict_one(false)) {}  // their writes wait for the flush
     const uint32_t slot = ps.take_slot();
     if (slot == none) return false;  // every snapshot is in use
     const uint64_t row = (uint64_t{params_.n_rs_seq} + 1) * size_ + slot;
@@ -103,7 +103,7 @@ bool memory_recurrent::install_snapshot(std::span<const token_t> tokens, uint64_
             ps.emit(prefix_event::kind::stored, id);
         }
     }
-    ps.publish(slot, id, /*rolling=*/false);
+    ps.publish(slot, id, prefix_state::snap_kind::fetched);
     ps.index.set_stored(id, ps.index.at(id).stored | tier_bit);
     return true;
 }

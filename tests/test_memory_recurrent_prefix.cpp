@@ -376,5 +376,64 @@ TEST(memory_recurrent_prefix, snapshots_a_prompt_went_past_go_first_unless_they_
     }
 }
 
+// Kinds of snapshots nobody resumes from (here: prompt ends, every prompt being new after a shared
+// document) enter the queue as the next to go, and no longer push out the kind that is used (the
+// document's interval snapshot).
+TEST(memory_recurrent_prefix, a_kind_of_snapshot_never_resumed_from_goes_first) {
+    memory_recurrent m(make_params(0, 2, 3));
+    const std::vector<token_t> a{1, 2, 3, 4, 5, 6, 7, 8}, b{11, 12, 13, 14, 15, 16, 17, 18};
+    token_t next = 100;
+    const auto ask = [&](const std::vector<token_t>& doc) {
+        std::vector<token_t> prompt = doc;
+        for (int i = 0; i < 5; ++i) prompt.push_back(next++);
+        const uint32_t n = m.prefix_attach(0, prompt);
+        feed(m, 0, static_cast<pos_t>(n), {prompt.begin() + n, prompt.end()});
+        ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    };
+    for (int i = 0; i < 40; ++i) ask(a);  // the interval snapshot at 8 is used, the prompt ends at 12 never
+    for (int i = 0; i < 4; ++i) ask(b);   // b's document and prompt ends: a's document stays
+    EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 8u);
+    EXPECT_EQ(m.prefix_lookup(cat(b, {99})), 8u);
+    m.validate();
+}
+
+// While sequence ends are never resumed from (clients send back other tokens than were decoded), a live
+// sequence's rolling snapshot takes no row from kept snapshots.
+TEST(memory_recurrent_prefix, rolling_snapshots_take_no_kept_rows_while_sequence_ends_are_not_used) {
+    memory_recurrent m(make_params(0, 0, 2));
+    token_t next = 100;
+    const auto unique = [&](int n) {
+        std::vector<token_t> t;
+        for (int i = 0; i < n; ++i) t.push_back(next++);
+        return t;
+    };
+    for (int i = 0; i < 40; ++i) {  // each prompt's end is resumed from, the sequence's end never
+        const std::vector<token_t> x = unique(9);
+        feed(m, 0, 0, x);
+        for (pos_t p = 9; p < 13; ++p) feed(m, 0, p, {next++});
+        ASSERT_TRUE(m.seq_rm(0, -1, -1));
+        ASSERT_EQ(m.prefix_attach(1, cat(x, {7})), 8u);
+        ASSERT_TRUE(m.seq_rm(1, -1, -1));
+    }
+    const std::vector<token_t> a = unique(9), b = unique(9);
+    feed(m, 0, 0, a);
+    feed(m, 1, 0, b);  // the pool holds both prompt ends
+    feed(m, 2, 0, unique(3));
+    for (pos_t p = 3; p < 13; ++p) feed(m, 2, p, {next++});  // boundaries 4, 8 and 12: no rows for them
+    EXPECT_EQ(m.prefix_lookup(cat(a, {7})), 8u);
+    EXPECT_EQ(m.prefix_lookup(cat(b, {7})), 8u);
+    ASSERT_TRUE(m.seq_rm(2, -1, -1));
+    // one ubatch: seq 2 passes 4 in the middle of its prompt (a rolling snapshot), seq 3's prompt ends at 4;
+    // the row made for seq 3's end is not taken by seq 2 before it
+    const std::vector<token_t> c = unique(12), d = unique(5);
+    std::vector<std::tuple<seq_id_t, pos_t, token_t>> both;
+    for (size_t i = 0; i < c.size(); ++i) both.emplace_back(2, static_cast<pos_t>(i), c[i]);
+    for (size_t i = 0; i < d.size(); ++i) both.emplace_back(3, static_cast<pos_t>(i), d[i]);
+    ASSERT_TRUE(decode(m, both, 10));
+    m.prefix_publish();
+    EXPECT_EQ(m.prefix_lookup(cat(d, {7})), 4u);
+    m.validate();
+}
+
 }  // namespace
 }  // namespace kvc

@@ -55,8 +55,12 @@ TEST(snapshot_queue, evicts_in_the_order_of_a_simple_model) {
                 const uint32_t what = static_cast<uint32_t>(rng() % 7);
                 if (!in && what < 2) {
                     const uint8_t p = prio();
-                    q.push(s, p);
-                    o.put_back(s, 1 + 2u * p);
+                    const bool first = rng() % 3 == 0;  // a cold kind
+                    q.push(s, p, first);
+                    if (first)
+                        o.put_front(s, 1 + 2u * p);
+                    else
+                        o.put_back(s, 1 + 2u * p);
                 } else if (!in && what < 4) {
                     q.push_rolling(s);
                     o.put_back(s, 0);

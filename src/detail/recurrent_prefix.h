@@ -7,6 +7,7 @@
 // wherever their blocks are in a chain, and then the blocks that lead to no other snapshot.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -28,6 +29,7 @@ struct recurrent_tracker {
         uint32_t slot = 0;
         bool kept = false;    // false: the sequence's rolling snapshot, dropped when it takes its next one
         bool prompt = false;  // taken while a prompt was processed (several tokens of the sequence)
+        bool end = false;     // at the newest boundary of that prompt
     };
     bool active = true;
     uint8_t priority = prefix_default_priority;  // of the blocks it publishes
@@ -39,13 +41,24 @@ struct recurrent_tracker {
     std::vector<pending> snaps;                  // ascending boundaries
     uint32_t roll = detail::prefix_index::none;  // the block of its published rolling snapshot
     uint32_t roll_gen = 0;
-    uint32_t last = detail::prefix_index::none;  // the block of the deepest snapshot it resumed from or left
+    // the block of the snapshot it resumed from, or of its last prompt's end
+    uint32_t last = detail::prefix_index::none;
     uint32_t last_gen = 0;
     std::vector<token_t> prompt;  // with a key: the attached prompt, which embeddings fed later stand for
 };
 
 struct memory_recurrent::prefix_state {
     enum class slot_state : uint8_t { free, pending, published };
+    // What a snapshot was taken for. How often each kind is resumed from decides where new ones enter the
+    // eviction order: conversations come back to prompt ends (or to where sequences ended, when clients
+    // send back what was decoded), shared documents to interval snapshots.
+    enum class snap_kind : uint8_t { rolling, interval, prompt_end, sequence_end, fetched };
+    static constexpr size_t n_kinds = 5;
+    struct kind_use {
+        uint32_t taken = 0;  // published (halved with `used` past kind_window: recent use counts)
+        uint32_t used = 0;   // resumed from
+    };
+    static constexpr uint32_t kind_window = 1024;
     // A snapshot prefix_plan chose for a block of the ubatch being placed.
     struct request {
         seq_id_t seq = 0;
@@ -53,6 +66,7 @@ struct memory_recurrent::prefix_state {
         uint64_t boundary = 0;
         bool kept = false;
         bool prompt = false;
+        bool end = false;
     };
 
     detail::prefix_index index;
@@ -64,12 +78,16 @@ struct memory_recurrent::prefix_state {
     std::vector<uint32_t> holders;        // [index records] trackers whose tail it is
     std::vector<uint32_t> block_slot;     // [index records] its published snapshot, or none
     std::vector<uint32_t> slot_block;     // [slots] the block a published snapshot belongs to
-    std::vector<slot_state> slots;        // [slots]
-    std::vector<uint32_t> free_slots;     // min-heap: the lowest free slot is taken first
-    uint32_t top = 0;                     // slots [0, top) may hold memory (fit_snapshots)
-    std::vector<uint32_t> zeros;          // [bs] the cells of a block (a recurrent block has none)
-    std::vector<request> requests;        // scratch of prefix_plan
-    std::vector<rs_snap> snaps;           // scratch: the rows of the ubatch being placed
+    std::vector<snap_kind> slot_kind;     // [slots]
+    std::array<kind_use, n_kinds> use{};
+    uint32_t n_cold = 0;               // snapshots of cold kinds published: one in 16 enters as others
+    std::vector<slot_state> slots;     // [slots]
+    std::vector<uint32_t> free_slots;  // min-heap: the lowest free slot is taken first
+    uint32_t top = 0;                  // slots [0, top) may hold memory (fit_snapshots)
+    std::vector<uint32_t> zeros;       // [bs] the cells of a block (a recurrent block has none)
+    std::vector<request> requests;     // scratch of prefix_plan
+    uint32_t n_kept = 0;               // requests of kept snapshots not placed yet
+    std::vector<rs_snap> snaps;        // scratch: the rows of the ubatch being placed
     prefix_stats stats;
     std::function<void(const prefix_event&)> on_event;
     detail::tier_set tiers;  // below memory (src/memory_recurrent_tier.cpp)
@@ -99,12 +117,18 @@ struct memory_recurrent::prefix_state {
     uint32_t collect(uint32_t id);
     uint32_t take_slot();  // none when the pool is full
     void free_slot(uint32_t slot);
-    // The slot's rows are the state at the end of block id; rolling: a live sequence's newest.
-    void publish(uint32_t slot, uint32_t id, bool rolling);
-    // t resumed from or left the snapshot of block id: the one it passed before is superseded for it
-    void passed(recurrent_tracker& t, uint32_t id);
+    // The slot's rows are the state at the end of block id.
+    void publish(uint32_t slot, uint32_t id, snap_kind kind);
+    // A kind resumed from far less than the most used one: its snapshots enter the queue as the next to go.
+    bool cold(snap_kind kind) const;
+    void enqueue(uint32_t slot, snap_kind kind);  // a published snapshot, or a rolling one kept
+    // t's prompt reached the snapshot of block id (its end: `end`): the one t resumed from or its last
+    // prompt's end is superseded
+    void passed(recurrent_tracker& t, uint32_t id, bool end);
     void drop_snapshot(uint32_t id);  // the block keeps its place in the chain
-    bool evict_one();                 // the first snapshot in eviction order, with the blocks only it served
+    // The first snapshot in eviction order (if rolling_only, only if it is a rolling one), with the blocks
+    // only it served.
+    bool evict_one(bool rolling_only);
     void stop(recurrent_tracker& t);  // no more publishing; pending snapshots are dropped
     void reset();
 };

@@ -67,9 +67,12 @@ void snapshot_queue::bound_protected() {
     }
 }
 
-void snapshot_queue::push(uint32_t slot, uint8_t priority) {
+void snapshot_queue::push(uint32_t slot, uint8_t priority, bool first) {
     erase(slot);  // a rolling snapshot kept when its sequence ends
-    link_back(slot, level_of(priority, 0));
+    if (first)
+        link_front(slot, level_of(priority, 0));
+    else
+        link_back(slot, level_of(priority, 0));
 }
 
 void snapshot_queue::push_rolling(uint32_t slot) {

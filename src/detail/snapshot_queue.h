@@ -28,8 +28,10 @@ public:
     snapshot_queue(uint32_t n_slots, evict_policy policy, uint32_t max_protected);
 
     bool queued(uint32_t slot) const { return level_[slot] != unqueued; }
-    // A published snapshot: the newest of its priority's probation.
-    void push(uint32_t slot, uint8_t priority);
+    bool rolling(uint32_t slot) const { return level_[slot] == 0; }
+    // A published snapshot: the newest of its priority's probation, or the next to go of it (`first`: a
+    // kind of snapshot that is seldom resumed from).
+    void push(uint32_t slot, uint8_t priority, bool first = false);
     // A live sequence's rolling snapshot: the newest of the rolling ones.
     void push_rolling(uint32_t slot);
     // An attach resumed from it: the newest of its level again (LRU), or of its protected level (SLRU).
