@@ -83,14 +83,34 @@ std::optional<sim_policy> parse_sim_policy(const std::string& s) {
     return std::nullopt;
 }
 
+uint32_t snapshot_pool(const sim_options& o) {
+    if (o.snapshots > 0) return o.snapshots;
+    const uint32_t share = o.memory == sim_memory::recurrent ? o.budget : o.budget / 10;
+    return std::max<uint32_t>(1, share / o.state_tokens);
+}
+
+uint32_t hybrid_kv_cells(const sim_options& o) {
+    const uint64_t pool = uint64_t{snapshot_pool(o)} * o.state_tokens;
+    return pool < o.budget ? static_cast<uint32_t>((o.budget - pool) / o.cache_block * o.cache_block) : 0;
+}
+
 void check_budget(const std::vector<sim_request>& reqs, const sim_options& o) {
     check_options(o);
     if (o.budget % o.cache_block != 0 || o.budget == 0)
         throw error(errc::invalid_argument, fmt::format("budget {} tokens must be a positive multiple of the "
                                                         "block size {}",
                                                         o.budget, o.cache_block));
+    // a hybrid's kvcache policy keeps its snapshots inside the budget
+    const uint32_t cells = o.memory == sim_memory::hybrid ? hybrid_kv_cells(o) : o.budget;
     for (size_t i = 0; i < reqs.size() && o.memory != sim_memory::recurrent; ++i) {  // recurrent: no K/V
         const uint64_t need = static_cast<uint64_t>(reqs[i].input_length) + reqs[i].output_length;
+        if (need > cells && cells < o.budget)
+            throw error(
+                errc::invalid_argument,
+                fmt::format("request {} needs {} cells ({} prompt + {} output tokens), more than the {} "
+                            "tokens of K/V the budget of {} leaves beside {} snapshots of {} tokens",
+                            i + 1, need, reqs[i].input_length, reqs[i].output_length, cells, o.budget,
+                            snapshot_pool(o), o.state_tokens));
         if (need > o.budget)
             throw error(errc::invalid_argument,
                         fmt::format("request {} needs {} cells ({} prompt + {} output tokens), more than the "

@@ -153,5 +153,10 @@ void check_instances(sim_policy policy, const sim_options& o);
 
 /// The cells a request needs at least (prompt and output), checked against the budget before a run.
 void check_budget(const std::vector<sim_request>& reqs, const sim_options& o);
+/// Recurrent and hybrid memories: kvcache's snapshot pool (--snapshots, or the budget's memory: all of it
+/// for a recurrent model, a tenth for a hybrid one, at --state-tokens each).
+uint32_t snapshot_pool(const sim_options& o);
+/// A hybrid memory: the K/V cells of kvcache's policy, the budget less its snapshot pool's memory.
+uint32_t hybrid_kv_cells(const sim_options& o);
 
 }  // namespace kvc::cli

@@ -46,16 +46,17 @@ public:
                                    .max_snapshots = o.snapshots};
             // the pool's memory: a state costs state_tokens tokens of K/V; a recurrent model's cache is all
             // snapshots, a hybrid one's gives them a tenth of the budget
-            const uint32_t share = o.memory == sim_memory::recurrent ? o.budget : o.budget / 10;
-            if (pc.max_snapshots == 0) pc.max_snapshots = std::max<uint32_t>(1, share / o.state_tokens);
+            if (pc.max_snapshots == 0) pc.max_snapshots = snapshot_pool(o);
             if (o.memory == sim_memory::recurrent) {
                 rp.prefix = pc;
                 auto r = std::make_unique<memory_recurrent>(rp);
                 recr_ = r.get();
                 mem_ = std::move(r);
             } else {
+                kv_cache_params ka = kp;
+                if (prefix) ka.kv_size = hybrid_kv_cells(o);  // the budget less the pool's memory
                 auto h = std::make_unique<memory_hybrid>(memory_hybrid_params{
-                    .attn = kp, .recr = rp, .iswa = std::nullopt, .memory_budget = 0, .prefix = pc});
+                    .attn = ka, .recr = rp, .iswa = std::nullopt, .memory_budget = 0, .prefix = pc});
                 kv_ = &dynamic_cast<kv_cache&>(h->get_attn());
                 recr_ = &h->get_recr();
                 mem_ = std::move(h);
