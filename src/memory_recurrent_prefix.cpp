@@ -445,17 +445,19 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
         const uint64_t n0 = static_cast<uint64_t>(ps.next(t)), n1 = n0 + T;
         const uint64_t last = n1 / bs * bs;  // the newest boundary the block reaches
         if (last <= n0) continue;
-        // the newest boundary of a prompt: no later ubatch of the batch reaches another
+        // a prompt's end: its newest boundary before its last token, so that the same prompt sent again
+        // (n samples, a retry) resumes there too; a continuation resumes at most a block earlier
         const auto pr =
             std::find_if(prompts.begin(), prompts.end(), [s](const auto& e) { return e.first == s; });
-        const bool end = pr != prompts.end() && (n1 + pr->second) / bs * bs == last;
+        const bool prompt = pr != prompts.end();
+        const uint64_t end = prompt ? (n1 + pr->second - 1) / bs * bs : 0;
         const uint64_t every = uint64_t{ps.interval} * bs;
         const size_t first = ps.requests.size();
-        const bool prompt = pr != prompts.end();
-        if (every > 0)
-            for (uint64_t B = (n0 / every + 1) * every; B < last; B += every)
-                ps.requests.push_back({s, b, B, true, prompt, false});
-        ps.requests.push_back({s, b, last, end || (every > 0 && last % every == 0), prompt, end});
+        for (uint64_t B = (n0 / bs + 1) * bs; B < last; B += bs)
+            if ((every > 0 && B % every == 0) || B == end)
+                ps.requests.push_back({s, b, B, true, prompt, B == end});
+        ps.requests.push_back(
+            {s, b, last, last == end || (every > 0 && last % every == 0), prompt, last == end});
         // its rolling snapshot gives way to the new ones
         for (auto it = t.snaps.begin(); it != t.snaps.end(); ++it)
             if (!it->kept) {

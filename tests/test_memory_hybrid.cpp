@@ -433,9 +433,10 @@ void decode_prompt(memory_hybrid& m, seq_id_t seq, const std::vector<token_t>& t
     while (ctx->next());
 }
 
+// 13 tokens: the prompt's end (its newest boundary before the last token) is at 12
 std::vector<token_t> prompt_of(int i) {
-    std::vector<token_t> t(12);
-    for (int j = 0; j < 12; ++j) t[static_cast<size_t>(j)] = 100 * i + j;
+    std::vector<token_t> t(13);
+    for (int j = 0; j < 13; ++j) t[static_cast<size_t>(j)] = 100 * i + j;
     return t;
 }
 
@@ -478,10 +479,10 @@ TEST(memory_hybrid, a_sequence_recomputing_cached_blocks_moves_onto_them) {
     memory_hybrid m(p);
     std::vector<token_t> t(20);
     for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(10 + i);
-    // seq 0: a 12-token prompt (its snapshot at 12), then 8 tokens one at a time (its rolling snapshot at 16
+    // seq 0: a 13-token prompt (its snapshot at 12), then 7 tokens one at a time (its rolling snapshot at 16
     // gives way to the one at 20, kept when it ends): the K/V of 20 tokens, snapshots at 12 and 20
-    decode_prompt(m, 0, {t.begin(), t.begin() + 12});
-    for (pos_t q = 12; q < 20; ++q) decode_prompt(m, 0, {t[static_cast<size_t>(q)]}, q);
+    decode_prompt(m, 0, {t.begin(), t.begin() + 13});
+    for (pos_t q = 13; q < 20; ++q) decode_prompt(m, 0, {t[static_cast<size_t>(q)]}, q);
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
     EXPECT_EQ(kv.get_prefix_stats().cached_cells, 20u);

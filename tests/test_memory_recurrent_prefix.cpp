@@ -5,6 +5,7 @@
 // its prefix, or the test sees it. The oracle knows which boundaries the rules promise (the end of every
 // prompt batch, every snapshot_interval blocks, the newest boundary of a sequence when it ends) and checks
 // that every attach resumes at least at the deepest promised one, at a boundary some sequence decoded.
+// (A prompt's end is its newest boundary before its last token.)
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -120,7 +121,8 @@ void run_random(const config& cf, uint32_t seed, int n_ops, std::map<std::string
         const uint64_t n1 = q.toks.size();
         if (!q.tracked || n1 / bs * bs <= n0) return;
         q.roll_ok = true;
-        if (add.size() > 1) promise(q.toks, n1 / bs * bs);
+        // a prompt's end: its newest boundary before its last token
+        if (add.size() > 1 && (n1 - 1) / bs * bs > n0) promise(q.toks, (n1 - 1) / bs * bs);
         for (uint64_t every = uint64_t{cf.interval} * bs, B = every ? (n0 / every + 1) * every : 0;
              every && B <= n1; B += every)
             promise(q.toks, B);
@@ -305,60 +307,62 @@ std::vector<token_t> cat(std::vector<token_t> a, const std::vector<token_t>& b) 
 }
 
 // A snapshot under a sequence still decoding (an inner block of its chain) is evictable: the pool never
-// stalls on the chains of live sequences.
+// stalls on the chains of live sequences. (A prompt's end is its newest boundary before its last token.)
 TEST(memory_recurrent_prefix, snapshots_under_live_sequences_give_way_to_new_ones) {
     memory_recurrent m(make_params(0, 0, 2));
-    const std::vector<token_t> a{1, 2, 3, 4, 5, 6, 7, 8}, b{9, 10, 11, 12}, c{13, 14, 15, 16};
+    const std::vector<token_t> a{1, 2, 3, 4, 5, 6, 7, 8, 9}, b{10, 11, 12, 13}, c{14, 15, 16, 17};
     feed(m, 0, 0, a);   // 8
-    feed(m, 0, 8, b);   // 12: the pool is full, both under seq 0's chain
-    feed(m, 0, 12, c);  // 16 takes the row of 8
+    feed(m, 0, 9, b);   // 12: the pool is full, both under seq 0's chain
+    feed(m, 0, 13, c);  // 16 takes the row of 8
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     const std::vector<token_t> abc = cat(cat(a, b), c);
     EXPECT_EQ(m.prefix_lookup(cat(abc, {99})), 16u);
     EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 0u);
     EXPECT_EQ(m.prefix_attach(1, cat(abc, {99})), 16u);
-    EXPECT_TRUE(state_is(m, 1, abc));
+    EXPECT_TRUE(state_is(m, 1, std::span(abc).first(16)));
     m.validate();
 }
 
 // A live sequence's rolling snapshot matters only once it ends: kept snapshots do not give way to it.
 TEST(memory_recurrent_prefix, rolling_snapshots_go_before_kept_ones) {
     memory_recurrent m(make_params(0, 0, 2));
-    const std::vector<token_t> a{1, 2, 3, 4}, b{5, 6, 7, 8}, q{20, 21, 22, 23, 24, 25, 26, 27, 28};
+    const std::vector<token_t> a{1, 2, 3, 4, 5}, b{6, 7, 8}, q{20, 21, 22, 23, 24, 25, 26, 27, 28};
+    const std::vector<token_t> ab = cat(a, b);
     feed(m, 0, 0, a);                                                                     // 4: kept
-    for (size_t i = 0; i < b.size(); ++i) feed(m, 0, static_cast<pos_t>(4 + i), {b[i]});  // 8: rolling
+    for (size_t i = 0; i < b.size(); ++i) feed(m, 0, static_cast<pos_t>(5 + i), {b[i]});  // 8: rolling
     feed(m, 1, 0, q);  // 8: kept, in the rolling snapshot's row
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     ASSERT_TRUE(m.seq_rm(1, -1, -1));
-    EXPECT_EQ(m.prefix_lookup(cat(cat(a, b), {99})), 4u);
+    EXPECT_EQ(m.prefix_lookup(cat(ab, {99})), 4u);
     EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 8u);
     // once its sequence ends, a rolling snapshot is kept like the others
     memory_recurrent n(make_params(0, 0, 2));
     feed(n, 0, 0, a);
-    for (size_t i = 0; i < b.size(); ++i) feed(n, 0, static_cast<pos_t>(4 + i), {b[i]});
+    for (size_t i = 0; i < b.size(); ++i) feed(n, 0, static_cast<pos_t>(5 + i), {b[i]});
     ASSERT_TRUE(n.seq_rm(0, -1, -1));
     feed(n, 1, 0, q);  // takes the row of 4, the oldest
-    EXPECT_EQ(n.prefix_lookup(cat(cat(a, b), {99})), 8u);
-    EXPECT_EQ(n.prefix_attach(2, cat(cat(a, b), {99})), 8u);
-    EXPECT_TRUE(state_is(n, 2, cat(a, b)));
+    EXPECT_EQ(n.prefix_lookup(cat(ab, {99})), 8u);
+    EXPECT_EQ(n.prefix_attach(2, cat(ab, {99})), 8u);
+    EXPECT_TRUE(state_is(n, 2, ab));
 }
 
 // A prompt that goes on from a snapshot to a deeper one makes the first the next to go, unless another
 // continuation already hangs from its block (a branch point).
 TEST(memory_recurrent_prefix, snapshots_a_prompt_went_past_go_first_unless_they_are_branch_points) {
-    const std::vector<token_t> a{1, 2, 3, 4}, b{5, 6, 7, 8}, x{9, 9, 9, 9}, q{20, 21, 22, 23, 24},
+    const std::vector<token_t> a{1, 2, 3, 4, 5}, b{6, 7, 8, 9}, x{9, 9, 9, 9}, q{20, 21, 22, 23, 24},
         z{30, 31, 32, 33, 34};
     for (const bool branch : {false, true}) {
         memory_recurrent m(make_params(0, 0, branch ? 4 : 3));
         feed(m, 1, 0, q);  // the oldest snapshot
         ASSERT_TRUE(m.seq_rm(1, -1, -1));
         feed(m, 0, 0, a);  // 4
-        if (branch) {      // seq 3 decodes another continuation of a: the block of 4 has two children
-            ASSERT_EQ(m.prefix_attach(3, cat(cat(a, x), {99})), 4u);
-            for (size_t i = 0; i < x.size(); ++i) feed(m, 3, static_cast<pos_t>(4 + i), {x[i]});
+        const std::vector<token_t> ax = cat(cat(a, x), {99});
+        if (branch) {  // seq 3 decodes another continuation of a: the block of 4 has two children
+            ASSERT_EQ(m.prefix_attach(3, ax), 4u);
+            for (size_t i = 4; i < ax.size(); ++i) feed(m, 3, static_cast<pos_t>(i), {ax[i]});
             ASSERT_TRUE(m.seq_rm(3, -1, -1));
         }
-        feed(m, 0, 4, b);  // 8: seq 0's prompt went past 4
+        feed(m, 0, 5, b);  // 8: seq 0's prompt went past 4
         ASSERT_TRUE(m.seq_rm(0, -1, -1));
         feed(m, 2, 0, z);  // the pool is full: one goes
         ASSERT_TRUE(m.seq_rm(2, -1, -1));
@@ -368,12 +372,27 @@ TEST(memory_recurrent_prefix, snapshots_a_prompt_went_past_go_first_unless_they_
         } else {
             EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 4u) << "a branch point";
             EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 0u) << "the least recently used";
-            EXPECT_EQ(m.prefix_lookup(cat(cat(a, x), {99})), 8u);
+            EXPECT_EQ(m.prefix_lookup(cat(ax, {99})), 8u);
         }
         EXPECT_EQ(m.prefix_lookup(cat(cat(a, b), {99})), 8u);
         EXPECT_EQ(m.prefix_lookup(cat(z, {99})), 4u);
         m.validate();
     }
+}
+
+// The same prompt sent again (n samples, a retry) resumes at its end, a block before it when its length is
+// a whole number of blocks.
+TEST(memory_recurrent_prefix, the_same_prompt_sent_again_resumes_at_its_end) {
+    memory_recurrent m(make_params(0, 0, 4));
+    const std::vector<token_t> p{1, 2, 3, 4, 5, 6, 7, 8}, r{1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+    feed(m, 0, 0, p);
+    feed(m, 1, 0, r);
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    ASSERT_TRUE(m.seq_rm(1, -1, -1));
+    EXPECT_EQ(m.prefix_attach(2, p), 4u);
+    EXPECT_TRUE(state_is(m, 2, std::span(p).first(4)));
+    EXPECT_EQ(m.prefix_attach(3, r), 8u);
+    EXPECT_TRUE(state_is(m, 3, std::span(r).first(8)));
 }
 
 // Kinds of snapshots nobody resumes from (here: prompt ends, every prompt being new after a shared
