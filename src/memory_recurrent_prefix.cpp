@@ -165,7 +165,8 @@ bool memory_recurrent::prefix_state::evict_one(bool rolling_only) {
     const uint32_t slot = queue.front();
     if (slot == none || (rolling_only && !queue.rolling(slot))) return false;
     const uint32_t id = slot_block[slot];
-    if (before_evict) before_evict(id);
+    // a rolling snapshot's state lives on in its sequence: written when it is kept, not at every step
+    if (before_evict && !queue.rolling(slot)) before_evict(id);
     free_slot(slot);
     block_slot[id] = none;
     ++stats.snapshots_dropped;

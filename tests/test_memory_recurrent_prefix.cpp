@@ -8,13 +8,17 @@
 // (A prompt's end is its newest boundary before its last token.)
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <random>
 #include <vector>
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvcache/batch.h>
+#include <kvcache/disk_store.h>
 #include <kvcache/memory_recurrent.h>
 #include <kvcache/recurrent_engine.h>
 #include <kvcache/state.h>
@@ -452,6 +456,36 @@ TEST(memory_recurrent_prefix, rolling_snapshots_take_no_kept_rows_while_sequence
     m.prefix_publish();
     EXPECT_EQ(m.prefix_lookup(cat(d, {7})), 4u);
     m.validate();
+}
+
+// Evicting a live sequence's rolling snapshot writes nothing to the tiers (that would be a state write per
+// block decoded under pressure); the snapshot kept where it ends is written when it leaves memory.
+TEST(memory_recurrent_prefix, rolling_snapshots_are_not_written_to_tiers) {
+    const std::filesystem::path dir =
+        std::filesystem::temp_directory_path() / fmt::format("kvc-rolling-tier-{}", ::getpid());
+    std::filesystem::remove_all(dir);
+    disk_store_params dp;
+    dp.dir = dir.string();
+    auto store = std::make_shared<disk_block_store>(dp);
+    recurrent_params p = make_params(0, 0, 2);
+    p.prefix.tiers = {.stores = {store}, .model_id = 1, .write = tier_write::on_evict};
+    memory_recurrent m(p);
+    // seqs 2 and 3 decode side by side: their rolling snapshots fill the pool
+    feed(m, 2, 0, {20, 21});
+    feed(m, 3, 0, {22, 23});
+    for (pos_t q = 2; q < 13; ++q) {
+        ASSERT_TRUE(decode(m, {{2, q, 30 + q}, {3, q, 60 + q}}, 512));
+        m.prefix_publish();
+    }
+    feed(m, 0, 0, {1, 2, 3, 4, 5});   // its end at 4 evicts a rolling snapshot
+    feed(m, 1, 0, {6, 7, 8, 9, 10});  // and the other
+    EXPECT_EQ(store->stats().puts, 0u);
+    m.prefix_tier_drain();
+    ASSERT_TRUE(m.seq_rm(2, -1, -1));
+    ASSERT_TRUE(m.seq_rm(3, -1, -1));
+    feed(m, 2, 0, {40, 41, 42, 43, 44});  // evicts a kept snapshot: it goes to the tier
+    EXPECT_EQ(store->stats().puts, 1u);
+    std::filesystem::remove_all(dir);
 }
 
 }  // namespace
