@@ -114,11 +114,15 @@ void memory_recurrent::prefix_state::publish(uint32_t slot, uint32_t id, snap_ki
 // Like an adaptive insertion policy of a CPU cache: a kind of snapshot that is seldom resumed from enters
 // at the head of the queue, so one that is never used costs a row for a moment only; one in 16 enters at
 // the tail all the same, so a kind that becomes useful is seen to be.
+bool memory_recurrent::prefix_state::known(snap_kind kind) const {
+    const kind_use& u = use[static_cast<size_t>(kind)];
+    return u.taken + u.used >= 32;  // a kind taken rarely but resumed from often is known by its uses
+}
+
 bool memory_recurrent::prefix_state::cold(snap_kind kind) const {
     const auto ratio = [this](snap_kind k) {
         const kind_use& u = use[static_cast<size_t>(k)];
-        // -1: not known yet (a kind taken rarely but resumed from often is known by its uses)
-        return u.taken + u.used < 32 ? -1.0 : static_cast<double>(u.used) / std::max<uint32_t>(u.taken, 1);
+        return known(k) ? static_cast<double>(u.used) / std::max<uint32_t>(u.taken, 1) : -1.0;
     };
     const double r = ratio(kind);
     if (r < 0) return false;
@@ -297,6 +301,10 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     }
     const uint32_t id = chain[n_blocks - 1];
     ps.queue.hit(ps.block_slot[id]);
+    // the snapshots above it that no prompt has branched off at: this one went past them too
+    for (uint32_t j = 0; j + 1 < n_blocks; ++j)
+        if (ps.has_snapshot(chain[j]) && ps.index.at(chain[j]).n_children <= 1)
+            ps.queue.demote(ps.block_slot[chain[j]]);
     ++ps.use[static_cast<size_t>(ps.slot_kind[ps.block_slot[id]])].used;
     // a cell of its own (one is free: seq_id has none), holding a copy of the snapshot's rows
     const auto c = static_cast<uint32_t>(next_free(head_));
@@ -477,7 +485,9 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
     ps.n_kept = static_cast<uint32_t>(
         std::count_if(ps.requests.begin(), ps.requests.end(), [](const auto& r) { return r.kept; }));
     while (ps.free_slots.size() < ps.n_kept && ps.evict_one(false)) {}
-    const bool rolls = !ps.cold(prefix_state::snap_kind::sequence_end);
+    // until sequence ends are known to be used, one plan in 16 lets them in, to learn whether they are
+    using kind = prefix_state::snap_kind;
+    const bool rolls = ps.known(kind::sequence_end) ? !ps.cold(kind::sequence_end) : ++ps.n_explore % 16 == 0;
     while (ps.free_slots.size() < ps.requests.size() && ps.evict_one(!rolls)) {}
     tier_flush();  // the snapshots evicted, when they go to the tiers
     ps.snaps.clear();

@@ -431,6 +431,7 @@ TEST(memory_recurrent_prefix, rolling_snapshots_take_no_kept_rows_while_sequence
         return t;
     };
     for (int i = 0; i < 40; ++i) {  // each prompt's end is resumed from, the sequence's end never
+        m.clear(false);             // room for the rolling snapshot (what kinds are used is kept)
         const std::vector<token_t> x = unique(9);
         feed(m, 0, 0, x);
         for (pos_t p = 9; p < 13; ++p) feed(m, 0, p, {next++});
@@ -486,6 +487,31 @@ TEST(memory_recurrent_prefix, rolling_snapshots_are_not_written_to_tiers) {
     feed(m, 2, 0, {40, 41, 42, 43, 44});  // evicts a kept snapshot: it goes to the tier
     EXPECT_EQ(store->stats().puts, 1u);
     std::filesystem::remove_all(dir);
+}
+
+// A chat client sends back what was decoded: once the memory has seen that sequence ends are resumed from,
+// rolling snapshots take rows again, and each turn resumes where the previous one ended, not at its
+// prompt's end.
+TEST(memory_recurrent_prefix, chats_learn_to_resume_where_the_previous_turn_ended) {
+    memory_recurrent m(make_params(0, 0, 6));
+    std::vector<std::vector<token_t>> history(3);
+    token_t next = 100;
+    uint64_t late_short = 0;  // tokens of the last turns' histories not resumed (beyond a block)
+    for (int turn = 0; turn < 120; ++turn) {
+        std::vector<token_t>& h = history[static_cast<size_t>(turn % 3)];
+        for (int i = 0; i < 5; ++i) h.push_back(next++);
+        const uint32_t n = m.prefix_attach(0, h);
+        if (turn >= 100 && h.size() > 5)
+            late_short += h.size() - 5 - std::min<uint64_t>(n + bs, h.size() - 5);
+        feed(m, 0, static_cast<pos_t>(n), {h.begin() + n, h.end()});
+        for (int i = 0; i < 6; ++i) {  // the answer, decoded: the next prompt repeats it
+            h.push_back(next++);
+            feed(m, 0, static_cast<pos_t>(h.size() - 1), {h.back()});
+        }
+        ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    }
+    EXPECT_EQ(late_short, 0u);
+    m.validate();
 }
 
 }  // namespace

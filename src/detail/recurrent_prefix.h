@@ -81,6 +81,7 @@ struct memory_recurrent::prefix_state {
     std::vector<snap_kind> slot_kind;     // [slots]
     std::array<kind_use, n_kinds> use{};
     uint32_t n_cold = 0;               // snapshots of cold kinds published: one in 16 enters as others
+    uint32_t n_explore = 0;            // plans while sequence ends are not known
     std::vector<slot_state> slots;     // [slots]
     std::vector<uint32_t> free_slots;  // min-heap: the lowest free slot is taken first
     uint32_t top = 0;                  // slots [0, top) may hold memory (fit_snapshots)
@@ -121,6 +122,8 @@ struct memory_recurrent::prefix_state {
     void publish(uint32_t slot, uint32_t id, snap_kind kind);
     // A kind resumed from far less than the most used one: its snapshots enter the queue as the next to go.
     bool cold(snap_kind kind) const;
+    // Whether enough of a kind was published or resumed from to tell how useful it is.
+    bool known(snap_kind kind) const;
     void enqueue(uint32_t slot, snap_kind kind);  // a published snapshot, or a rolling one kept
     // t's prompt reached the snapshot of block id (its end: `end`): the one t resumed from or its last
     // prompt's end is superseded
