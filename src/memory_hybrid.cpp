@@ -60,6 +60,7 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
         attn_prefix_ = dynamic_cast<prefix_cache_i*>(attn_.get());
         kv_ = dynamic_cast<kv_cache*>(attn_.get());
         iswa_ = dynamic_cast<kv_cache_iswa*>(attn_.get());
+        windowed_ = iswa_ != nullptr || params_.attn.swa != swa_type::none;
         // what it recomputes after an earlier snapshot (an iSWA pair does it in its base cache itself)
         if (kv_) kv_->prefix_share_duplicates(true);
     }
@@ -80,9 +81,9 @@ uint32_t memory_hybrid::lookup_both(std::span<const token_t> tokens, uint64_t ke
     uint32_t n_attn = attn_prefix_->prefix_lookup(tokens, key);  // checks the tokens
     while (true) {
         const uint32_t n = recr_->prefix_lookup(upto(tokens, n_attn), key);
-        // a kv_cache that has [0, n_attn) has every shallower chain; an iSWA pair may lack the window
-        // before a shallower snapshot, so it is asked again there
-        if (n == n_attn || !iswa_) return n;
+        // a kv_cache that has [0, n_attn) has every shallower chain; with a window (an iSWA pair, or a
+        // kv_cache with one) the window before a shallower snapshot may be gone, so it is asked again there
+        if (n == n_attn || !windowed_) return n;
         n_attn = attn_prefix_->prefix_lookup(upto(tokens, n), key);  // at most n
         if (n_attn == n) return n;
     }
@@ -116,10 +117,10 @@ uint32_t memory_hybrid::prefix_attach(seq_id_t seq_id, std::span<const token_t> 
     const uint32_t n_both = std::min(prefix_lookup(upto(tokens, max_tokens), key), max_tokens);
     uint32_t n_attn = attn_prefix_->prefix_attach(seq_id, tokens, key, priority, n_both);
     sync_parts();  // what copies across streams evicted
-    // An iSWA part cannot be cut back to a shallower snapshot (the window before it may be older than
-    // the cells attached), so it is attached again, shallower, until a snapshot meets it; each round
-    // asks for less, so this ends (at 0 at worst).
-    while (iswa_) {
+    // An attention part with a window cannot be cut back to a shallower snapshot (the window before it
+    // may be older than the cells attached), so it is attached again, shallower, until a snapshot meets
+    // it; each round asks for less, so this ends (at 0 at worst).
+    while (windowed_) {
         const uint32_t n_snap = recr_->prefix_lookup(upto(tokens, n_attn), key);
         if (n_snap == n_attn) break;
         attn_->seq_rm(seq_id, -1, -1);
@@ -127,8 +128,8 @@ uint32_t memory_hybrid::prefix_attach(seq_id_t seq_id, std::span<const token_t> 
         sync_parts();
     }
     const uint32_t n = recr_->prefix_attach(seq_id, tokens, key, priority, n_attn);
-    assert(!iswa_ || n == n_attn);                                     // the loop found a snapshot there
-    if (n < n_attn) attn_->seq_rm(seq_id, static_cast<pos_t>(n), -1);  // a kv_cache's chain is cut back
+    assert(!windowed_ || n == n_attn);                                 // the loop found a snapshot there
+    if (n < n_attn) attn_->seq_rm(seq_id, static_cast<pos_t>(n), -1);  // a chain without a window: cut back
     stats_.hit_tokens += n;
     return n;
 }

@@ -600,6 +600,49 @@ TEST(memory_hybrid, iswa_prefix_evictions_keep_the_three_parts_together) {
     EXPECT_EQ(m.get_recr().seq_pos_max(1), 39);
 }
 
+// With a window, a hit at n says nothing of the window before a shallower snapshot: lookups and attaches
+// look for a boundary where both parts meet, and never cut an attached window back (which would leave
+// the sequence without the keys before the old window's start). Here the attention part (a plain cache
+// with a window of 8: a boundary needs its two blocks before it) lost block 2 only: the snapshot at 16
+// lacks its window, the K/V at 20 has no snapshot, and the hit is the snapshot at 4 with positions 0-3.
+TEST(memory_hybrid, a_window_before_a_shallower_snapshot_is_checked) {
+    memory_hybrid_params p = make_params(32, 3);
+    p.attn.n_swa = 8;
+    p.attn.swa = swa_type::standard;
+    p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0};
+    memory_hybrid m(p);
+    auto& kv = dynamic_cast<kv_cache&>(m.get_attn());
+    std::vector<token_t> t(24);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(10 + i);
+    const auto upto = [&t](size_t n) {  // t[0, n) and a token of no prompt
+        std::vector<token_t> q(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n));
+        q.push_back(999);
+        return q;
+    };
+    // three prompt batches: snapshots at 4, 16 and 24, blocks 0-5 of K/V
+    decode_prompt(m, 0, {t.begin(), t.begin() + 4});
+    decode_prompt(m, 0, {t.begin() + 4, t.begin() + 16}, 4);
+    decode_prompt(m, 0, {t.begin() + 16, t.end()}, 16);
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    ASSERT_EQ(m.prefix_lookup(upto(24)), 24u);
+    // the eviction order, set through the attention part alone: every block but block 2 is hit again
+    // (the windows of 24, 20 and 8), so block 2 goes first
+    for (const size_t n : {24u, 20u, 8u}) {
+        ASSERT_EQ(kv.prefix_attach(1, upto(n)), n);
+        ASSERT_TRUE(kv.seq_rm(1, -1, -1));
+    }
+    std::vector<token_t> other(9, 500);  // 8 free cells: one block is evicted
+    decode_prompt(m, 2, other);
+    ASSERT_TRUE(m.seq_rm(2, -1, -1));
+    EXPECT_EQ(m.prefix_lookup(upto(24)), 24u);
+    EXPECT_EQ(m.prefix_lookup(upto(16)), 4u) << "the snapshot at 16 lost half of its window";
+    EXPECT_EQ(m.prefix_lookup(upto(21)), 4u) << "the K/V at 20 has no snapshot, the one at 16 no window";
+    ASSERT_EQ(m.prefix_attach(1, upto(21)), 4u);
+    EXPECT_EQ(kv.seq_pos_min(1), 0) << "the window before 4";
+    EXPECT_EQ(m.seq_pos_max(1), 3);
+    EXPECT_EQ(m.get_recr().seq_pos_max(1), 3);
+}
+
 // Tiers are not supported with an iSWA attention part: refused, naming what.
 TEST(memory_hybrid, iswa_prefix_refuses_tiers) {
     memory_hybrid_params p = iswa_prefix_params(8);

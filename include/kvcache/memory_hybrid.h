@@ -159,7 +159,8 @@ private:
     prefix_cache_i* attn_prefix_ = nullptr;  // attn_ when the memory has a prefix cache (borrowed from attn_)
     kv_cache* kv_ = nullptr;                 // attn_ when it is a kv_cache with a prefix cache
     kv_cache_iswa* iswa_ = nullptr;          // attn_ when it is a kv_cache_iswa with a prefix cache
-    prefix_stats stats_;                     // lookups and hits
+    bool windowed_ = false;  // the attention part has a sliding window: a hit there implies no shallower one
+    prefix_stats stats_;     // lookups and hits
     std::vector<removed_block> removed_;
 };
 
