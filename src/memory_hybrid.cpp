@@ -32,9 +32,15 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
         params_.attn.prefix = params_.recr.prefix = params_.prefix;
         // the user hears both parts' blocks (prefix_event::part: the attention part's kv and, with iswa,
         // swa; the recurrent part's snapshot); both parts' removals reach the other (sync_parts)
-        const auto queue = [this](bool attn, const prefix_event& e) {
+        // the attention part's cache with a window: the SWA cache of an iSWA pair, or a windowed kv_cache
+        const bool iswa = params_.iswa.has_value(),
+                   plain_window = !iswa && params_.attn.swa != swa_type::none;
+        const auto queue = [this, iswa, plain_window](bool attn, const prefix_event& e) {
+            const bool window = attn && (iswa ? e.part == prefix_part::swa : plain_window);
+            if (window) track_window(e);
             if (e.type == prefix_event::kind::removed)
-                removed_.push_back({attn, e.hash, e.parent_hash, {e.tokens.begin(), e.tokens.end()}});
+                removed_.push_back(
+                    {attn, window, e.hash, e.parent_hash, e.depth, {e.tokens.begin(), e.tokens.end()}});
         };
         params_.attn.prefix.on_event = [queue, user = params_.prefix.on_event](const prefix_event& e) {
             queue(true, e);
@@ -141,6 +147,49 @@ void memory_hybrid::prefix_publish() {
     sync_parts();
 }
 
+void memory_hybrid::track_window(const prefix_event& e) {
+    switch (e.type) {
+        case prefix_event::kind::stored:
+            window_children_.emplace(e.parent_hash,
+                                     window_block{e.hash, e.depth, {e.tokens.begin(), e.tokens.end()}});
+            break;
+        case prefix_event::kind::removed: {
+            auto [it, end] = window_children_.equal_range(e.parent_hash);
+            for (; it != end; ++it)
+                if (it->second.hash == e.hash && it->second.depth == e.depth) {
+                    window_children_.erase(it);
+                    break;
+                }
+            break;
+        }
+        case prefix_event::kind::cleared:
+            window_children_.clear();
+            break;
+    }
+}
+
+void memory_hybrid::drop_window_followers(const removed_block& r) {
+    const uint32_t bs = params_.prefix.block_size;
+    const auto last = static_cast<pos_t>((uint64_t{r.depth} + 1) * bs - 1);  // r's last position
+    std::vector<uint64_t> level{r.hash}, next;
+    while (!level.empty()) {
+        next.clear();
+        for (const uint64_t parent : level) {
+            auto [it, end] = window_children_.equal_range(parent);
+            for (; it != end; ++it) {
+                const window_block& c = it->second;
+                // the boundary after c: does the next token's window reach back to r?
+                const auto n = static_cast<pos_t>((uint64_t{c.depth} + 1) * bs);
+                if (is_masked_swa(params_.attn.n_swa, params_.attn.swa, last, n)) continue;
+                recr_->prefix_drop(
+                    {.hash = c.hash, .parent_hash = parent, .depth = c.depth, .tokens = c.tokens});
+                next.push_back(c.hash);
+            }
+        }
+        level.swap(next);
+    }
+}
+
 void memory_hybrid::sync_parts() {
     const auto leads_to_a_snapshot = [this](const prefix_event& b) { return recr_->prefix_has(b); };
     while (!removed_.empty()) {
@@ -148,12 +197,14 @@ void memory_hybrid::sync_parts() {
         now.swap(removed_);  // what these calls remove is queued again
         for (const removed_block& r : now) {
             const prefix_event e{.hash = r.hash, .parent_hash = r.parent_hash, .tokens = r.tokens};
-            if (r.attn)
+            if (r.attn) {
                 recr_->prefix_drop(e);  // its K/V (base blocks, or the window before it) is incomplete now
-            else if (kv_)
+                if (r.window) drop_window_followers(r);
+            } else if (kv_) {
                 kv_->prefix_trim(e, leads_to_a_snapshot);
-            else
+            } else {
                 iswa_->prefix_trim(e, leads_to_a_snapshot);
+            }
         }
     }
 }
@@ -170,6 +221,8 @@ prefix_stats memory_hybrid::get_prefix_stats() const {
     s.snapshots = r.snapshots;
     s.event_errors += r.event_errors;
     s.index_bytes += r.index_bytes;
+    for (const auto& entry : window_children_)  // the window blocks' followers (drop_window_followers)
+        s.index_bytes += sizeof(entry) + entry.second.tokens.capacity() * sizeof(token_t);
     s.tier_fetched_blocks += r.tier_fetched_blocks;
     s.tier_written_blocks += r.tier_written_blocks;
     return s;

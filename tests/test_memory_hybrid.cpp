@@ -543,13 +543,14 @@ TEST(memory_hybrid, prefix_events_name_the_part_of_each_block) {
 
 // -- an iSWA attention part: a hit needs the base cache's blocks, the SWA cache's window and a snapshot --
 
-memory_hybrid_params iswa_prefix_params(uint32_t max_snapshots) {
+memory_hybrid_params iswa_prefix_params(uint32_t max_snapshots, uint32_t interval = 0) {
     memory_hybrid_params p = make_params(1024, 2);
     p.iswa = iswa_sizing{.swa_full = false, .n_ubatch = 64};  // a 256-cell SWA cache
     p.attn.layers[1].is_swa = true;
     p.attn.n_swa = 8;
     p.attn.swa = swa_type::standard;
-    p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0, .max_snapshots = max_snapshots};
+    p.prefix = {
+        .enabled = true, .block_size = 4, .snapshot_interval = interval, .max_snapshots = max_snapshots};
     return p;
 }
 
@@ -598,6 +599,32 @@ TEST(memory_hybrid, iswa_prefix_evictions_keep_the_three_parts_together) {
     EXPECT_LE(is.get_swa().seq_pos_min(1), 33);
     EXPECT_EQ(m.seq_pos_max(1), 39);
     EXPECT_EQ(m.get_recr().seq_pos_max(1), 39);
+}
+
+// A window of 8 spans two blocks: when the SWA cache evicts a block, the snapshots at the ends of it and
+// of the next block both lose their window, and both are dropped. A sequence of 400 tokens with a snapshot
+// at every block slides through the 256-cell SWA cache; afterwards every snapshot left is a whole hit.
+TEST(memory_hybrid, iswa_prefix_drops_every_snapshot_whose_window_lost_a_block) {
+    memory_hybrid m(iswa_prefix_params(128, 1));
+    // interval 1: a snapshot at every boundary the sequence passes
+    std::vector<token_t> t(400);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(3 + i);
+    for (size_t i = 0; i < t.size(); i += 20)
+        decode_prompt(
+            m, 0,
+            {t.begin() + static_cast<std::ptrdiff_t>(i), t.begin() + static_cast<std::ptrdiff_t>(i + 20)},
+            static_cast<pos_t>(i));
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    const prefix_stats st = m.get_prefix_stats();
+    ASSERT_GT(st.swa_evicted_blocks, 0u);
+    uint32_t whole = 0;
+    for (size_t n = 4; n <= t.size(); n += 4) {
+        std::vector<token_t> q(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n));
+        q.push_back(1);
+        whole += m.prefix_lookup(q) == n ? 1 : 0;
+    }
+    EXPECT_GT(whole, 0u);
+    EXPECT_EQ(st.snapshots, whole) << "a snapshot is kept only with its whole window";
 }
 
 // With a window, a hit at n says nothing of the window before a shallower snapshot: lookups and attaches

@@ -29,6 +29,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <kvcache/kv_cache.h>
@@ -140,16 +141,29 @@ private:
 
     // A block one part's index let go, which the other part's may no longer need (sync_parts).
     struct removed_block {
-        bool attn = false;  // from the attention part
+        bool attn = false;    // from the attention part
+        bool window = false;  // from its cache with a window (the SWA cache, or a kv_cache with a window)
         uint64_t hash = 0;
         uint64_t parent_hash = 0;
+        uint32_t depth = 0;
         std::vector<token_t> tokens;
     };
-    // Keeps the parts' caches from holding halves of hits: a snapshot whose blocks' K/V went (iswa: a
-    // base block, or the last block of its window in the SWA cache) is dropped, and cached K/V blocks that
-    // lead to no snapshot any more are evicted. Run between the parts' operations (never inside one: the
-    // removals are queued by their events).
+    // A block of the attention part's cache with a window, filed under its parent's hash (window_children_)
+    struct window_block {
+        uint64_t hash = 0;
+        uint32_t depth = 0;
+        std::vector<token_t> tokens;
+    };
+    // Keeps the parts' caches from holding halves of hits: a snapshot whose blocks' K/V went (a base
+    // block, or any block of its window) is dropped, and cached K/V blocks that lead to no snapshot any
+    // more are evicted. Run between the parts' operations (never inside one: the removals are queued by
+    // their events).
     void sync_parts();
+    // Follows the attention part's events of its cache with a window (window_children_).
+    void track_window(const prefix_event& e);
+    // Drops the snapshots after window block r whose windows held it (those at the ends of the blocks
+    // that follow it, as far as the window reaches back).
+    void drop_window_followers(const removed_block& r);
     // The deepest boundary n < tokens.size() both parts can resume at (prefix_lookup without counting).
     uint32_t lookup_both(std::span<const token_t> tokens, uint64_t key);
 
@@ -162,6 +176,9 @@ private:
     bool windowed_ = false;  // the attention part has a sliding window: a hit there implies no shallower one
     prefix_stats stats_;     // lookups and hits
     std::vector<removed_block> removed_;
+    // The blocks of the attention part's cache with a window, by parent hash: a window block that goes
+    // finds the blocks after it, whose snapshots' windows it was part of (one entry per such block)
+    std::unordered_multimap<uint64_t, window_block> window_children_;
 };
 
 /// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.
