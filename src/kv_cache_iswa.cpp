@@ -63,7 +63,7 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
                         any_full ? "sliding-window" : "full-attention"));
     // both caches' bytes against the one budget, before either allocates
     kv_cache_params base = half(params_, false), swa = half(params_, true);
-    if (k.prefix.enabled) {  // the user hears the base cache's blocks; both parts' removals reach the other
+    if (k.prefix.enabled) {  // the user hears both caches' blocks; both parts' removals reach the other
         const auto queue = [this](bool is_base, const prefix_event& e) {
             if (e.type != prefix_event::kind::removed) return;
             removed_block& r = removed_.emplace_back();
@@ -75,7 +75,13 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
             queue(true, e);
             if (user) user(e);
         };
-        swa.prefix.on_event = [queue](const prefix_event& e) { queue(false, e); };
+        swa.prefix.on_event = [queue, user = k.prefix.on_event](const prefix_event& e) {
+            queue(false, e);
+            if (!user) return;
+            prefix_event tagged = e;
+            tagged.part = prefix_part::swa;
+            user(tagged);
+        };
     }
     check_memory_budget(
         "kv_cache_iswa", reserve_bytes(params_), k.memory_budget,
@@ -150,6 +156,13 @@ void kv_cache_iswa::sync_parts() {
                 base_->prefix_trim(r.e, has_window);
         }
     }
+}
+
+uint32_t kv_cache_iswa::prefix_trim(const prefix_event& e,
+                                    const std::function<bool(const prefix_event&)>& keep) {
+    const uint32_t n = base_->prefix_trim(e, keep);
+    sync_parts();  // the SWA blocks of what went
+    return n;
 }
 
 prefix_stats kv_cache_iswa::get_prefix_stats() const {

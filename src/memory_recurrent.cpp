@@ -87,7 +87,15 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
     check_memory_budget("memory_recurrent", need, p.memory_budget,
                         fmt::format("{} layers x ({} cells x {} planes + {} snapshots)", layers_.size(),
                                     size_, planes, n_snap_));
-    if (p.prefix.enabled) prefix_init();
+    if (p.prefix.enabled) {
+        if (params_.prefix.on_event)  // its blocks are the chains of snapshots: the events say so
+            params_.prefix.on_event = [user = std::move(params_.prefix.on_event)](const prefix_event& e) {
+                prefix_event tagged = e;
+                tagged.part = prefix_part::snapshot;
+                user(tagged);
+            };
+        prefix_init();
+    }
     for (layer& l : layers_) {  // zeros: a fresh state reads zeros, and so do never-written planes
         if (l.row_r) l.r = state_rows(l.row_r * rows, p.allocator);
         if (l.row_s) l.s = state_rows(l.row_s * rows, p.allocator);

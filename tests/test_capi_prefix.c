@@ -1,7 +1,9 @@
 /* The C API of the prefix cache, compiled as C11: lookups, attaches, pins, priorities, events and the
  * errors of each call. The runner and fixtures are in capi_test.h. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <kvcache/kvcache.h>
 
@@ -230,8 +232,24 @@ static void test_recurrent_and_hybrid(void) {
     kvc_memory_free(mem);
 }
 
+/* Events counted by part (kvc_prefix_part) and type. */
+typedef struct part_counts {
+    uint64_t n[3][3]; /* [part][type] */
+    int bad;
+} part_counts;
+
+static void count_parts(const kvc_prefix_event* e, void* user_data) {
+    part_counts* c = (part_counts*)user_data;
+    if ((unsigned)e->part > KVC_PREFIX_PART_SNAPSHOT || (unsigned)e->type > KVC_PREFIX_EVENT_CLEARED) {
+        ++c->bad;
+        return;
+    }
+    ++c->n[e->part][e->type];
+}
+
 /* An iSWA pair resumes a prefix where both caches have it: the base cache's blocks before the hit and the
- * SWA cache's window before it (positions n - 3 .. n - 1 for a window of 4). */
+ * SWA cache's window before it (positions n - 3 .. n - 1 for a window of 4). Its listener hears both
+ * caches, each block tagged with its part. */
 static void test_iswa_windows(void) {
     static const toy_model m = {2, 0x3u, 0x0u};
     kvc_layer_desc layers[2];
@@ -246,6 +264,10 @@ static void test_iswa_windows(void) {
     ip.kv.prefix.block_size = 4;
     ip.sizing.swa_full = false;
     ip.sizing.n_ubatch = 8;
+    part_counts events;
+    memset(&events, 0, sizeof events);
+    ip.kv.prefix.on_event = count_parts;
+    ip.kv.prefix.on_event_user_data = &events;
     kvc_memory* mem = NULL;
     CHECK_OK(kvc_iswa_create(&ip, &mem));
     toy_engine* e = malloc(sizeof *e);
@@ -269,14 +291,94 @@ static void test_iswa_windows(void) {
     CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
     CHECK(st.hit_tokens == 16 && st.blocks == 5 && st.swa_blocks == 5 && st.swa_published_blocks == 5);
     CHECK(st.swa_evicted_blocks == 0);
+    CHECK(events.bad == 0 && events.n[KVC_PREFIX_PART_KV][KVC_PREFIX_EVENT_STORED] == st.published_blocks);
+    CHECK(events.n[KVC_PREFIX_PART_SWA][KVC_PREFIX_EVENT_STORED] == st.swa_published_blocks);
+    CHECK(events.n[KVC_PREFIX_PART_SNAPSHOT][KVC_PREFIX_EVENT_STORED] == 0);
     CHECK_ERR(kvc_memory_prefix_pin(mem, prompt, 20, 0, &n), KVC_ERR_UNSUPPORTED, "KV cache");
+    CHECK_OK(kvc_memory_clear(mem, false));
+    CHECK(events.n[KVC_PREFIX_PART_KV][KVC_PREFIX_EVENT_CLEARED] == 1);
+    CHECK(events.n[KVC_PREFIX_PART_SWA][KVC_PREFIX_EVENT_CLEARED] == 1);
     kvc_memory_free(mem);
     free(e);
+}
+
+/* A hybrid memory whose attention part is an iSWA pair takes a prefix cache: a hit resumes where the base
+ * cache has the blocks, the SWA cache the window and the recurrent part a snapshot (the toy engine checks
+ * the resumed state). Its listener hears all three parts. Tiers are refused with it. */
+static void test_hybrid_iswa(void) {
+    static const toy_model m = {4, 0xAu, 0x5u}; /* 0 and 2 recurrent, 1 and 3 attention */
+    kvc_layer_desc attn[4];
+    kvc_recurrent_layer_desc recr[4];
+    toy_attn_layers(attn, 4, m.attn, 0x2u); /* layer 1 slides a window */
+    toy_recr_layers(recr, 4, m.recr);
+    kvc_hybrid_params h = kvc_hybrid_default_params();
+    h.attn.layers = attn;
+    h.attn.n_layers = 4;
+    h.attn.type_k = KVC_TYPE_F32;
+    h.attn.type_v = KVC_TYPE_F32;
+    h.attn.kv_size = 64;
+    h.attn.n_seq_max = 2;
+    h.attn.n_swa = 4;
+    h.attn.swa_type = KVC_SWA_TYPE_STANDARD;
+    h.recr.layers = recr;
+    h.recr.n_layers = 4;
+    h.recr.n_seq_max = 2;
+    h.iswa = true;
+    h.sizing.swa_full = false;
+    h.sizing.n_ubatch = 8;
+    h.prefix.enabled = true;
+    h.prefix.block_size = 4;
+    part_counts events;
+    memset(&events, 0, sizeof events);
+    h.prefix.on_event = count_parts;
+    h.prefix.on_event_user_data = &events;
+    kvc_memory* mem = NULL;
+    CHECK_OK(kvc_hybrid_create(&h, &mem));
+    toy_engine* e = malloc(sizeof *e);
+    CHECK(e != NULL);
+    toy_init(e, &m);
+    toy_decode_seq(e, mem, 0, 0, 18, 8); /* a prompt in ubatches of 8: its newest boundary, 16, is kept */
+    CHECK_OK(kvc_memory_seq_rm(mem, 0, -1, -1, NULL));
+    int32_t prompt[20];
+    for (int32_t i = 0; i < 20; ++i) prompt[i] = toy_token(0, i);
+    uint32_t n = 0;
+    CHECK_OK(kvc_memory_prefix_lookup(mem, prompt, 20, 0, &n));
+    CHECK(n == 16);
+    CHECK_OK(kvc_memory_prefix_attach(mem, 1, prompt, 20, 0, 50, &n));
+    CHECK(n == 16);
+    CHECK(pos_max(mem, 1) == 15);
+    toy_copy_seq(e, 0, 1);                /* the reference: seq 1 has seq 0's states up to position 15 */
+    toy_decode_seq(e, mem, 1, 16, 20, 8); /* gathers the resumed state and checks it */
+    CHECK_OK(kvc_memory_prefix_publish(mem));
+    kvc_prefix_stats st;
+    CHECK_OK(kvc_memory_get_prefix_stats(mem, &st));
+    CHECK(st.hit_tokens == 16 && st.snapshots >= 1 && st.swa_published_blocks >= 4);
+    CHECK(events.bad == 0 && events.n[KVC_PREFIX_PART_KV][KVC_PREFIX_EVENT_STORED] == st.published_blocks);
+    CHECK(events.n[KVC_PREFIX_PART_SWA][KVC_PREFIX_EVENT_STORED] == st.swa_published_blocks);
+    CHECK(events.n[KVC_PREFIX_PART_SNAPSHOT][KVC_PREFIX_EVENT_STORED] >= 4);
+    kvc_memory_free(mem);
+    free(e);
+
+    char dir[] = "/tmp/kvc-capi-hybrid-iswa-XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    kvc_disk_store_params dp = kvc_disk_store_default_params();
+    dp.dir = dir;
+    kvc_block_store* store = NULL;
+    CHECK_OK(kvc_disk_store_new(&dp, &store));
+    kvc_block_store* stores[1] = {store};
+    h.prefix.tiers.stores = stores;
+    h.prefix.tiers.n_stores = 1;
+    CHECK_ERR(kvc_hybrid_create(&h, &mem), KVC_ERR_INVALID_ARGUMENT,
+              "not supported with an iSWA attention part");
+    CHECK(mem == NULL);
+    kvc_block_store_free(store);
+    rmdir(dir);
 }
 
 int main(void) {
     test_prefix_cache();
     test_iswa_windows();
+    test_hybrid_iswa();
     test_recurrent_and_hybrid();
     test_pins_priorities_events();
     return capi_report("capi_prefix");

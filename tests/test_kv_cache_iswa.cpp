@@ -292,6 +292,61 @@ TEST(kv_cache_iswa, a_failed_restore_changes_neither_cache) {
     }
 }
 
+// -- prefix cache: events of both caches --
+
+// seq decodes `tokens` from position 0 in batches of 8 (bookkeeping only: the rows are not written).
+void decode_prompt(kv_cache_iswa& m, seq_id_t seq, const std::vector<token_t>& tokens) {
+    for (size_t i0 = 0; i0 < tokens.size(); i0 += 8) {
+        const size_t n = std::min<size_t>(8, tokens.size() - i0);
+        batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
+        const seq_id_t ids[] = {seq};
+        for (size_t i = i0; i < i0 + n; ++i) b.add(tokens[i], static_cast<pos_t>(i), ids, i + 1 == i0 + n);
+        batch_allocr a;
+        a.init(b.view(), positions_of(m), {.n_seq_max = m.params().kv.n_seq_max});
+        memory_context_ptr ctx = m.init_batch(a, 8, false);
+        ASSERT_EQ(ctx->get_status(), memory_status::success);
+        do ctx->apply();
+        while (ctx->next());
+    }
+}
+
+// The listener hears the SWA cache's blocks too, tagged swa: as many stored and removed as the SWA
+// counters say (a router mirrors both caches), and the base cache's tagged kv; clear() empties both.
+TEST(kv_cache_iswa, prefix_events_name_the_cache_of_each_block) {
+    kv_cache_iswa_params p = make_params(1024, 8, 2, false);
+    p.kv.prefix = {.enabled = true, .block_size = 4};
+    // [part][kind]: stored, removed, cleared
+    uint64_t seen[3][3] = {};
+    p.kv.prefix.on_event = [&seen](const prefix_event& e) {
+        ASSERT_LE(static_cast<int>(e.part), 2);
+        ++seen[static_cast<int>(e.part)][static_cast<int>(e.type)];
+    };
+    kv_cache_iswa m(p);
+    ASSERT_EQ(m.get_swa().get_size(), 256u);
+    std::vector<std::vector<token_t>> prompts;
+    for (int k = 0; k < 12; ++k) {  // 480 tokens: the SWA cache evicts the oldest windows
+        std::vector<token_t> t(40);
+        for (size_t j = 0; j < t.size(); ++j) t[j] = static_cast<token_t>(1000 * k + static_cast<int>(j));
+        ASSERT_EQ(m.prefix_attach(0, t), 0u);
+        decode_prompt(m, 0, t);
+        ASSERT_TRUE(m.seq_rm(0, -1, -1));
+        prompts.push_back(t);
+    }
+    m.prefix_publish();
+    const prefix_stats st = m.get_prefix_stats();
+    ASSERT_GT(st.swa_evicted_blocks, 0u);
+    EXPECT_EQ(seen[1][0], st.swa_published_blocks);
+    EXPECT_EQ(seen[1][1], st.swa_evicted_blocks);
+    EXPECT_EQ(seen[1][0] - seen[1][1], st.swa_blocks);
+    EXPECT_EQ(seen[0][0], st.published_blocks);
+    EXPECT_EQ(seen[0][1], st.evicted_blocks + st.unpublished_blocks);
+    EXPECT_EQ(seen[0][0] - seen[0][1], st.blocks);
+    EXPECT_EQ(seen[2][0] + seen[2][1], 0u) << "no snapshots in a KV cache";
+    m.clear(false);
+    EXPECT_EQ(seen[0][2], 1u);
+    EXPECT_EQ(seen[1][2], 1u);
+}
+
 // -- property: the caches against an oracle of per-sequence positions --
 
 // Random decodes, suffix removals, shares and restores into a memory whose SWA cache (256 cells) is much

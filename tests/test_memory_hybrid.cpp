@@ -501,5 +501,190 @@ TEST(memory_hybrid, a_sequence_recomputing_cached_blocks_moves_onto_them) {
     EXPECT_EQ(m.seq_pos_max(1), 17);
 }
 
+// The listener hears both parts, each event tagged with its index: the attention part's K/V blocks (kv;
+// with iswa the SWA cache's too, swa) and the recurrent part's chains of snapshots (snapshot), as many as
+// each part counts.
+TEST(memory_hybrid, prefix_events_name_the_part_of_each_block) {
+    for (const bool iswa : {false, true}) {
+        memory_hybrid_params p = make_params(1024, 2);
+        if (iswa) {
+            p.iswa = iswa_sizing{.swa_full = false, .n_ubatch = 64};
+            p.attn.layers[1].is_swa = true;
+            p.attn.n_swa = 8;
+            p.attn.swa = swa_type::standard;
+        }
+        p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0, .max_snapshots = 2};
+        uint64_t seen[3][3] = {};  // [part][kind]
+        p.prefix.on_event = [&seen](const prefix_event& e) {
+            ASSERT_LE(static_cast<int>(e.part), 2);
+            ++seen[static_cast<int>(e.part)][static_cast<int>(e.type)];
+        };
+        memory_hybrid m(p);
+        for (int i = 0; i < 6; ++i) {
+            ASSERT_EQ(m.prefix_attach(0, prompt_of(i)), 0u);
+            decode_prompt(m, 0, prompt_of(i));
+            ASSERT_TRUE(m.seq_rm(0, -1, -1));
+        }
+        m.prefix_publish();
+        const prefix_stats r = m.get_recr().get_prefix_stats();
+        const prefix_stats st = m.get_prefix_stats();
+        EXPECT_GT(r.snapshots_dropped, 0u) << "a pool of 2 for 6 prompts";
+        EXPECT_EQ(seen[2][0], r.published_blocks) << "iswa " << iswa;
+        EXPECT_GT(seen[2][1], 0u) << "iswa " << iswa;
+        EXPECT_EQ(seen[2][0] - seen[2][1], r.blocks) << "iswa " << iswa;
+        EXPECT_EQ(seen[0][0] - seen[0][1], st.blocks) << "iswa " << iswa;
+        EXPECT_EQ(seen[1][0], st.swa_published_blocks) << "iswa " << iswa;
+        EXPECT_EQ(seen[1][0] - seen[1][1], st.swa_blocks) << "iswa " << iswa;
+        if (iswa) {
+            EXPECT_GT(seen[1][0], 0u);
+        }
+        m.clear(false);
+        EXPECT_EQ(seen[2][2], 1u) << "iswa " << iswa;
+    }
+}
+
+// -- an iSWA attention part: a hit needs the base cache's blocks, the SWA cache's window and a snapshot --
+
+memory_hybrid_params iswa_prefix_params(uint32_t max_snapshots, uint32_t interval = 0) {
+    memory_hybrid_params p = make_params(1024, 2);
+    p.iswa = iswa_sizing{.swa_full = false, .n_ubatch = 64};  // a 256-cell SWA cache
+    p.attn.layers[1].is_swa = true;
+    p.attn.n_swa = 8;
+    p.attn.swa = swa_type::standard;
+    p.prefix = {
+        .enabled = true, .block_size = 4, .snapshot_interval = interval, .max_snapshots = max_snapshots};
+    return p;
+}
+
+std::vector<token_t> long_prompt(int i) {
+    std::vector<token_t> t(40);
+    for (size_t j = 0; j < t.size(); ++j) t[j] = 1000 * i + static_cast<int>(j);
+    return t;
+}
+
+// Twelve prompts of 40 tokens through a 256-cell SWA cache: it evicts the windows of old ones. A snapshot
+// whose window went is dropped, and the base blocks that led only to it go too, so what stays is whole
+// hits: every snapshot has its chain and window (lookups find it), and the base cache keeps 10 blocks
+// per snapshot and no more.
+TEST(memory_hybrid, iswa_prefix_evictions_keep_the_three_parts_together) {
+    memory_hybrid m(iswa_prefix_params(32));
+    const auto& is = dynamic_cast<const kv_cache_iswa&>(m.get_attn());
+    ASSERT_EQ(is.get_swa().get_size(), 256u);
+    for (int i = 0; i < 12; ++i) {
+        ASSERT_EQ(m.prefix_attach(0, long_prompt(i)), 0u);
+        decode_prompt(m, 0, long_prompt(i));
+        ASSERT_TRUE(m.seq_rm(0, -1, -1));
+        std::vector<token_t> next = long_prompt(i);
+        next.push_back(7);
+        EXPECT_EQ(m.prefix_lookup(next), 40u) << "the newest prompt resumes at its end, " << i;
+    }
+    m.prefix_publish();
+    const prefix_stats st = m.get_prefix_stats();
+    EXPECT_GT(st.swa_evicted_blocks, 0u);
+    EXPECT_GT(st.snapshots_dropped, 0u) << "the snapshots of windows that went";
+    uint32_t hits = 0;
+    for (int i = 0; i < 12; ++i) {
+        std::vector<token_t> next = long_prompt(i);
+        next.push_back(7);
+        const uint32_t n = m.prefix_lookup(next);
+        EXPECT_TRUE(n == 0 || n == 40) << i;
+        hits += n == 40 ? 1 : 0;
+    }
+    EXPECT_LT(hits, 12u);
+    EXPECT_EQ(st.snapshots, hits);
+    EXPECT_EQ(is.get_base().get_prefix_stats().blocks, 10 * hits);
+    // an attach takes all three: the base chain, the window (positions 32-39 and no older) and the state
+    std::vector<token_t> next = long_prompt(11);
+    next.push_back(7);
+    ASSERT_EQ(m.prefix_attach(1, next), 40u);
+    EXPECT_EQ(is.get_base().seq_pos_min(1), 0);
+    EXPECT_LE(is.get_swa().seq_pos_min(1), 33);
+    EXPECT_EQ(m.seq_pos_max(1), 39);
+    EXPECT_EQ(m.get_recr().seq_pos_max(1), 39);
+}
+
+// A window of 8 spans two blocks: when the SWA cache evicts a block, the snapshots at the ends of it and
+// of the next block both lose their window, and both are dropped. A sequence of 400 tokens with a snapshot
+// at every block slides through the 256-cell SWA cache; afterwards every snapshot left is a whole hit.
+TEST(memory_hybrid, iswa_prefix_drops_every_snapshot_whose_window_lost_a_block) {
+    memory_hybrid m(iswa_prefix_params(128, 1));
+    // interval 1: a snapshot at every boundary the sequence passes
+    std::vector<token_t> t(400);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(3 + i);
+    for (size_t i = 0; i < t.size(); i += 20)
+        decode_prompt(
+            m, 0,
+            {t.begin() + static_cast<std::ptrdiff_t>(i), t.begin() + static_cast<std::ptrdiff_t>(i + 20)},
+            static_cast<pos_t>(i));
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    const prefix_stats st = m.get_prefix_stats();
+    ASSERT_GT(st.swa_evicted_blocks, 0u);
+    uint32_t whole = 0;
+    for (size_t n = 4; n <= t.size(); n += 4) {
+        std::vector<token_t> q(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n));
+        q.push_back(1);
+        whole += m.prefix_lookup(q) == n ? 1 : 0;
+    }
+    EXPECT_GT(whole, 0u);
+    EXPECT_EQ(st.snapshots, whole) << "a snapshot is kept only with its whole window";
+}
+
+// With a window, a hit at n says nothing of the window before a shallower snapshot: lookups and attaches
+// look for a boundary where both parts meet, and never cut an attached window back (which would leave
+// the sequence without the keys before the old window's start). Here the attention part (a plain cache
+// with a window of 8: a boundary needs its two blocks before it) lost block 2 only: the snapshot at 16
+// lacks its window, the K/V at 20 has no snapshot, and the hit is the snapshot at 4 with positions 0-3.
+TEST(memory_hybrid, a_window_before_a_shallower_snapshot_is_checked) {
+    memory_hybrid_params p = make_params(32, 3);
+    p.attn.n_swa = 8;
+    p.attn.swa = swa_type::standard;
+    p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0};
+    memory_hybrid m(p);
+    auto& kv = dynamic_cast<kv_cache&>(m.get_attn());
+    std::vector<token_t> t(24);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(10 + i);
+    const auto upto = [&t](size_t n) {  // t[0, n) and a token of no prompt
+        std::vector<token_t> q(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n));
+        q.push_back(999);
+        return q;
+    };
+    // three prompt batches: snapshots at 4, 16 and 24, blocks 0-5 of K/V
+    decode_prompt(m, 0, {t.begin(), t.begin() + 4});
+    decode_prompt(m, 0, {t.begin() + 4, t.begin() + 16}, 4);
+    decode_prompt(m, 0, {t.begin() + 16, t.end()}, 16);
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    ASSERT_EQ(m.prefix_lookup(upto(24)), 24u);
+    // the eviction order, set through the attention part alone: every block but block 2 is hit again
+    // (the windows of 24, 20 and 8), so block 2 goes first
+    for (const size_t n : {24u, 20u, 8u}) {
+        ASSERT_EQ(kv.prefix_attach(1, upto(n)), n);
+        ASSERT_TRUE(kv.seq_rm(1, -1, -1));
+    }
+    std::vector<token_t> other(9, 500);  // 8 free cells: one block is evicted
+    decode_prompt(m, 2, other);
+    ASSERT_TRUE(m.seq_rm(2, -1, -1));
+    EXPECT_EQ(m.prefix_lookup(upto(24)), 24u);
+    EXPECT_EQ(m.prefix_lookup(upto(16)), 4u) << "the snapshot at 16 lost half of its window";
+    EXPECT_EQ(m.prefix_lookup(upto(21)), 4u) << "the K/V at 20 has no snapshot, the one at 16 no window";
+    ASSERT_EQ(m.prefix_attach(1, upto(21)), 4u);
+    EXPECT_EQ(kv.seq_pos_min(1), 0) << "the window before 4";
+    EXPECT_EQ(m.seq_pos_max(1), 3);
+    EXPECT_EQ(m.get_recr().seq_pos_max(1), 3);
+}
+
+// Tiers are not supported with an iSWA attention part: refused, naming what.
+TEST(memory_hybrid, iswa_prefix_refuses_tiers) {
+    memory_hybrid_params p = iswa_prefix_params(8);
+    p.prefix.tiers.stores.push_back(nullptr);
+    try {
+        memory_hybrid m(p);
+        ADD_FAILURE() << "accepted";
+    } catch (const error& e) {
+        EXPECT_EQ(e.code(), errc::invalid_argument);
+        EXPECT_NE(std::string(e.what()).find("not supported with an iSWA attention part"), std::string::npos)
+            << e.what();
+    }
+}
+
 }  // namespace
 }  // namespace kvc

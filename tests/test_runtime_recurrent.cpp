@@ -58,10 +58,15 @@ struct setup {
     uint32_t interval = 2;
     uint32_t snapshots = 64;
     prefix_tier_params tiers{};  // stores below the prefix cache (recurrent memories)
+    // jamba: the attention part is an iSWA pair, layer 1 sliding a window of 6 in a 256-cell SWA cache
+    // (ubatches of at most 16 tokens), layer 3 full in a 1024-cell base cache
+    bool iswa = false;
+    bool window = false;  // jamba: a plain attention part whose layers all slide that window
     std::string name() const {
-        return fmt::format("{}_rs{}_ub{}_{}_{}_{}_{}{}", arch == tiny_arch::mamba ? "mamba" : "jamba",
+        return fmt::format("{}_rs{}_ub{}_{}_{}_{}_{}{}{}", arch == tiny_arch::mamba ? "mamba" : "jamba",
                            n_rs_seq, n_ubatch, embd_all ? "seq" : "equal", unified ? "unified" : "streams",
-                           to_string(type_rs), to_string(type_kv), engine ? "_engine" : "") +
+                           to_string(type_rs), to_string(type_kv), engine ? "_engine" : "",
+                           iswa ? "_iswa" : (window ? "_window" : "")) +
                (prefix ? fmt::format("_prefix_i{}_p{}", interval, snapshots) : "");
     }
     double limit() const { return std::max({logits_tolerance(type_rs), logits_tolerance(type_kv)}); }
@@ -70,6 +75,8 @@ struct setup {
 void PrintTo(const setup& s, std::ostream* os) {
     *os << s.name();
 }
+
+constexpr uint32_t iswa_window = 6;  // setup::iswa
 
 // A memory for the model of s (recurrent or hybrid, as the model needs); with s.engine its K/V tensors are
 // `tensors`.
@@ -87,7 +94,16 @@ std::unique_ptr<memory_i> make_memory(const setup& s, uint32_t n_seq_max, kv_ten
         p.prefix.tiers = s.tiers;
         return std::make_unique<memory_recurrent>(p);
     }
-    memory_hybrid_params p = m.hybrid_params(256, n_seq_max);
+    memory_hybrid_params p = m.hybrid_params(s.iswa ? 1024 : 256, n_seq_max);
+    if (s.iswa) {
+        p.attn.layers[1].is_swa = true;
+        p.attn.n_swa = iswa_window;
+        p.attn.swa = swa_type::standard;
+        p.iswa = iswa_sizing{.swa_full = false, .n_ubatch = 16};
+    } else if (s.window) {
+        p.attn.n_swa = iswa_window;
+        p.attn.swa = swa_type::standard;
+    }
     p.attn.type_k = p.attn.type_v = s.type_kv;
     p.attn.unified = s.unified;
     if (s.engine) p.attn.engine = &tensors;
@@ -120,7 +136,10 @@ public:
           tensors_(std::make_unique<kv_tensors>()),
           mem_(make_memory(s, n_seq_max, *tensors_)),
           rt_(make_runtime(s, *mem_, *tensors_)),
-          ref_(*m_, n_seq_max) {}
+          ref_(*m_, n_seq_max) {
+        if (s.iswa) ref_.set_swa(iswa_window, swa_type::standard, {false, true, false, false});
+        if (s.window) ref_.set_swa(iswa_window, swa_type::standard);
+    }
 
     struct group {
         std::vector<seq_id_t> seqs;
@@ -151,8 +170,19 @@ public:
     // The memory resumes seq from the deepest snapshot of `prompt`; the oracle decodes those tokens.
     uint32_t attach(seq_id_t seq, const std::vector<token_t>& prompt) {
         auto* hyb = dynamic_cast<memory_hybrid*>(mem_.get());
+        // what a lookup promises is what an attach gives (less only when copies across streams lack room;
+        // more when the tiers, which lookups do not ask, bring blocks back)
+        const uint32_t promised =
+            hyb ? hyb->prefix_lookup(prompt) : dynamic_cast<memory_recurrent&>(*mem_).prefix_lookup(prompt);
         const uint32_t n = hyb ? hyb->prefix_attach(seq, prompt)
                                : dynamic_cast<memory_recurrent&>(*mem_).prefix_attach(seq, prompt);
+        if (!s_.tiers.stores.empty()) {
+            EXPECT_GE(n, promised) << "seq " << seq;
+        } else if (s_.unified) {
+            EXPECT_EQ(n, promised) << "seq " << seq;
+        } else {
+            EXPECT_LE(n, promised) << "seq " << seq;
+        }
         EXPECT_EQ(mem_->seq_pos_max(seq), static_cast<pos_t>(n) - 1);
         if (n > 0) {
             batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
@@ -489,6 +519,7 @@ TEST_P(recurrent_prefix_equals_recompute, rollbacks_copies_and_restores) {
 // every conversation back into a fresh memory (a restart); written when evicted from a pool of 3 they bring
 // back the conversations it lost. Resuming from them gives the logits of decoding everything.
 TEST_P(recurrent_prefix_equals_recompute, snapshots_come_back_from_a_tier) {
+    if (GetParam().iswa || GetParam().window) GTEST_SKIP() << "no tiers with a sliding window";
     for (const tier_write write : {tier_write::through, tier_write::on_evict}) {
         SCOPED_TRACE(static_cast<int>(write));
         const fs::path dir = fs::temp_directory_path() / fmt::format("kvc-rt-tier-{}", ::getpid());
@@ -557,11 +588,109 @@ std::vector<setup> prefix_setups() {
     out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = 1, .unified = false, .prefix = true});
     out.push_back(
         {.arch = tiny_arch::jamba, .n_rs_seq = 1, .type_kv = dtype::f16, .engine = true, .prefix = true});
+    // jamba with an iSWA attention part: a hit needs the base chain, the window before it and a snapshot
+    for (uint32_t k : {0u, 2u}) {
+        out.push_back(
+            {.arch = tiny_arch::jamba, .n_rs_seq = k, .n_ubatch = 16, .prefix = true, .iswa = true});
+        out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = k, .n_ubatch = 3, .prefix = true, .iswa = true});
+    }
+    out.push_back({.arch = tiny_arch::jamba,
+                   .n_ubatch = 16,
+                   .prefix = true,
+                   .interval = 0,
+                   .snapshots = 5,
+                   .iswa = true});
+    out.push_back({.arch = tiny_arch::jamba,
+                   .n_rs_seq = 1,
+                   .n_ubatch = 16,
+                   .unified = false,
+                   .prefix = true,
+                   .iswa = true});
+    out.push_back({.arch = tiny_arch::jamba,
+                   .n_rs_seq = 1,
+                   .n_ubatch = 16,
+                   .type_kv = dtype::f16,
+                   .engine = true,
+                   .prefix = true,
+                   .iswa = true});
+    // a plain attention part with a window: the same rule, with the window in the one cache
+    out.push_back({.arch = tiny_arch::jamba, .n_rs_seq = 1, .prefix = true, .window = true});
+    out.push_back({.arch = tiny_arch::jamba, .prefix = true, .interval = 0, .snapshots = 5, .window = true});
     return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(models, recurrent_prefix_equals_recompute, ::testing::ValuesIn(prefix_setups()),
                          setup_name);
+
+// Jamba with an iSWA attention part whose 256-cell SWA cache cannot keep the windows of every
+// conversation: conversations sharing a system prompt end one after another, the SWA cache evicts old
+// windows, the snapshots there are dropped and the base chains that led only to them let go. Every resume
+// (the newest conversations at their ends, old ones wherever a whole hit is left) decodes like
+// recomputation; so does one of a sequence that is still decoding while its early windows are evicted.
+TEST(recurrent_prefix_equals_recompute_iswa, swa_evictions_drop_snapshots_and_base_chains) {
+    for (const bool unified : {true, false}) {
+        SCOPED_TRACE(unified);
+        const setup s{.arch = tiny_arch::jamba,
+                      .n_ubatch = 16,
+                      .unified = unified,
+                      .prefix = true,
+                      .interval = 1,
+                      .snapshots = 256,
+                      .iswa = true};
+        pair_run r(s);
+        const std::vector<token_t> system = r.tokens(10);
+        std::vector<std::vector<token_t>> prompts;
+        for (int i = 0; i < 14; ++i) {
+            const seq_id_t q = unified ? i % 4 : 0;
+            const std::vector<token_t> p = concat(system, r.tokens(30));
+            const uint32_t n = r.attach(q, p);
+            if (i > 0) {
+                EXPECT_GE(n, 8u) << "the system prompt, " << i;
+            }
+            r.rest(q, p, n);
+            for (int t = 0; t < 3; ++t) r.decode({{{q}, -1, r.tokens(1)}});
+            r.mem().seq_rm(q, -1, -1);
+            r.ref().seq_rm(q, -1, -1);
+            prompts.push_back(p);
+        }
+        // a long sequence: its early windows leave the SWA cache while it decodes
+        const std::vector<token_t> longer = concat(prompts[13], r.tokens(200));
+        const uint32_t n_long = r.attach(1, longer);
+        EXPECT_GE(n_long, 40u);
+        for (size_t at = n_long; at < longer.size(); at += 20) {
+            const size_t end = std::min(longer.size(), at + 20);
+            r.decode({{{1},
+                       static_cast<pos_t>(at),
+                       {longer.begin() + static_cast<std::ptrdiff_t>(at),
+                        longer.begin() + static_cast<std::ptrdiff_t>(end)}}});
+        }
+        r.mem().seq_rm(1, -1, -1);
+        r.ref().seq_rm(1, -1, -1);
+        const prefix_stats st = prefix_of{r}.stats();
+        EXPECT_GT(st.swa_evicted_blocks, 0u);
+        EXPECT_GT(st.snapshots_dropped, 0u);
+        EXPECT_GT(st.evicted_blocks, 0u) << "base chains that led only to dropped snapshots";
+        // every conversation again, and branches of the long one: what is left of each hit is whole
+        for (const auto& p : prompts) {
+            const std::vector<token_t> next = concat(p, r.tokens(2));
+            const uint32_t n = r.attach(2, next);
+            r.rest(2, next, n);
+            r.mem().seq_rm(2, -1, -1);
+            r.ref().seq_rm(2, -1, -1);
+        }
+        for (const size_t cut : {60u, 121u, 200u, 237u}) {
+            const std::vector<token_t> branch =
+                concat({longer.begin(), longer.begin() + static_cast<std::ptrdiff_t>(cut)}, r.tokens(3));
+            const uint32_t n = r.attach(3, branch);
+            EXPECT_LE(n, cut);
+            r.rest(3, branch, n);
+            r.mem().seq_rm(3, -1, -1);
+            r.ref().seq_rm(3, -1, -1);
+        }
+        EXPECT_GT(prefix_of{r}.stats().hit_tokens, 14u * 8);
+        EXPECT_CLOSE(r);
+    }
+}
 
 // Jamba's partial-only state (the recurrent part alone), used as a checkpoint: saved after a prompt,
 // restored after the attention part has dropped what came later, the sequence continues as if the

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -122,6 +123,10 @@ public:
     void prefix_publish() override;
     /// The base cache's counters with this memory's lookups and hits and the SWA cache's blocks.
     prefix_stats get_prefix_stats() const override;
+    /// For memories built of parts (memory_hybrid): kv_cache::prefix_trim on the base cache (the cached
+    /// chain end e and its ancestors while evictable and keep is false), then the SWA blocks that served
+    /// only them. Returns the base blocks evicted.
+    uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
 
     // -- parts --
     kv_cache& get_base() { return *base_; }                         ///< the full-attention layers' cache

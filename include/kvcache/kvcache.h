@@ -265,6 +265,17 @@ typedef enum kvc_prefix_event_type {
     KVC_PREFIX_EVENT_CLEARED = 2,  ///< every block left the index
 } kvc_prefix_event_type;
 
+/// @brief Which index of a memory an event's block is in (the C++ kvc::prefix_part): memories made of
+/// parts keep one per part, and a hit needs the blocks of every part.
+typedef enum kvc_prefix_part {
+    /// K/V blocks of full attention: a KV cache's, an iSWA pair's base cache, a hybrid's attention part
+    KVC_PREFIX_PART_KV = 0,
+    /// K/V blocks of an iSWA pair's sliding-window cache (also as a hybrid's attention part)
+    KVC_PREFIX_PART_SWA = 1,
+    /// a recurrent memory's blocks (also a hybrid's recurrent part): the chains that lead to snapshots
+    KVC_PREFIX_PART_SNAPSHOT = 2,
+} kvc_prefix_part;
+
 /// @brief One event of a prefix cache (the C++ kvc::prefix_event).
 typedef struct kvc_prefix_event {
     kvc_prefix_event_type type;  ///< what happened
@@ -273,6 +284,7 @@ typedef struct kvc_prefix_event {
     uint32_t depth;              ///< the block covers positions [depth * n_tokens, (depth + 1) * n_tokens)
     const int32_t* tokens;       ///< [n_tokens] the block's tokens, valid during the call (NULL: cleared)
     uint32_t n_tokens;           ///< the block size (0: cleared)
+    kvc_prefix_part part;        ///< the index the block is in (cleared: the index that emptied)
 } kvc_prefix_event;
 
 /// @brief Receives a prefix cache's events, synchronously; it must not call into the same memory.
@@ -494,7 +506,7 @@ typedef struct kvc_hybrid_params {
     bool iswa;
     kvc_iswa_sizing sizing;  ///< with iswa: how its sliding-window cache is sized
     uint64_t memory_budget;  ///< the most both parts may take together (0: the machine's physical memory)
-    /// the prefix cache of both parts (set it here, not in attn or recr; not with iswa; no pins)
+    /// the prefix cache of both parts (set it here, not in attn or recr; no pins; with iswa: no tiers)
     kvc_prefix_cache_params prefix;
 } kvc_hybrid_params;
 

@@ -19,7 +19,9 @@
 ///
 /// Prefix cache (params.prefix; docs/prefix-cache.md, "Hybrid memories"): the attention part keeps the
 /// K/V of published blocks, the recurrent part snapshots of states at block boundaries. A hit resumes at
-/// the deepest boundary that has both: the K/V of every block before it and a snapshot at it.
+/// the deepest boundary that has both: the K/V of every block before it and a snapshot at it. With an
+/// iSWA attention part the K/V is the base cache's blocks before the boundary and the SWA cache's window
+/// before it (design D30).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +29,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <kvcache/kv_cache.h>
@@ -46,7 +49,7 @@ struct memory_hybrid_params {
     /// 0: the machine's physical memory.
     uint64_t memory_budget = 0;
     /// Keep prompt prefixes for reuse (see the file comment): given to both parts (set it here, not in
-    /// attn.prefix or recr.prefix). Not with iswa yet.
+    /// attn.prefix or recr.prefix). With iswa: no tiers.
     prefix_cache_params prefix;
 };
 
@@ -97,9 +100,10 @@ public:
     memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
 
     // -- prefix cache (params().prefix.enabled; see the file comment) --
-    bool prefix_enabled() const override { return kv_ != nullptr; }
+    bool prefix_enabled() const override { return attn_prefix_ != nullptr; }
     /// Tokens prefix_attach would resume now: the deepest block boundary n < tokens.size() with the
-    /// attention part's K/V for [0, n) and a recurrent snapshot at n. Throws what the parts throw.
+    /// attention part's K/V for [0, n) (iswa: the base cache's, and the SWA cache's window before n) and
+    /// a recurrent snapshot at n. Throws what the parts throw.
     uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
     /// Gives the empty sequence seq_id the K/V of [0, n) (shared) and the snapshot at n (copied), and
     /// returns n (what prefix_lookup returns, or less when one stream per sequence lacks room for the
@@ -110,8 +114,8 @@ public:
                            uint32_t max_tokens = UINT32_MAX) override;
     /// Publishes the last step's blocks and snapshots in both parts.
     void prefix_publish() override;
-    /// The attention part's counters and cells, the recurrent part's snapshot counters; lookups and hits
-    /// are the hybrid's own.
+    /// The attention part's counters and cells (iswa: its base cache's, and the SWA cache's in swa_*),
+    /// the recurrent part's snapshot counters; lookups and hits are the hybrid's own.
     prefix_stats get_prefix_stats() const override;
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without): the
     /// attention part's blocks and the recurrent part's snapshots through the same stores, counted together
@@ -137,22 +141,44 @@ private:
 
     // A block one part's index let go, which the other part's may no longer need (sync_parts).
     struct removed_block {
-        bool attn = false;  // from the attention part
+        bool attn = false;    // from the attention part
+        bool window = false;  // from its cache with a window (the SWA cache, or a kv_cache with a window)
         uint64_t hash = 0;
         uint64_t parent_hash = 0;
+        uint32_t depth = 0;
         std::vector<token_t> tokens;
     };
-    // Keeps the parts' caches from holding halves of hits: a snapshot whose blocks' K/V went is dropped,
-    // and cached K/V blocks that lead to no snapshot any more are evicted. Run between the parts'
-    // operations (never inside one: the removals are queued by their events).
+    // A block of the attention part's cache with a window, filed under its parent's hash (window_children_)
+    struct window_block {
+        uint64_t hash = 0;
+        uint32_t depth = 0;
+        std::vector<token_t> tokens;
+    };
+    // Keeps the parts' caches from holding halves of hits: a snapshot whose blocks' K/V went (a base
+    // block, or any block of its window) is dropped, and cached K/V blocks that lead to no snapshot any
+    // more are evicted. Run between the parts' operations (never inside one: the removals are queued by
+    // their events).
     void sync_parts();
+    // Follows the attention part's events of its cache with a window (window_children_).
+    void track_window(const prefix_event& e);
+    // Drops the snapshots after window block r whose windows held it (those at the ends of the blocks
+    // that follow it, as far as the window reaches back).
+    void drop_window_followers(const removed_block& r);
+    // The deepest boundary n < tokens.size() both parts can resume at (prefix_lookup without counting).
+    uint32_t lookup_both(std::span<const token_t> tokens, uint64_t key);
 
     memory_hybrid_params params_;
     std::unique_ptr<memory_i> attn_;  // kv_cache or kv_cache_iswa
     std::unique_ptr<memory_recurrent> recr_;
-    kv_cache* kv_ = nullptr;  // attn_ when it is a kv_cache with a prefix cache
-    prefix_stats stats_;      // lookups and hits
+    prefix_cache_i* attn_prefix_ = nullptr;  // attn_ when the memory has a prefix cache (borrowed from attn_)
+    kv_cache* kv_ = nullptr;                 // attn_ when it is a kv_cache with a prefix cache
+    kv_cache_iswa* iswa_ = nullptr;          // attn_ when it is a kv_cache_iswa with a prefix cache
+    bool windowed_ = false;  // the attention part has a sliding window: a hit there implies no shallower one
+    prefix_stats stats_;     // lookups and hits
     std::vector<removed_block> removed_;
+    // The blocks of the attention part's cache with a window, by parent hash: a window block that goes
+    // finds the blocks after it, whose snapshots' windows it was part of (one entry per such block)
+    std::unordered_multimap<uint64_t, window_block> window_children_;
 };
 
 /// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.

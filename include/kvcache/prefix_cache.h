@@ -32,6 +32,20 @@ inline constexpr uint8_t prefix_max_priority = 100;
 /// Priority of blocks published by a sequence attached without one.
 inline constexpr uint8_t prefix_default_priority = 50;
 
+/// Which index of a memory an event's block is in: memories made of parts keep one per part, and a hit
+/// needs the blocks of every part (docs/prefix-cache.md, "Events").
+enum class prefix_part : uint8_t {
+    /// K/V blocks of full attention: a kv_cache's, the base cache of a kv_cache_iswa, the attention
+    /// part of a memory_hybrid (its base cache when that part is an iSWA pair)
+    kv,
+    /// K/V blocks of sliding-window layers in the SWA cache of a kv_cache_iswa (also as a hybrid's
+    /// attention part): kept only while they lie in the window of a boundary they may serve
+    swa,
+    /// a recurrent memory's blocks (memory_recurrent, a hybrid's recurrent part): the chains that lead to
+    /// snapshots of states; stored when first published, removed when they lead to no snapshot any more
+    snapshot,
+};
+
 /// What happened to the index (kv_cache_params::prefix.on_event), in the spirit of vLLM's KV events: a
 /// router that follows them knows which prompt prefixes an engine holds.
 struct prefix_event {
@@ -46,7 +60,8 @@ struct prefix_event {
     uint64_t hash = 0;
     uint64_t parent_hash = 0;  ///< the previous block's hash; for the first block of a chain, its key
     uint32_t depth = 0;        ///< the block covers positions [depth * block_size, (depth + 1) * block_size)
-    std::span<const token_t> tokens{};  ///< the block's tokens (valid during the call; empty for cleared)
+    std::span<const token_t> tokens{};   ///< the block's tokens (valid during the call; empty for cleared)
+    prefix_part part = prefix_part::kv;  ///< the index the block is in (cleared: the index that emptied)
 };
 
 /// How a kv_cache keeps prompt prefixes for reuse.
@@ -65,8 +80,9 @@ struct prefix_cache_params {
     /// Recurrent memories: snapshots the pool holds at most (each is one sequence's state in every
     /// layer; memory_recurrent::snapshot_bytes()). 0: 4 x n_seq_max.
     uint32_t max_snapshots = 0;
-    /// Called synchronously for every block stored and removed and when the index empties. It must not
-    /// call back into the cache; an exception it throws is caught and counted (event_errors).
+    /// Called synchronously for every block stored and removed and when the index empties, in every
+    /// part of the memory (prefix_event::part says which). It must not call back into the cache; an
+    /// exception it throws is caught and counted (event_errors).
     std::function<void(const prefix_event&)> on_event{};
     /// Stores below memory that blocks (recurrent memories: snapshots) are written to and fetched back
     /// from (kvcache/prefix_tiers.h, docs/tiers.md). Not with a sliding window (kv_cache, kv_cache_iswa).

@@ -144,6 +144,18 @@ const char* to_string(prefix_event::kind k) {
     return "?";
 }
 
+const char* to_string(prefix_part p) {
+    switch (p) {
+        case prefix_part::kv:
+            return "kv";
+        case prefix_part::swa:
+            return "swa";
+        case prefix_part::snapshot:
+            return "snapshot";
+    }
+    return "?";
+}
+
 std::function<void(const prefix_event&)> to_event_callback(const py::object& f) {
     if (f.is_none()) return {};
     auto h = std::make_shared<held_function>(py::reinterpret_borrow<py::function>(f));
@@ -155,6 +167,7 @@ std::function<void(const prefix_event&)> to_event_callback(const py::object& f) 
         d["parent_hash"] = e.parent_hash;
         d["depth"] = e.depth;
         d["tokens"] = std::vector<token_t>(e.tokens.begin(), e.tokens.end());
+        d["part"] = to_string(e.part);
         try {
             h->fn(d);
         } catch (py::error_already_set& err) {

@@ -19,6 +19,7 @@ def test_attach_gives_the_cached_prefix():
     assert [e["type"] for e in events] == ["stored", "stored"]  # two whole blocks of 4
     assert events[1]["tokens"] == [5, 6, 7, 8] and events[1]["depth"] == 1
     assert events[1]["parent_hash"] == events[0]["hash"]
+    assert {e["part"] for e in events} == {"kv"}  # a plain cache has one part
     assert c.prefix_lookup(prompt[:9] + [99]) == 8
     assert c.prefix_attach(1, prompt[:9] + [99]) == 8
     assert c.seq_pos_max(1) == 7 and c.used_cells() == 10  # shared, not copied

@@ -94,3 +94,25 @@ def test_hybrid():
     assert state_of(h, 1) == [12, 3] and h.attn.seq_pos_max(1) == 2
     part = h.state_get(1, partial=True)
     assert len(part) < len(data)
+
+
+def test_hybrid_with_iswa_attention_and_prefix_cache():
+    """A hit needs the base cache's blocks, the SWA cache's window and a snapshot; events name each part."""
+    ls = [kvcache.LayerDesc(n_head_kv=2, n_embd_head_k=8, n_embd_head_v=8, has_kv=i > 0, is_swa=i == 1)
+          for i in range(3)]
+    recr = [kvcache.RecurrentLayerDesc(n_embd_r=WIDTH, n_embd_s=WIDTH)] + [kvcache.RecurrentLayerDesc()] * 2
+    events = []
+    h = kvcache.MemoryHybrid(
+        attn=kvcache.KVCacheParams(layers=ls, kv_size=32, n_seq_max=2, n_swa=4, swa="standard"),
+        recr=kvcache.RecurrentParams(layers=recr, n_seq_max=2),
+        iswa=kvcache.ISWASizing(swa_full=False, n_ubatch=8),
+        prefix=kvcache.PrefixCacheParams(enabled=True, block_size=4, on_event=events.append))
+    prompt = list(range(1, 11))
+    decode_sums(h, kvcache.Batch(tokens=prompt, pos=range(10), seq_ids=[0] * 10), attn_layers=[1, 2])
+    h.seq_rm(0)
+    assert h.prefix_lookup(prompt + [99]) == 8
+    assert h.prefix_attach(1, prompt + [99]) == 8
+    assert h.seq_pos_max(1) == 7 and state_of(h, 1) == [sum(prompt[:8]), 8]
+    assert {e["part"] for e in events if e["type"] == "stored"} == {"kv", "swa", "snapshot"}
+    s = h.prefix_stats()
+    assert s.hit_tokens == 8 and s.swa_published_blocks == sum(e["part"] == "swa" for e in events)

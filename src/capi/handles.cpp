@@ -10,6 +10,13 @@
 
 static_assert(sizeof(kvc::token_t) == sizeof(int32_t) && sizeof(kvc::pos_t) == sizeof(int32_t) &&
               sizeof(kvc::seq_id_t) == sizeof(int32_t));
+// prefix events cross by static_cast: the C enumerators are the C++ ones
+static_assert(KVC_PREFIX_EVENT_STORED == static_cast<int>(kvc::prefix_event::kind::stored) &&
+              KVC_PREFIX_EVENT_REMOVED == static_cast<int>(kvc::prefix_event::kind::removed) &&
+              KVC_PREFIX_EVENT_CLEARED == static_cast<int>(kvc::prefix_event::kind::cleared));
+static_assert(KVC_PREFIX_PART_KV == static_cast<int>(kvc::prefix_part::kv) &&
+              KVC_PREFIX_PART_SWA == static_cast<int>(kvc::prefix_part::swa) &&
+              KVC_PREFIX_PART_SNAPSHOT == static_cast<int>(kvc::prefix_part::snapshot));
 
 namespace kvc::capi {
 
@@ -171,7 +178,8 @@ prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* 
                                       .parent_hash = e.parent_hash,
                                       .depth = e.depth,
                                       .tokens = e.tokens.empty() ? nullptr : e.tokens.data(),
-                                      .n_tokens = static_cast<uint32_t>(e.tokens.size())};
+                                      .n_tokens = static_cast<uint32_t>(e.tokens.size()),
+                                      .part = static_cast<kvc_prefix_part>(e.part)};
             fn(&ce, user);
         };
     return p;

@@ -47,6 +47,9 @@ struct reference_recurrent::impl {
     thread_pool pool;
     std::vector<seq_data> seqs;
     uint64_t n_forwards = 0;
+    uint32_t n_swa = 0;  // a window (set_swa), in the layers of swa_layers (empty: every layer)
+    swa_type swa = swa_type::none;
+    std::vector<bool> swa_layers;
 
     impl(const model& md, uint32_t n, uint32_t n_threads)
         : m(&md.get()), n_seq_max(n), pool(n_threads), seqs(n) {}
@@ -80,12 +83,14 @@ struct reference_recurrent::impl {
         std::vector<float> keys, values, scratch;
         const rt::attend_fn attend = [&](uint32_t il, const float* q, const float* k, const float*,
                                          const float* v, float* o) {
-            // visible: the sequence's entries at or before p, then the token itself (no RoPE to redo:
-            // the keys kept are the ones attended)
+            // visible: the sequence's entries at or before p (and in the window, if the layer has one),
+            // then the token itself (no RoPE to redo: the keys kept are the ones attended)
+            const bool windowed =
+                swa != swa_type::none && (swa_layers.empty() || (il < swa_layers.size() && swa_layers[il]));
             keys.clear();
             values.clear();
             for (size_t e = 0; e < sd.kv_pos.size(); ++e) {
-                if (sd.kv_pos[e] > p) continue;
+                if (sd.kv_pos[e] > p || (windowed && is_masked_swa(n_swa, swa, sd.kv_pos[e], p))) continue;
                 keys.insert(keys.end(), &sd.k[il][e * e_kv], &sd.k[il][(e + 1) * e_kv]);
                 values.insert(values.end(), &sd.v[il][e * e_kv], &sd.v[il][(e + 1) * e_kv]);
             }
@@ -153,6 +158,12 @@ decode_result reference_recurrent::decode(const batch& b) {
         }
     }
     return res;
+}
+
+void reference_recurrent::set_swa(uint32_t n_swa, swa_type type, std::vector<bool> swa_layers) {
+    p_->n_swa = n_swa;
+    p_->swa = type;
+    p_->swa_layers = std::move(swa_layers);
 }
 
 void reference_recurrent::clear() {

@@ -91,14 +91,30 @@ void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
     }
     memory_hybrid_params h;
     h.memory_budget = p.memory_budget;
+    if (k.get("swa_pattern")) {  // an iSWA attention part: its layers split by the pattern
+        const uint32_t n = pattern(k, "swa_pattern", 2);
+        for (uint32_t il = 0; il < p.layers.size(); ++il)
+            p.layers[il].is_swa = p.layers[il].has_kv && (n == 0 || il % n < n - 1);
+        h.iswa = iswa_sizing{.swa_full = k.get_bool("swa_full", true), .n_ubatch = r.n_ubatch};
+    }
     h.attn = std::move(p);
     h.recr = std::move(rp);
     h.prefix = prefix;
     auto hyb = build<memory_hybrid>(std::move(h));
     if (prefix.enabled) r.prefix = hyb.get();
     r.rt = std::make_unique<runtime>(*r.mdl, *hyb, rtp);
-    const auto& attn = dynamic_cast<const kv_cache&>(hyb->get_attn());
     // `show` counts the attention cells, as llama.cpp; `cells part=rs` lists the states
+    if (const auto* iswa = dynamic_cast<const kv_cache_iswa*>(&hyb->get_attn())) {
+        const kv_cache &base = iswa->get_base(), &swa = iswa->get_swa();
+        r.parts = {{.name = "base", .used_label = "used", .kv = &base},
+                   {.name = "swa", .used_label = "used_swa", .kv = &swa},
+                   {.name = "rs", .used_label = "", .recr = &hyb->get_recr()}};
+        r.mem = std::move(hyb);
+        fmt::print("memory ok size={} streams={} swa_size={}\n", base.get_size() * base.get_n_stream(),
+                   base.get_n_stream(), swa.get_size() * swa.get_n_stream());
+        return;
+    }
+    const auto& attn = dynamic_cast<const kv_cache&>(hyb->get_attn());
     r.parts = {{.name = "kv", .used_label = "used", .kv = &attn},
                {.name = "rs", .used_label = "", .recr = &hyb->get_recr()}};
     r.mem = std::move(hyb);
@@ -121,10 +137,19 @@ void make_kv(replay_memory& r, const keys& k, kv_cache_params p, bool typed) {
                 if (typed)
                     fail(fmt::format("memory: {} is a {} model: leave out type= (its memory is {})", *path,
                                      mamba ? "mamba" : "jamba", mamba ? "recurrent" : "hybrid"));
+                if (mamba && (k.get("swa_pattern") || k.get("swa_full")))
+                    fail(
+                        fmt::format("memory: {} is a mamba model: swa_pattern= and swa_full= are for the "
+                                    "attention layers of a jamba model",
+                                    *path));
                 make_model_state(r, k, std::move(p));
                 return;
             }
         }
+        for (const char* key : {"swa_pattern", "swa_full"})
+            if (k.get(key))
+                fail(fmt::format("memory: {}= is for type=iswa or the attention layers of a jamba model",
+                                 key));
         for (const char* key : {"interval", "snapshots"})
             if (k.get(key))
                 fail(fmt::format("memory: {}= is for the snapshots of a mamba or jamba model", key));
@@ -252,7 +277,8 @@ replay_memory make_replay_memory(const words& w) {
                                         "type_k",  "type_v",   "v_trans",   "swa_type",  "n_swa",
                                         "n_layer", "n_embd_k", "n_embd_v",  "n_head_kv", "budget"};
     if (type == "kv")
-        allowed.insert(allowed.end(), {"model", "n_rs_seq", "prefix", "evict", "interval", "snapshots"});
+        allowed.insert(allowed.end(), {"model", "n_rs_seq", "prefix", "evict", "interval", "snapshots",
+                                       "swa_pattern", "swa_full"});
     if (type == "iswa") allowed.insert(allowed.end(), {"swa_pattern", "swa_full", "prefix", "evict"});
     if (type == "hybrid") allowed.insert(allowed.end(), {"attn_pattern", "n_embd_r", "n_embd_s", "n_rs_seq"});
     const keys k(w, 1, allowed, "memory");

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
+#include <kvcache/memory_hybrid.h>
 
 #include "replay_ops.h"
 
@@ -75,10 +76,12 @@ void op_pstats(replay_memory& m, const words&) {
         "evicted={} unpublished={} copied={}\n",
         s.blocks, s.cached_cells, s.shared_cells, s.pinned_cells, s.free_cells, s.lookups, s.tokens_looked_up,
         s.hit_tokens, s.published_blocks, s.evicted_blocks, s.unpublished_blocks, s.bytes_copied);
-    if (dynamic_cast<kv_cache_iswa*>(m.prefix) != nullptr)  // the SWA cache's blocks too
+    const auto* iswa = dynamic_cast<kv_cache_iswa*>(m.prefix);
+    const auto* hyb = dynamic_cast<memory_hybrid*>(m.prefix);
+    if (iswa != nullptr || (hyb && dynamic_cast<const kv_cache_iswa*>(&hyb->get_attn())))  // the SWA cache's
         fmt::print("pstats swa_blocks={} swa_published={} swa_evicted={}\n", s.swa_blocks,
                    s.swa_published_blocks, s.swa_evicted_blocks);
-    else if (dynamic_cast<kv_cache*>(m.prefix) == nullptr)  // recurrent or hybrid: the snapshots too
+    if (iswa == nullptr && dynamic_cast<kv_cache*>(m.prefix) == nullptr)  // recurrent or hybrid: snapshots
         fmt::print("pstats snapshots={} saved={} dropped={}\n", s.snapshots, s.snapshots_saved,
                    s.snapshots_dropped);
 }

@@ -13,8 +13,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include <kvcache/batch.h>
+#include <kvcache/kv_cache.h>
 #include <kvcache/runtime/runtime.h>
 #include <kvcache/types.h>
 
@@ -32,6 +34,10 @@ public:
     /// output tokens in batch order. A token of several sequences continues its first sequence and is
     /// appended to every one.
     decode_result decode(const batch& b);
+    /// A sliding window as a cache's (kv_cache_params n_swa, swa): keys outside it are not attended, in
+    /// every attention layer or, when swa_layers is not empty, in the layers it marks (as the SWA layers
+    /// of a hybrid whose attention part is an iSWA pair).
+    void set_swa(uint32_t n_swa, swa_type type, std::vector<bool> swa_layers = {});
 
     void clear();                                                 ///< every sequence empty
     void seq_rm(seq_id_t s, pos_t p0, pos_t p1);                  ///< drops the tokens in [p0, p1)
