@@ -328,8 +328,8 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
         in.order.clear();
         for (size_t i = 0; i < n; ++i) {
             make_prompt(in.queue[i]);
-            uint32_t m = 0;
-            timed(in, [&] { m = in.be->cached_prefix(in.queue[i].prompt); });
+            uint32_t m = 0;  // one waiting request: no order to find, no lookup
+            if (n > 1) timed(in, [&] { m = in.be->cached_prefix(in.queue[i].prompt); });
             in.order.emplace_back(m, i);
         }
         std::stable_sort(in.order.begin(), in.order.end(),
