@@ -136,6 +136,69 @@ TEST(sim_engine, deferring_shared_prefixes_saves_their_recomputation) {
     EXPECT_EQ(with.max_live, 8u);  // the others follow one step later
 }
 
+TEST(sim_engine, lpm_admits_the_longest_cached_prefix_first) {
+    // room for one request at a time: A, then B and A's next turn C wait. In arrival order B goes first and
+    // evicts the deeper block of A's prompt; longest prefix first admits C while all of it is cached.
+    const std::vector<sim_request> reqs{{0, 32, 1, {1, 2}}, {0, 32, 1, {7, 8}}, {0, 48, 1, {1, 2, 3}}};
+    sim_options o = small(64, 3);
+    const sim_result fcfs = run_sim(reqs, sim_policy::kvcache, o);
+    o.schedule = sim_schedule::lpm;
+    const sim_result lpm = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_EQ(fcfs.hit_tokens, 16u);
+    EXPECT_EQ(lpm.hit_tokens, 32u);
+    EXPECT_EQ(lpm.hit_tokens + lpm.probe_hit_tokens, lpm.cache_hit_tokens);
+    EXPECT_EQ(lpm.requests, 3u);
+    // the other policies keep arrival order whatever the option says
+    EXPECT_EQ(run_sim(reqs, sim_policy::llama_server, o).hit_tokens,
+              run_sim(reqs, sim_policy::llama_server, small(64, 3)).hit_tokens);
+}
+
+TEST(sim_engine, lpm_with_a_window_of_one_is_fcfs) {
+    generate_options g;
+    g.kind = "multi-turn";
+    g.block = 16;
+    g.groups = 12;
+    g.prompts = 4;
+    g.system = 64;
+    g.question = 32;
+    g.output = 16;
+    const auto reqs = generate(g);
+    sim_options o = small(1024, 8);
+    const sim_result fcfs = run_sim(reqs, sim_policy::kvcache, o);
+    o.schedule = sim_schedule::lpm;
+    o.schedule_window = 1;
+    const sim_result one = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_EQ(one.hit_tokens, fcfs.hit_tokens);
+    EXPECT_EQ(one.steps, fcfs.steps);
+    EXPECT_EQ(one.wait_steps, fcfs.wait_steps);
+    o.schedule_window = 64;  // looking further finds the conversations whose history is cached
+    const sim_result lpm = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_GT(lpm.hit_tokens, fcfs.hit_tokens);
+    EXPECT_EQ(lpm.requests, reqs.size());
+    EXPECT_EQ(lpm.hit_tokens + lpm.prefill_tokens, lpm.prompt_tokens);
+    o.schedule_window = 0;
+    EXPECT_THROW(run_sim(reqs, sim_policy::kvcache, o), error);
+}
+
+TEST(sim_engine, wait_answer_holds_a_follow_up_until_its_turn_ended) {
+    // C continues A; D is unrelated. A runs 5 steps (a prefill, 4 decodes), C only after it, D beside A
+    const std::vector<sim_request> reqs{{0, 32, 4, {1, 2}}, {0, 48, 4, {1, 2, 3}}, {0, 32, 4, {9, 10}}};
+    sim_options o = small(256, 3);
+    const sim_result free = run_sim(reqs, sim_policy::kvcache, o);
+    EXPECT_EQ(free.steps, 6u);  // C waits one step (A computes its prefix), then runs beside A
+    o.wait_answer = true;
+    for (sim_policy p : {sim_policy::kvcache, sim_policy::llama_server, sim_policy::none}) {
+        const sim_result r = run_sim(reqs, p, o);
+        EXPECT_EQ(r.steps, 10u) << to_string(p);
+        EXPECT_EQ(r.max_live, 2u) << to_string(p);
+        EXPECT_EQ(r.requests, 3u) << to_string(p);
+        EXPECT_EQ(r.queued, 0u) << to_string(p);  // C arrives when A ends, and is admitted at once
+    }
+    EXPECT_EQ(run_sim(reqs, sim_policy::kvcache, o).hit_tokens, 32u);
+    o.respect_arrival = true;  // the same with timestamps (all at 0)
+    EXPECT_EQ(run_sim(reqs, sim_policy::kvcache, o).steps, 10u);
+}
+
 TEST(sim_engine, lru_blocks_evicts_roots_first) {
     // two blocks of room: B's block pushes out A's root, so A's second visit hits nothing under a plain
     // LRU, while the oracle does not keep B's block (never used again) and hits both of A's

@@ -1,9 +1,11 @@
 // kvcache sim's traces (tools/kvcache/sim_trace.cpp): Mooncake's JSONL read and written, errors that name
 // the line and the field, tokens synthesised from block ids, and the trace's statistics.
+#include <algorithm>
 #include <sstream>
 
 #include <gtest/gtest.h>
 
+#include "sim_generate.h"
 #include "sim_trace.h"
 
 namespace kvc::cli {
@@ -110,6 +112,28 @@ TEST(sim_trace, statistics_count_reuse_in_cache_blocks) {
     EXPECT_EQ(st.reusable_tokens, 4u);      // the two cache blocks of id 1
     EXPECT_EQ(st.unique_tokens, 12u - 4u);  // partial tails count as unique
     EXPECT_EQ(st.max_request, 8u);
+}
+
+TEST(sim_trace, follow_ups_find_the_turn_before) {
+    // 0: {1,2}; 1: unrelated; 2 and 3: two samples continuing 0 (same ids and length: neither continues
+    // the other); 4 continues 3, the latest of them
+    const std::vector<sim_request> reqs{{0, 8, 1, {1, 2}},        {0, 8, 1, {5, 6}},
+                                        {0, 12, 1, {1, 2, 3}},    {0, 12, 1, {1, 2, 3}},
+                                        {0, 16, 1, {1, 2, 3, 4}}, {0, 8, 1, {1, 7}}};
+    EXPECT_EQ(follow_ups(reqs), (std::vector<int64_t>{-1, -1, 0, 0, 3, -1}));
+    // a generated conversation's turns continue each other: one root per conversation
+    generate_options g;
+    g.kind = "multi-turn";
+    g.block = 16;
+    g.groups = 10;
+    g.prompts = 5;
+    const auto mt = generate(g);
+    const std::vector<int64_t> parent = follow_ups(mt);
+    EXPECT_EQ(std::count(parent.begin(), parent.end(), -1), 10);
+    for (size_t i = 0; i < mt.size(); ++i)
+        if (parent[i] >= 0) {
+            EXPECT_LT(mt[static_cast<size_t>(parent[i])].input_length, mt[i].input_length);
+        }
 }
 
 }  // namespace

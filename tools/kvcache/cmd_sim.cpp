@@ -35,7 +35,8 @@ struct sim_cli_options {
     generate_options gen;
     std::string policies = "kvcache,llama-server,none,oracle";
     std::string budget, sweep;
-    std::string evict = "lru", arrival = "ignore", memory = "kv";
+    std::string evict = "lru", arrival = "ignore", memory = "kv", schedule = "fcfs";
+    std::vector<sim_schedule> schedules;  // kvcache runs once per schedule
     sim_options sim;
     bool json = false;
     bool policy_given = false;  // --policy was on the command line (else the default adapts to the options)
@@ -163,7 +164,7 @@ void print_table(const std::vector<sim_result>& rs) {
         fmt::print(
             "{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>15} {:>13} {:>7} {:>12} {:>10} {:>9.1f} "
             "{:>7.2f}\n",
-            to_string(r.policy), pct(r.hit_rate()), r.hit_tokens, r.prefill_tokens, r.evicted_tokens,
+            label(r), pct(r.hit_rate()), r.hit_tokens, r.prefill_tokens, r.evicted_tokens,
             r.has_serving ? std::to_string(r.peak_cells) : "-",
             r.has_serving ? std::to_string(r.peak_live_cells) : "-", committed, live,
             r.has_serving ? std::to_string(r.queued) : "-", wait,
@@ -185,7 +186,7 @@ void print_snapshots(const std::vector<sim_result>& rs, const sim_options& o) {
             fmt::print(
                 "{:<13} SWA cache: {} cells ({} of the budget; window {} x concurrency {} + ubatch + "
                 "retained windows)\n",
-                to_string(r.policy), r.swa_cells,
+                label(r), r.swa_cells,
                 pct(static_cast<double>(r.swa_cells) / static_cast<double>(r.budget_tokens)), o.window,
                 o.concurrency);
             continue;
@@ -194,8 +195,7 @@ void print_snapshots(const std::vector<sim_result>& rs, const sim_options& o) {
         fmt::print(
             "{:<13} states kept: peak {} {} = {:.0f} tokens of memory ({} of the budget; a state = {} "
             "tokens)\n",
-            to_string(r.policy), r.peak_snapshots,
-            r.policy == sim_policy::kvcache ? "snapshots" : "checkpoints", tokens,
+            label(r), r.peak_snapshots, r.policy == sim_policy::kvcache ? "snapshots" : "checkpoints", tokens,
             pct(tokens / static_cast<double>(r.budget_tokens)), cost);
     }
 }
@@ -227,17 +227,17 @@ void print_instances(const std::vector<sim_result>& rs) {
                 hits.append(fmt::format(" {}", pct(x.hit_rate())));
                 reqs.append(fmt::format(" {}", x.requests));
             }
-            fmt::print("{:<13} per instance: hit{}; requests{}\n", to_string(r.policy), hits, reqs);
+            fmt::print("{:<13} per instance: hit{}; requests{}\n", label(r), hits, reqs);
         }
         for (const sim_tier_result& t : r.tiers)
             fmt::print(
                 "{:<13} tier {}: fetched {} blocks in {} fetches ({} read), written {} blocks ({}), refused "
                 "{}, errors {} (store: {} errors, {} damaged, {} evicted, {} round trips)\n",
-                to_string(r.policy), t.where, t.fetched_blocks, t.fetches, mib(t.store.bytes_in),
-                t.written_blocks, mib(t.store.bytes_out), t.refused_blocks, t.errors, t.store.errors,
-                t.store.damaged, t.store.evictions, t.store.round_trips);
+                label(r), t.where, t.fetched_blocks, t.fetches, mib(t.store.bytes_in), t.written_blocks,
+                mib(t.store.bytes_out), t.refused_blocks, t.errors, t.store.errors, t.store.damaged,
+                t.store.evictions, t.store.round_trips);
         if (!r.tiers.empty())
-            fmt::print("{:<13} hit tokens from tiers: {} ({} of the hit tokens)\n", to_string(r.policy),
+            fmt::print("{:<13} hit tokens from tiers: {} ({} of the hit tokens)\n", label(r),
                        r.tier_hit_tokens,
                        pct(r.hit_tokens ? static_cast<double>(r.tier_hit_tokens) / r.hit_tokens : 0));
     }
@@ -279,6 +279,7 @@ nlohmann::ordered_json to_json(const sim_result& r, bool instance = false) {
         j["final_committed_cells"] = r.final_committed_cells;
     }
     if (r.policy == sim_policy::kvcache) {
+        j["schedule"] = to_string(r.schedule);
         j["cache_hit_tokens"] = r.cache_hit_tokens;  // the prefix cache's own counter
         j["probe_hit_tokens"] = r.probe_hit_tokens;
     }
@@ -348,6 +349,12 @@ void run(sim_cli_options o) {
         o.sim.evict = evict_policy::slru;
     else
         throw error(errc::invalid_argument, fmt::format("--evict '{}': not one of lru, slru", o.evict));
+    for (const std::string& s : split(o.schedule)) {
+        if (s != "fcfs" && s != "lpm")
+            throw error(errc::invalid_argument, fmt::format("--schedule '{}': not one of fcfs, lpm", s));
+        o.schedules.push_back(s == "fcfs" ? sim_schedule::fcfs : sim_schedule::lpm);
+    }
+    if (o.schedules.empty()) throw error(errc::invalid_argument, "--schedule: no order given");
     if (o.memory == "kv")
         o.sim.memory = sim_memory::kv;
     else if (o.memory == "recurrent")
@@ -428,11 +435,16 @@ void run(sim_cli_options o) {
         sim_options so = o.sim;
         so.budget = budgets[bi];
         std::vector<sim_result> rs;
-        for (sim_policy p : policies) {
-            if (tty) so.progress = progress_bar{fmt::format("{} @ {}", to_string(p), budget_specs[bi])};
-            so.tiers.model_id = model_id++;
-            rs.push_back(run_sim(reqs, p, so));
-        }
+        for (sim_policy p : policies)
+            for (sim_schedule sc : o.schedules) {  // kvcache once per admission order, the others once
+                if (p != sim_policy::kvcache && sc != o.schedules[0]) continue;
+                so.schedule = sc;
+                if (tty)
+                    so.progress = progress_bar{
+                        fmt::format("{} {} @ {}", to_string(p), to_string(sc), budget_specs[bi])};
+                so.tiers.model_id = model_id++;
+                rs.push_back(run_sim(reqs, p, so));
+            }
         if (!o.json) {
             fmt::print(
                 "\nbudget  {} tokens ({} of unique), concurrency {}, {} blocks of {} tokens, evict {}, "
@@ -460,6 +472,7 @@ void run(sim_cli_options o) {
                       {"ideal_hit_rate", ideal}};
         j["concurrency"] = o.sim.concurrency;
         j["evict"] = o.evict;
+        j["schedule"] = o.schedule;
         j["memory"] = o.memory;
         if (o.sim.memory == sim_memory::iswa) j["window"] = o.sim.window;
         if (o.sim.memory != sim_memory::kv) j["state_tokens"] = o.sim.state_tokens;
@@ -523,6 +536,10 @@ void add_sim_command(CLI::App& app) {
                     "ignore: a request arrives when a sequence is free; respect: at its "
                     "timestamp")
         ->capture_default_str();
+    cmd->add_option("--wait-answer", o->sim.wait_answer,
+                    "a request continuing an earlier one (a conversation's next turn) arrives only after it "
+                    "ended (1) or in trace order regardless (0)")
+        ->capture_default_str();
     cmd->add_option("--step-ms", o->sim.step_ms, "simulated ms per decode step (--arrival respect)")
         ->capture_default_str();
     cmd->add_option("--trace-block", o->sim.trace_block, "tokens per hash id")->capture_default_str();
@@ -532,6 +549,13 @@ void add_sim_command(CLI::App& app) {
     cmd->add_option("--defer-shared", o->sim.defer_shared,
                     "kvcache: a request whose first block is being computed by one admitted in the same step "
                     "waits a step (1) or not (0)")
+        ->capture_default_str();
+    cmd->add_option("--schedule", o->schedule,
+                    "kvcache's admission order: fcfs (arrival order) or lpm (longest cached prefix first "
+                    "among the first --schedule-window waiting requests); fcfs,lpm runs kvcache with both")
+        ->capture_default_str();
+    cmd->add_option("--schedule-window", o->sim.schedule_window,
+                    "lpm: waiting requests looked at per admission round")
         ->capture_default_str();
     cmd->add_option(
            "--memory", o->memory,

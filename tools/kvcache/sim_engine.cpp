@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <functional>
+#include <queue>
 #include <unordered_set>
 
 #include <fmt/format.h>
@@ -33,6 +35,9 @@ void check_options(const sim_options& o) {
         throw error(errc::invalid_argument,
                     fmt::format("--block {} must divide --trace-block {}", o.cache_block, o.trace_block));
     if (o.n_ubatch == 0) throw error(errc::invalid_argument, "--ubatch must be at least 1");
+    if (o.schedule_window == 0 || o.schedule_window > 4096)
+        throw error(errc::invalid_argument,
+                    fmt::format("--schedule-window {} not in [1, 4096]", o.schedule_window));
     if (o.window == 0 || o.window > (1u << 24))
         throw error(errc::invalid_argument, fmt::format("--window {} not in [1, 2^24]", o.window));
     if (o.step_ms <= 0)
@@ -121,12 +126,21 @@ void check_budget(const std::vector<sim_request>& reqs, const sim_options& o) {
 
 namespace {
 
+// A request in a queue; its prompt's tokens are made when it is first looked at (lpm) or admitted.
+struct waiting {
+    size_t req = 0;
+    std::vector<token_t> prompt;
+    bool made = false;
+};
+
 // One serving instance: its cache (backend), queue, live requests and figures.
 struct instance {
     std::unique_ptr<sim_backend> be;
     sim_result r;
     std::vector<seq_id_t> free_seqs;
-    std::deque<size_t> queue;
+    std::deque<waiting> queue;                       // arrival order
+    std::vector<std::pair<uint32_t, size_t>> order;  // lpm: (cached prefix, place in the queue) of a round
+    std::vector<bool> taken;                         // lpm: [window] admitted in this round
     std::vector<live_request> live;
     std::vector<token_t> out_tok;
     std::vector<sim_work> work;
@@ -210,6 +224,14 @@ void check_instances(sim_policy policy, const sim_options& o) {
                     fmt::format("--tier: --memory {} has no tiers yet (only kv)", to_string(o.memory)));
 }
 
+const char* to_string(sim_schedule s) {
+    return s == sim_schedule::fcfs ? "fcfs" : "lpm";
+}
+
+std::string label(const sim_result& r) {
+    return r.schedule == sim_schedule::lpm ? fmt::format("{}-lpm", to_string(r.policy)) : to_string(r.policy);
+}
+
 const char* to_string(sim_route r) {
     return r == sim_route::rr ? "rr" : "prefix";
 }
@@ -244,6 +266,7 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
     const bool tokens = inst[0].be->needs_tokens();
     size_t progress_mark = 0;
     const bool defer = o.defer_shared && policy == sim_policy::kvcache;
+    const bool lpm = o.schedule == sim_schedule::lpm && policy == sim_policy::kvcache;
     std::vector<token_t> scratch;
     // the instance a request goes to, at its arrival
     const auto route = [&](size_t q) -> instance& {
@@ -261,62 +284,149 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
         }
         return inst[best];
     };
+    // --wait-answer: the request each continues, whether it ended, the follow-ups waiting for each, and
+    // those whose wait is over (by trace order)
+    const std::vector<int64_t> parent = o.wait_answer ? follow_ups(reqs) : std::vector<int64_t>{};
+    std::vector<bool> ended(o.wait_answer ? reqs.size() : 0);
+    std::vector<std::vector<size_t>> held_by(o.wait_answer ? reqs.size() : 0);
+    std::priority_queue<size_t, std::vector<size_t>, std::greater<>> ready;
+    // whether request q waits for the answer it continues (then it is held until that request ends)
+    const auto hold = [&](size_t q) {
+        if (!o.wait_answer || parent[q] < 0 || ended[static_cast<size_t>(parent[q])]) return false;
+        held_by[static_cast<size_t>(parent[q])].push_back(q);
+        return true;
+    };
     const auto arrive = [&](size_t q) {
         arrived[q] = step;
-        route(q).queue.push_back(q);
+        route(q).queue.push_back({.req = q, .prompt = {}, .made = false});
         ++in_system;
     };
 
+    // whether part of request q's prompt is being computed by a request admitted in this step
+    const auto deferred = [&](const instance& in, size_t q) {
+        return std::any_of(reqs[q].hash_ids.begin(), reqs[q].hash_ids.end(),
+                           [&](uint64_t id) { return in.computing.count(id) != 0; });
+    };
+    const auto make_prompt = [&](waiting& w) {
+        if (tokens && !w.made) prompt_tokens(reqs[w.req], o.trace_block, w.prompt);
+        w.made = true;
+    };
+    // starts the waiting request w if it fits (its prompt moves to the live request); false: it waits
+    const auto admit = [&](instance& in, waiting& w) {
+        const size_t q = w.req;
+        sim_result& r = in.r;
+        make_prompt(w);
+        live_request lr;
+        lr.req = q;
+        lr.seq = in.free_seqs.back();
+        std::optional<uint32_t> hit;
+        timed(in, [&] { hit = in.be->start(lr.seq, q, w.prompt, reqs[q].output_length, in.reserved); });
+        if (!hit) return false;
+        in.free_seqs.pop_back();
+        lr.prompt = std::move(w.prompt);
+        lr.hit = *hit;
+        if (defer)
+            for (size_t k = lr.hit / o.trace_block; k < reqs[q].hash_ids.size(); ++k)
+                in.computing.insert(reqs[q].hash_ids[k]);
+        const uint64_t waited = step - arrived[q];
+        r.queued += waited > 0;
+        r.wait_steps += waited;
+        r.max_wait_steps = std::max(r.max_wait_steps, waited);
+        r.prompt_tokens += reqs[q].input_length;
+        r.hit_tokens += lr.hit;
+        ++r.requests;
+        in.reserved += reqs[q].input_length - lr.hit + reqs[q].output_length;
+        in.live.push_back(std::move(lr));
+        return true;
+    };
+    // lpm, one round: looks up the cached prefix of the first `schedule_window` waiting requests (admissions
+    // attach and place nothing, so the cache's blocks do not change during the step), then admits in that
+    // order, longest first; one that shares a block being computed waits for the next step, and the first
+    // that does not fit ends the admissions of the step. Returns the requests admitted.
+    const auto lpm_round = [&](instance& in) {
+        const size_t n = std::min<size_t>(o.schedule_window, in.queue.size());
+        in.order.clear();
+        for (size_t i = 0; i < n; ++i) {
+            make_prompt(in.queue[i]);
+            uint32_t m = 0;  // one waiting request: no order to find, no lookup
+            if (n > 1) timed(in, [&] { m = in.be->cached_prefix(in.queue[i].prompt); });
+            in.order.emplace_back(m, i);
+        }
+        std::stable_sort(in.order.begin(), in.order.end(),
+                         [](const auto& a, const auto& b) { return a.first > b.first; });
+        in.taken.assign(n, false);
+        size_t admitted = 0;
+        for (const auto& c : in.order) {
+            if (in.live.size() >= o.concurrency) break;
+            if (defer && deferred(in, in.queue[c.second].req)) continue;
+            if (!admit(in, in.queue[c.second])) {
+                in.may_fit = false;
+                break;
+            }
+            in.taken[c.second] = true;
+            ++admitted;
+        }
+        size_t kept = 0;  // the first n without the admitted ones, in arrival order
+        for (size_t i = 0; i < n; ++i)
+            if (!in.taken[i]) {
+                if (kept != i) in.queue[kept] = std::move(in.queue[i]);
+                ++kept;
+            }
+        in.queue.erase(in.queue.begin() + static_cast<std::ptrdiff_t>(kept),
+                       in.queue.begin() + static_cast<std::ptrdiff_t>(n));
+        return admitted;
+    };
+    // lpm: rounds until one admits nothing, one does not fit or every sequence is live. A step's first
+    // round admits or does not fit (nothing is being computed yet), and admissions run only when the queue
+    // may fit (after an admission or an end), so the lookups per request are at most 3 x schedule_window.
+    const auto admit_lpm = [&](instance& in) {
+        while (in.may_fit && !in.queue.empty() && in.live.size() < o.concurrency)
+            if (lpm_round(in) == 0) break;
+    };
+
     while (done < reqs.size()) {
-        // arrivals
+        // arrivals, in trace order; a follow-up waiting for the answer it continues arrives once it is
+        // there (ready), before any later request
         if (o.respect_arrival) {
-            if (in_system == 0 && next < reqs.size())  // idle: skip to the next arrival
+            if (in_system == 0 && ready.empty() && next < reqs.size())  // idle: skip to the next arrival
                 step = std::max<uint64_t>(step,
                                           static_cast<uint64_t>(std::ceil(reqs[next].timestamp / o.step_ms)));
-            while (next < reqs.size() && reqs[next].timestamp <= static_cast<double>(step) * o.step_ms)
-                arrive(next++);
+            while (next < reqs.size() && reqs[next].timestamp <= static_cast<double>(step) * o.step_ms) {
+                if (!hold(next)) arrive(next);
+                ++next;
+            }
+            for (; !ready.empty(); ready.pop()) arrive(ready.top());
         } else {  // closed loop: a request arrives when a sequence is free for it
-            while (next < reqs.size() && in_system < static_cast<size_t>(o.concurrency) * n_inst)
-                arrive(next++);
-        }
-        // admissions, in arrival order: the head waits until it fits. Every instance admits before any
-        // steps, so that what one reads from a shared tier was written before this round.
-        size_t live_now = 0;
-        for (instance& in : inst) {
-            sim_result& r = in.r;
-            in.computing.clear();
-            while (in.may_fit && !in.queue.empty() && in.live.size() < o.concurrency) {
-                const size_t q = in.queue.front();
-                if (defer && std::any_of(reqs[q].hash_ids.begin(), reqs[q].hash_ids.end(),
-                                         [&](uint64_t id) { return in.computing.count(id) != 0; }))
-                    break;  // part of its prompt is being computed in this step: attach it at the next
-                live_request lr;
-                lr.req = q;
-                lr.seq = in.free_seqs.back();
-                if (tokens) prompt_tokens(reqs[q], o.trace_block, lr.prompt);
-                std::optional<uint32_t> hit;
-                timed(in,
-                      [&] { hit = in.be->start(lr.seq, q, lr.prompt, reqs[q].output_length, in.reserved); });
-                if (!hit) {
-                    in.may_fit = false;
+            while (in_system < static_cast<size_t>(o.concurrency) * n_inst) {
+                while (next < reqs.size() && hold(next)) ++next;
+                if (!ready.empty() && (next == reqs.size() || ready.top() < next)) {
+                    arrive(ready.top());
+                    ready.pop();
+                } else if (next < reqs.size()) {
+                    arrive(next++);
+                } else {
                     break;
                 }
-                in.free_seqs.pop_back();
-                in.queue.pop_front();
-                lr.hit = *hit;
-                if (defer)
-                    for (size_t k = lr.hit / o.trace_block; k < reqs[q].hash_ids.size(); ++k)
-                        in.computing.insert(reqs[q].hash_ids[k]);
-                const uint64_t waited = step - arrived[q];
-                r.queued += waited > 0;
-                r.wait_steps += waited;
-                r.max_wait_steps = std::max(r.max_wait_steps, waited);
-                r.prompt_tokens += reqs[q].input_length;
-                r.hit_tokens += lr.hit;
-                ++r.requests;
-                in.reserved += reqs[q].input_length - lr.hit + reqs[q].output_length;
-                in.live.push_back(std::move(lr));
             }
+        }
+        // admissions: the head (fcfs) or the first of the round's order (lpm) waits until it fits. Every
+        // instance admits before any steps, so that what one reads from a shared tier was written before
+        // this round.
+        size_t live_now = 0;
+        for (instance& in : inst) {
+            in.computing.clear();
+            if (lpm)
+                admit_lpm(in);
+            else
+                while (in.may_fit && !in.queue.empty() && in.live.size() < o.concurrency) {
+                    if (defer && deferred(in, in.queue.front().req))
+                        break;  // part of its prompt is being computed in this step: attach it at the next
+                    if (!admit(in, in.queue.front())) {
+                        in.may_fit = false;
+                        break;
+                    }
+                    in.queue.pop_front();
+                }
             live_now += in.live.size();
         }
         if (live_now == 0)  // the budget was checked: an idle cache holds any request
@@ -368,6 +478,11 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
                 }
                 timed(in, [&] { in.be->finish(l.seq); });
                 in.free_seqs.push_back(l.seq);
+                if (o.wait_answer) {  // its follow-ups have their answer: they arrive from the next step
+                    ended[l.req] = true;
+                    for (size_t c : held_by[l.req]) ready.push(c);
+                    held_by[l.req] = {};
+                }
                 in.live[i] = std::move(in.live.back());
                 in.live.pop_back();
                 ++done;
@@ -408,6 +523,7 @@ sim_result run_sim(const std::vector<sim_request>& reqs, sim_policy policy, cons
         r.peak_live_cells = peak_live_cells;
     }
     r.requests = reqs.size();
+    if (lpm) r.schedule = sim_schedule::lpm;
     for (size_t i = 0; i < o.tiers.stores.size(); ++i) {
         if (r.tiers.size() <= i) r.tiers.resize(i + 1);
         r.tiers[i].where = o.tiers.stores[i]->describe();

@@ -51,6 +51,16 @@ enum class sim_route : uint8_t {
 };
 const char* to_string(sim_route r);
 
+/// The order in which an instance admits its waiting requests (kvcache only: llama.cpp's server and `none`
+/// admit in arrival order).
+enum class sim_schedule : uint8_t {
+    fcfs,  ///< arrival order: the head of the queue waits until it fits
+    /// longest cached prefix first among the first `schedule_window` waiting requests, ties in arrival
+    /// order (SGLang's --schedule-policy lpm); the first of that order that does not fit waits
+    lpm,
+};
+const char* to_string(sim_schedule s);
+
 struct sim_options {
     uint32_t budget = 0;         ///< cells (tokens) of the cache
     uint32_t concurrency = 64;   ///< live requests at most (sequences, slots)
@@ -58,12 +68,19 @@ struct sim_options {
     uint32_t cache_block = 16;   ///< tokens per prefix-cache block
     evict_policy evict = evict_policy::lru;
     bool respect_arrival = false;  ///< wait for timestamps (else a request arrives when a slot is free)
-    double step_ms = 20;           ///< simulated time per step when timestamps are respected
-    uint32_t n_ubatch = 4096;      ///< tokens per ubatch when placing a step's batch
+    /// a request that continues an earlier one (follow_ups: a conversation's next turn) arrives only after
+    /// that one ended, as a client sends the next turn once it has the answer
+    bool wait_answer = false;
+    double step_ms = 20;       ///< simulated time per step when timestamps are respected
+    uint32_t n_ubatch = 4096;  ///< tokens per ubatch when placing a step's batch
     /// kvcache: a request sharing a trace block with what a request admitted in the same step is about to
     /// compute waits one step, so that it attaches that prefix instead of computing it again (SGLang's
     /// in-batch prefix sharing does the same).
     bool defer_shared = true;
+    sim_schedule schedule = sim_schedule::fcfs;  ///< kvcache: the admission order
+    /// lpm: waiting requests (the first in arrival order) whose cached prefix is looked up at each
+    /// admission round; bounds the lookups per admitted request
+    uint32_t schedule_window = 64;
     sim_memory memory = sim_memory::kv;
     uint32_t snapshot_interval = 64;  ///< recurrent, hybrid: kvcache's snapshot every N blocks
     /// recurrent, hybrid: kvcache's snapshot pool (0: what the budget's memory holds, a tenth of it for
@@ -102,6 +119,7 @@ struct sim_tier_result {
 /// What one policy did with one trace at one budget.
 struct sim_result {
     sim_policy policy = sim_policy::kvcache;
+    sim_schedule schedule = sim_schedule::fcfs;  ///< the admission order (lpm: kvcache only)
     uint64_t budget_tokens = 0;
     uint64_t requests = 0;
     uint64_t prompt_tokens = 0;
@@ -142,6 +160,9 @@ struct sim_result {
         return prompt_tokens ? bookkeeping_ns / static_cast<double>(prompt_tokens) : 0;
     }
 };
+
+/// The result's name in tables, plots and JSON: the policy, "kvcache-lpm" for kvcache admitting by lpm.
+std::string label(const sim_result& r);
 
 /// Replays `reqs` through `policy`. Throws kvc::error when a request is larger than the budget (before
 /// anything runs) or an option is out of range.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -61,11 +62,12 @@ std::string plot_hit_rates(const std::vector<sim_result>& results, const trace_s
                         L, fy(ideal), L + pw, fy(ideal));
     // one line per policy, in the order they first appear
     static const char* colours[] = {"#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#9c755f"};
-    std::vector<sim_policy> order;
-    std::map<sim_policy, std::vector<std::pair<double, double>>> lines;
+    std::vector<std::string> order;  // labels: kvcache once per admission order
+    std::map<std::string, std::vector<std::pair<double, double>>> lines;
     for (size_t i = 0; i < results.size(); ++i) {
-        if (!lines.count(results[i].policy)) order.push_back(results[i].policy);
-        lines[results[i].policy].emplace_back(xs[i], results[i].hit_rate());
+        const std::string name = label(results[i]);
+        if (!lines.count(name)) order.push_back(name);
+        lines[name].emplace_back(xs[i], results[i].hit_rate());
     }
     double ly = T + 10;
     for (size_t k = 0; k < order.size(); ++k) {
@@ -79,7 +81,7 @@ std::string plot_hit_rates(const std::vector<sim_result>& results, const trace_s
             body += fmt::format("<circle cx='{}' cy='{}' r='3.5' fill='{}'/>\n", fx(x), fy(y), c);
         body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='{}' stroke-width='2'/>\n",
                             L + pw + 14, ly, L + pw + 40, ly, c);
-        body += svg_text(L + pw + 46, ly + 4, 12, to_string(order[k]));
+        body += svg_text(L + pw + 46, ly + 4, 12, order[k]);
         ly += 20;
     }
     body += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='#888888' stroke-dasharray='6,4'/>\n",

@@ -4,7 +4,9 @@
 #include <fstream>
 #include <istream>
 #include <ostream>
+#include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -137,6 +139,30 @@ trace_stats analyse_trace(const std::vector<sim_request>& reqs, uint32_t trace_b
         st.unique_tokens += r.input_length - full * cache_block;  // a partial tail is never reused
     }
     return st;
+}
+
+std::vector<int64_t> follow_ups(const std::vector<sim_request>& reqs) {
+    // ids are chained, so a request's last id and their count name all its ids: the latest request that
+    // ends with each (id, count)
+    struct key_hash {
+        size_t operator()(const std::pair<uint64_t, size_t>& k) const {
+            return std::hash<uint64_t>{}(k.first * 0x9E3779B97F4A7C15ull + k.second);
+        }
+    };
+    std::unordered_map<std::pair<uint64_t, size_t>, size_t, key_hash> ends;
+    std::vector<int64_t> parent(reqs.size(), -1);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+        const std::vector<uint64_t>& ids = reqs[i].hash_ids;
+        for (size_t n = ids.size(); n > 0; --n) {  // the longest continued prompt first
+            const auto it = ends.find({ids[n - 1], n});
+            if (it != ends.end() && reqs[it->second].input_length < reqs[i].input_length) {
+                parent[i] = static_cast<int64_t>(it->second);
+                break;
+            }
+        }
+        if (!ids.empty()) ends[{ids.back(), ids.size()}] = i;
+    }
+    return parent;
 }
 
 }  // namespace kvc::cli

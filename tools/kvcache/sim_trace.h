@@ -47,6 +47,11 @@ struct trace_stats {
 };
 trace_stats analyse_trace(const std::vector<sim_request>& reqs, uint32_t trace_block, uint32_t cache_block);
 
+/// For each request, the latest earlier one it continues (its follow-up): one whose hash_ids are all the
+/// first of its own and whose prompt is shorter (the turn before, in a conversation); -1 when none. A
+/// request with the same ids and length (a sample of the same prompt) continues nothing.
+std::vector<int64_t> follow_ups(const std::vector<sim_request>& reqs);
+
 /// Key of cache block k of a prompt (the k-th `cache_block` tokens): its trace block's id and place.
 inline uint64_t cache_block_key(const sim_request& r, uint32_t k, uint32_t per_trace_block) {
     return r.hash_ids[k / per_trace_block] * per_trace_block + k % per_trace_block;
