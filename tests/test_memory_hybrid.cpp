@@ -556,13 +556,14 @@ memory_hybrid_params iswa_prefix_params(uint32_t max_snapshots, uint32_t interva
     return p;
 }
 
+// 41 tokens: the prompt's end (its newest boundary before the last token) is at 40
 std::vector<token_t> long_prompt(int i) {
-    std::vector<token_t> t(40);
+    std::vector<token_t> t(41);
     for (size_t j = 0; j < t.size(); ++j) t[j] = 1000 * i + static_cast<int>(j);
     return t;
 }
 
-// Twelve prompts of 40 tokens through a 256-cell SWA cache: it evicts the windows of old ones. A snapshot
+// Twelve prompts of 41 tokens through a 256-cell SWA cache: it evicts the windows of old ones. A snapshot
 // whose window went is dropped, and the base blocks that led only to it go too, so what stays is whole
 // hits: every snapshot has its chain and window (lookups find it), and the base cache keeps 10 blocks
 // per snapshot and no more.
@@ -641,17 +642,18 @@ TEST(memory_hybrid, a_window_before_a_shallower_snapshot_is_checked) {
     p.prefix = {.enabled = true, .block_size = 4, .snapshot_interval = 0};
     memory_hybrid m(p);
     auto& kv = dynamic_cast<kv_cache&>(m.get_attn());
-    std::vector<token_t> t(24);
+    std::vector<token_t> t(25);
     for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<token_t>(10 + i);
     const auto upto = [&t](size_t n) {  // t[0, n) and a token of no prompt
         std::vector<token_t> q(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n));
         q.push_back(999);
         return q;
     };
-    // three prompt batches: snapshots at 4, 16 and 24, blocks 0-5 of K/V
-    decode_prompt(m, 0, {t.begin(), t.begin() + 4});
-    decode_prompt(m, 0, {t.begin() + 4, t.begin() + 16}, 4);
-    decode_prompt(m, 0, {t.begin() + 16, t.end()}, 16);
+    // three prompt batches: snapshots at 4, 16 and 24 (their ends: the boundaries before their last
+    // tokens), blocks 0-5 of K/V
+    decode_prompt(m, 0, {t.begin(), t.begin() + 5});
+    decode_prompt(m, 0, {t.begin() + 5, t.begin() + 17}, 5);
+    decode_prompt(m, 0, {t.begin() + 17, t.end()}, 17);
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     ASSERT_EQ(m.prefix_lookup(upto(24)), 24u);
     // the eviction order, set through the attention part alone: every block but block 2 is hit again
