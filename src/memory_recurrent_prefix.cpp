@@ -120,16 +120,8 @@ bool memory_recurrent::prefix_state::known(snap_kind kind) const {
 }
 
 bool memory_recurrent::prefix_state::cold(snap_kind kind) const {
-    const auto ratio = [this](snap_kind k) {
-        const kind_use& u = use[static_cast<size_t>(k)];
-        return known(k) ? static_cast<double>(u.used) / std::max<uint32_t>(u.taken, 1) : -1.0;
-    };
-    const double r = ratio(kind);
-    if (r < 0) return false;
-    double best = 0;
-    for (snap_kind k : {snap_kind::interval, snap_kind::prompt_end, snap_kind::sequence_end})
-        best = std::max(best, ratio(k));
-    return r * 8 < best;
+    const kind_use& u = use[static_cast<size_t>(kind)];
+    return known(kind) && uint64_t{u.used} * 16 < u.taken;
 }
 
 void memory_recurrent::prefix_state::enqueue(uint32_t slot, snap_kind kind) {
@@ -143,16 +135,16 @@ void memory_recurrent::prefix_state::enqueue(uint32_t slot, snap_kind kind) {
     queue.push(slot, index.at(slot_block[slot]).priority, first);
 }
 
-// A prompt going on from the snapshot it resumed from (or from its previous prompt's end) makes that one
-// useless to whoever sent it: conversations and agents come back to the newest end only. Only prompts that
-// leave the chain between the two can use it, which none has done while its block has one child. Interval
-// snapshots are not superseded this way (they are taken for prompts that branch off), and neither is
-// anything by decoded tokens (whether the next prompt repeats them is up to the client).
-void memory_recurrent::prefix_state::passed(recurrent_tracker& t, uint32_t id, bool end) {
+// A prompt going on from a snapshot (the one it resumed from, or one it took) to a deeper one makes the
+// first useless to whoever sent it: conversations and agents come back to their newest end only. Only
+// prompts that leave the chain between the two can use it, which none has done while its block has one
+// child (where one does, a branch snapshot is taken: prefix_attach). Decoded tokens supersede nothing:
+// whether the next prompt repeats them is up to the client.
+void memory_recurrent::prefix_state::passed(recurrent_tracker& t, uint32_t id) {
     if (t.last != none && t.last != id && index.alive(t.last, t.last_gen) && has_snapshot(t.last) &&
         index.at(t.last).n_children <= 1)
         queue.demote(block_slot[t.last]);
-    t.last = end ? id : none;
+    t.last = id;
     t.last_gen = index.at(id).gen;
 }
 
@@ -245,11 +237,11 @@ void memory_recurrent::check_prefix_tokens(std::span<const token_t> tokens, cons
 }
 
 int64_t memory_recurrent::prefix_state::deepest(std::span<const token_t> tokens, uint64_t key,
-                                                std::vector<uint32_t>& chain) const {
+                                                std::vector<uint32_t>& chain, size_t limit) const {
     index.match(key, tokens, chain);
+    limit = std::min(limit, tokens.size());
     for (auto d = static_cast<int64_t>(chain.size()) - 1; d >= 0; --d)
-        if ((static_cast<uint64_t>(d) + 1) * bs < tokens.size() &&
-            has_snapshot(chain[static_cast<size_t>(d)]))
+        if ((static_cast<uint64_t>(d) + 1) * bs < limit && has_snapshot(chain[static_cast<size_t>(d)]))
             return d;
     return -1;
 }
@@ -285,13 +277,18 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     const auto usable = tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1));
     tier_fetch(usable, key);  // a deeper snapshot than memory's, from the tiers
     std::vector<uint32_t> chain;
-    const int64_t d = ps.deepest(usable, key, chain);
+    const int64_t d = ps.deepest(tokens, key, chain, usable.size());
     recurrent_tracker& t = ps.seqs[static_cast<size_t>(seq_id)];
     ps.stop(t);
     t = recurrent_tracker{};
     t.key = key;
     t.priority = priority;
     if (key != 0) t.prompt.assign(tokens.begin(), tokens.end());  // what embeddings at [n, size) stand for
+    // where the prompt leaves a chain other prompts went on along: a branch point the next prompts of that
+    // chain will come back to, whose state this one computes anyway
+    if (chain.size() > static_cast<size_t>(d + 1) && !ps.has_snapshot(chain.back()) &&
+        tokens.size() > chain.size() * ps.bs)
+        t.fork = chain.size() * ps.bs;
     if (d < 0) return 0;
     const auto n_blocks = static_cast<uint32_t>(d + 1);
     for (uint32_t j = 0; j < n_blocks; ++j) {
@@ -321,7 +318,7 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     t.n_full = n_blocks;
     t.tail = id;
     t.tail_gen = ps.index.at(id).gen;
-    ps.passed(t, id, /*end=*/true);
+    ps.passed(t, id);
     ps.hold(id);
     const uint32_t n = n_blocks * ps.bs;
     ps.stats.hit_tokens += n;
@@ -365,12 +362,16 @@ void memory_recurrent::prefix_publish() {
             if (ps.has_snapshot(t.tail)) {  // another sequence left the same state there
                 ps.free_slot(p.slot);
                 if (!p.kept) t.roll = none;
-                if (p.prompt) ps.passed(t, t.tail, p.end);
+                if (p.prompt) ps.passed(t, t.tail);
                 continue;
             }
             using kind = prefix_state::snap_kind;
-            ps.publish(p.slot, t.tail, !p.kept ? kind::rolling : p.end ? kind::prompt_end : kind::interval);
-            if (p.prompt) ps.passed(t, t.tail, p.end);
+            ps.publish(p.slot, t.tail,
+                       !p.kept  ? kind::rolling
+                       : p.end  ? kind::prompt_end
+                       : p.fork ? kind::branch
+                                : kind::interval);
+            if (p.prompt) ps.passed(t, t.tail);
             if (p.kept && ps.tiers.write_through()) ps.tiers.published.emplace_back(t.tail, t.tail_gen);
             if (!p.kept) {
                 t.roll = t.tail;
@@ -463,10 +464,11 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
         const uint64_t every = uint64_t{ps.interval} * bs;
         const size_t first = ps.requests.size();
         for (uint64_t B = (n0 / bs + 1) * bs; B < last; B += bs)
-            if ((every > 0 && B % every == 0) || B == end)
-                ps.requests.push_back({s, b, B, true, prompt, B == end});
-        ps.requests.push_back(
-            {s, b, last, last == end || (every > 0 && last % every == 0), prompt, last == end});
+            if ((every > 0 && B % every == 0) || B == end || B == t.fork)
+                ps.requests.push_back({s, b, B, true, prompt, B == end, B == t.fork});
+        ps.requests.push_back({s, b, last, last == end || last == t.fork || (every > 0 && last % every == 0),
+                               prompt, last == end, last == t.fork});
+        if (t.fork <= last) t.fork = 0;
         // its rolling snapshot gives way to the new ones
         for (auto it = t.snaps.begin(); it != t.snaps.end(); ++it)
             if (!it->kept) {
@@ -526,7 +528,7 @@ void memory_recurrent::prefix_record(const ubatch& ub, rs_slot& slot) {
             if (req->kept && ps.n_kept > 0) --ps.n_kept;
             const uint32_t sl = ps.take_slot();
             if (sl == none) continue;  // the pool is full of snapshots in use
-            t.snaps.push_back({req->boundary, sl, req->kept, req->prompt, req->end});
+            t.snaps.push_back({req->boundary, sl, req->kept, req->prompt, req->end, req->fork});
             ps.snaps.push_back({b, static_cast<uint32_t>(req->boundary - 1 - n0), row0 + sl});
             any = true;
         }

@@ -514,5 +514,28 @@ TEST(memory_recurrent_prefix, chats_learn_to_resume_where_the_previous_turn_ende
     m.validate();
 }
 
+// A prompt that leaves a chain of the index where no snapshot is (a shared system prompt followed by
+// another conversation) takes one there as it computes through it: the next prompts branching there
+// resume at it.
+TEST(memory_recurrent_prefix, a_prompt_leaving_a_chain_takes_a_snapshot_where_it_leaves_it) {
+    memory_recurrent m(make_params(0, 0, 8));
+    std::vector<token_t> system(20);
+    for (size_t i = 0; i < system.size(); ++i) system[i] = static_cast<token_t>(1 + i);
+    const auto conversation = [&](token_t first) {
+        std::vector<token_t> p = system;
+        for (token_t i = 0; i < 9; ++i) p.push_back(first + i);
+        return p;
+    };
+    const std::vector<token_t> a = conversation(100), b = conversation(200), c = conversation(300);
+    feed(m, 0, 0, a);  // its end at 28: nothing at 20
+    ASSERT_TRUE(m.seq_rm(0, -1, -1));
+    EXPECT_EQ(m.prefix_attach(1, b), 0u);
+    feed(m, 1, 0, b);  // leaves a's chain at 20
+    ASSERT_TRUE(m.seq_rm(1, -1, -1));
+    EXPECT_EQ(m.prefix_attach(2, c), 20u);
+    EXPECT_TRUE(state_is(m, 2, system));
+    m.validate();
+}
+
 }  // namespace
 }  // namespace kvc

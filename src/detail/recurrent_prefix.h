@@ -30,6 +30,7 @@ struct recurrent_tracker {
         bool kept = false;    // false: the sequence's rolling snapshot, dropped when it takes its next one
         bool prompt = false;  // taken while a prompt was processed (several tokens of the sequence)
         bool end = false;     // at the newest boundary of that prompt
+        bool fork = false;    // where that prompt left a chain of the index
     };
     bool active = true;
     uint8_t priority = prefix_default_priority;  // of the blocks it publishes
@@ -41,10 +42,11 @@ struct recurrent_tracker {
     std::vector<pending> snaps;                  // ascending boundaries
     uint32_t roll = detail::prefix_index::none;  // the block of its published rolling snapshot
     uint32_t roll_gen = 0;
-    // the block of the snapshot it resumed from, or of its last prompt's end
+    // the block of the snapshot it resumed from or its prompt took last
     uint32_t last = detail::prefix_index::none;
     uint32_t last_gen = 0;
     std::vector<token_t> prompt;  // with a key: the attached prompt, which embeddings fed later stand for
+    uint64_t fork = 0;            // a boundary where its prompt leaves a chain of the index: kept (0: none)
 };
 
 struct memory_recurrent::prefix_state {
@@ -52,8 +54,8 @@ struct memory_recurrent::prefix_state {
     // What a snapshot was taken for. How often each kind is resumed from decides where new ones enter the
     // eviction order: conversations come back to prompt ends (or to where sequences ended, when clients
     // send back what was decoded), shared documents to interval snapshots.
-    enum class snap_kind : uint8_t { rolling, interval, prompt_end, sequence_end, fetched };
-    static constexpr size_t n_kinds = 5;
+    enum class snap_kind : uint8_t { rolling, interval, prompt_end, sequence_end, branch, fetched };
+    static constexpr size_t n_kinds = 6;
     struct kind_use {
         uint32_t taken = 0;  // published (halved with `used` past kind_window: recent use counts)
         uint32_t used = 0;   // resumed from
@@ -67,6 +69,7 @@ struct memory_recurrent::prefix_state {
         bool kept = false;
         bool prompt = false;
         bool end = false;
+        bool fork = false;
     };
 
     detail::prefix_index index;
@@ -105,7 +108,9 @@ struct memory_recurrent::prefix_state {
     bool has_snapshot(uint32_t id) const { return id < block_slot.size() && block_slot[id] != none; }
     // The depth of the deepest block of the chain of `tokens` with a snapshot that resumes before the last
     // token; -1 if none. chain: the matched blocks.
-    int64_t deepest(std::span<const token_t> tokens, uint64_t key, std::vector<uint32_t>& chain) const;
+    // limit: the snapshot resumes before min(limit, tokens.size()).
+    int64_t deepest(std::span<const token_t> tokens, uint64_t key, std::vector<uint32_t>& chain,
+                    size_t limit = SIZE_MAX) const;
     // Whether block b of ub continues t in order, with tokens it knows.
     bool in_order(const recurrent_tracker& t, const ubatch& ub, uint32_t b) const;
 
@@ -125,9 +130,8 @@ struct memory_recurrent::prefix_state {
     // Whether enough of a kind was published or resumed from to tell how useful it is.
     bool known(snap_kind kind) const;
     void enqueue(uint32_t slot, snap_kind kind);  // a published snapshot, or a rolling one kept
-    // t's prompt reached the snapshot of block id (its end: `end`): the one t resumed from or its last
-    // prompt's end is superseded
-    void passed(recurrent_tracker& t, uint32_t id, bool end);
+    // t's prompt reached the snapshot of block id: the one t resumed from or took before is superseded
+    void passed(recurrent_tracker& t, uint32_t id);
     void drop_snapshot(uint32_t id);  // the block keeps its place in the chain
     // The first snapshot in eviction order (if rolling_only, only if it is a rolling one), with the blocks
     // only it served.
