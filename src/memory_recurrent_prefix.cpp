@@ -124,13 +124,45 @@ bool memory_recurrent::prefix_state::cold(snap_kind kind) const {
     return known(kind) && uint64_t{u.used} * 16 < u.taken;
 }
 
-void memory_recurrent::prefix_state::enqueue(uint32_t slot, snap_kind kind) {
-    slot_kind[slot] = kind;
+void memory_recurrent::prefix_state::taken(snap_kind kind) {
     kind_use& u = use[static_cast<size_t>(kind)];
     if (++u.taken >= kind_window) {
         u.taken /= 2;
         u.used /= 2;
     }
+}
+
+void memory_recurrent::prefix_state::ghost(const recurrent_tracker& t) {
+    if (!t.active || (t.tail != none && !index.alive(t.tail, t.tail_gen))) return;
+    uint64_t h = t.tail != none ? index.at(t.tail).hash : t.key;
+    const size_t full = t.toks.size() / bs * bs;
+    if (t.tail == none && full == 0) return;
+    for (size_t i = 0; i < full; i += bs) h = detail::prefix_index::chain_hash(h, {t.toks.data() + i, bs});
+    if (ghosts.size() == max_ghosts) {
+        ghost_set.erase(ghosts.front());
+        ghosts.pop_front();
+    }
+    ghosts.push_back(h);
+    ghost_set.insert(h);
+    taken(snap_kind::sequence_end);
+}
+
+void memory_recurrent::prefix_state::find_ghost(std::span<const token_t> tokens, uint64_t key, uint64_t seed,
+                                                uint64_t from) {
+    if (ghost_set.empty()) return;
+    uint64_t h = from == 0 ? key : seed;
+    for (uint64_t b = from; b + bs < tokens.size(); b += bs) {
+        h = detail::prefix_index::chain_hash(h, tokens.subspan(b, bs));
+        if (ghost_set.erase(h) > 0) {
+            ++use[static_cast<size_t>(snap_kind::sequence_end)].used;
+            return;
+        }
+    }
+}
+
+void memory_recurrent::prefix_state::enqueue(uint32_t slot, snap_kind kind) {
+    slot_kind[slot] = kind;
+    taken(kind);
     const bool first = kind != snap_kind::fetched && cold(kind) && ++n_cold % 16 != 0;
     queue.push(slot, index.at(slot_block[slot]).priority, first);
 }
@@ -175,6 +207,8 @@ void memory_recurrent::prefix_state::stop(recurrent_tracker& t) {
     // its rolling snapshot is the state where it ended: kept now
     if (t.roll != none && index.alive(t.roll, t.roll_gen) && has_snapshot(t.roll))
         enqueue(block_slot[t.roll], snap_kind::sequence_end);
+    else
+        ghost(t);
     const uint32_t tail = t.tail;
     const bool held = tail != none && index.alive(tail, t.tail_gen);
     t.active = false;
@@ -289,6 +323,8 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     if (chain.size() > static_cast<size_t>(d + 1) && !ps.has_snapshot(chain.back()) &&
         tokens.size() > chain.size() * ps.bs)
         t.fork = chain.size() * ps.bs;
+    ps.find_ghost(tokens, key, d < 0 ? key : ps.index.at(chain[static_cast<size_t>(d)]).hash,
+                  static_cast<uint64_t>(d + 1) * ps.bs);
     if (d < 0) return 0;
     const auto n_blocks = static_cast<uint32_t>(d + 1);
     for (uint32_t j = 0; j < n_blocks; ++j) {
@@ -419,7 +455,9 @@ prefix_stats memory_recurrent::get_prefix_stats() const {
                      (ps.holders.capacity() + ps.block_slot.capacity() + ps.slot_block.capacity() +
                       ps.free_slots.capacity()) *
                          sizeof(uint32_t) +
-                     ps.slots.capacity();
+                     ps.slots.capacity() + ps.slot_kind.capacity() + ps.queue.bytes() +
+                     ps.ghosts.size() * sizeof(uint64_t) +
+                     ps.ghost_set.size() * (sizeof(uint64_t) + 2 * sizeof(void*));  // a node and a bucket
     for (const recurrent_tracker& t : ps.seqs)
         st.index_bytes += sizeof(t) + (t.toks.capacity() + t.prompt.capacity()) * sizeof(token_t) +
                           t.snaps.capacity() * sizeof(recurrent_tracker::pending);
@@ -487,9 +525,9 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
     ps.n_kept = static_cast<uint32_t>(
         std::count_if(ps.requests.begin(), ps.requests.end(), [](const auto& r) { return r.kept; }));
     while (ps.free_slots.size() < ps.n_kept && ps.evict_one(false)) {}
-    // until sequence ends are known to be used, one plan in 16 lets them in, to learn whether they are
+    // (whether they are used is learnt from ghosts while they are not kept)
     using kind = prefix_state::snap_kind;
-    const bool rolls = ps.known(kind::sequence_end) ? !ps.cold(kind::sequence_end) : ++ps.n_explore % 16 == 0;
+    const bool rolls = ps.known(kind::sequence_end) && !ps.cold(kind::sequence_end);
     while (ps.free_slots.size() < ps.requests.size() && ps.evict_one(!rolls)) {}
     tier_flush();  // the snapshots evicted, when they go to the tiers
     ps.snaps.clear();

@@ -9,7 +9,9 @@
 
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <unordered_set>
 #include <vector>
 
 #include <kvcache/memory_recurrent.h>
@@ -83,8 +85,12 @@ struct memory_recurrent::prefix_state {
     std::vector<uint32_t> slot_block;     // [slots] the block a published snapshot belongs to
     std::vector<snap_kind> slot_kind;     // [slots]
     std::array<kind_use, n_kinds> use{};
-    uint32_t n_cold = 0;               // snapshots of cold kinds published: one in 16 enters as others
-    uint32_t n_explore = 0;            // plans while sequence ends are not known
+    uint32_t n_cold = 0;  // snapshots of cold kinds published: one in 16 enters as others
+    // Where sequences that kept no snapshot ended (chain hashes, the newest 256): a prompt that goes past
+    // one counts as a use of sequence ends, so their use is learnt without keeping them (as ARC's ghosts)
+    std::deque<uint64_t> ghosts;
+    std::unordered_set<uint64_t> ghost_set;
+    static constexpr size_t max_ghosts = 256;
     std::vector<slot_state> slots;     // [slots]
     std::vector<uint32_t> free_slots;  // min-heap: the lowest free slot is taken first
     uint32_t top = 0;                  // slots [0, top) may hold memory (fit_snapshots)
@@ -130,6 +136,10 @@ struct memory_recurrent::prefix_state {
     // Whether enough of a kind was published or resumed from to tell how useful it is.
     bool known(snap_kind kind) const;
     void enqueue(uint32_t slot, snap_kind kind);  // a published snapshot, or a rolling one kept
+    void taken(snap_kind kind);                   // counts a snapshot of that kind kept (or a ghost)
+    void ghost(const recurrent_tracker& t);       // t ends without a snapshot there: remember where
+    // A prompt resumed at `from` (0: nothing) went past a ghost: a sequence end would have served.
+    void find_ghost(std::span<const token_t> tokens, uint64_t key, uint64_t seed, uint64_t from);
     // t's prompt reached the snapshot of block id: the one t resumed from or took before is superseded
     void passed(recurrent_tracker& t, uint32_t id);
     void drop_snapshot(uint32_t id);  // the block keeps its place in the chain
