@@ -111,9 +111,6 @@ void memory_recurrent::prefix_state::publish(uint32_t slot, uint32_t id, snap_ki
     ++stats.snapshots_saved;
 }
 
-// Like an adaptive insertion policy of a CPU cache: a kind of snapshot that is seldom resumed from enters
-// at the head of the queue, so one that is never used costs a row for a moment only; one in 16 enters at
-// the tail all the same, so a kind that becomes useful is seen to be.
 bool memory_recurrent::prefix_state::known(snap_kind kind) const {
     const kind_use& u = use[static_cast<size_t>(kind)];
     return u.taken + u.used >= 32;  // a kind taken rarely but resumed from often is known by its uses
@@ -147,10 +144,10 @@ void memory_recurrent::prefix_state::ghost(const recurrent_tracker& t) {
     taken(snap_kind::sequence_end);
 }
 
-void memory_recurrent::prefix_state::find_ghost(std::span<const token_t> tokens, uint64_t key, uint64_t seed,
+void memory_recurrent::prefix_state::find_ghost(std::span<const token_t> tokens, uint64_t seed,
                                                 uint64_t from) {
     if (ghost_set.empty()) return;
-    uint64_t h = from == 0 ? key : seed;
+    uint64_t h = seed;
     for (uint64_t b = from; b + bs < tokens.size(); b += bs) {
         h = detail::prefix_index::chain_hash(h, tokens.subspan(b, bs));
         if (ghost_set.erase(h) > 0) {
@@ -160,6 +157,9 @@ void memory_recurrent::prefix_state::find_ghost(std::span<const token_t> tokens,
     }
 }
 
+// Like an adaptive insertion policy of a CPU cache: a kind of snapshot that is seldom resumed from enters
+// at the head of the queue, so one that is never used costs a row for a moment only; one in 16 enters at
+// the tail all the same, so a kind that becomes useful is seen to be.
 void memory_recurrent::prefix_state::enqueue(uint32_t slot, snap_kind kind) {
     slot_kind[slot] = kind;
     taken(kind);
@@ -323,7 +323,7 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
     if (chain.size() > static_cast<size_t>(d + 1) && !ps.has_snapshot(chain.back()) &&
         tokens.size() > chain.size() * ps.bs)
         t.fork = chain.size() * ps.bs;
-    ps.find_ghost(tokens, key, d < 0 ? key : ps.index.at(chain[static_cast<size_t>(d)]).hash,
+    ps.find_ghost(tokens, d < 0 ? key : ps.index.at(chain[static_cast<size_t>(d)]).hash,
                   static_cast<uint64_t>(d + 1) * ps.bs);
     if (d < 0) return 0;
     const auto n_blocks = static_cast<uint32_t>(d + 1);
@@ -521,11 +521,11 @@ void memory_recurrent::prefix_plan(const ubatch& ub, std::span<const std::pair<s
         t.snaps.reserve(t.snaps.size() + ps.requests.size() - first);
     }
     // room in the pool, evicting in policy order; what does not fit is not taken. A rolling snapshot serves
-    // only as where its sequence ends: while that kind is cold, it takes a row from rolling ones only.
+    // only as where its sequence ends: unless sequence ends are known to be used (learnt from ghosts while
+    // they are not kept), it takes a row from rolling ones only.
     ps.n_kept = static_cast<uint32_t>(
         std::count_if(ps.requests.begin(), ps.requests.end(), [](const auto& r) { return r.kept; }));
     while (ps.free_slots.size() < ps.n_kept && ps.evict_one(false)) {}
-    // (whether they are used is learnt from ghosts while they are not kept)
     using kind = prefix_state::snap_kind;
     const bool rolls = ps.known(kind::sequence_end) && !ps.cold(kind::sequence_end);
     while (ps.free_slots.size() < ps.requests.size() && ps.evict_one(!rolls)) {}

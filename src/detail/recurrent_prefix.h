@@ -31,7 +31,7 @@ struct recurrent_tracker {
         uint32_t slot = 0;
         bool kept = false;    // false: the sequence's rolling snapshot, dropped when it takes its next one
         bool prompt = false;  // taken while a prompt was processed (several tokens of the sequence)
-        bool end = false;     // at the newest boundary of that prompt
+        bool end = false;     // at that prompt's end (its newest boundary before its last token)
         bool fork = false;    // where that prompt left a chain of the index
     };
     bool active = true;
@@ -131,15 +131,16 @@ struct memory_recurrent::prefix_state {
     void free_slot(uint32_t slot);
     // The slot's rows are the state at the end of block id.
     void publish(uint32_t slot, uint32_t id, snap_kind kind);
-    // A kind resumed from far less than the most used one: its snapshots enter the queue as the next to go.
+    // A kind resumed from less than once in 16 of its snapshots: they enter the queue as the next to go.
     bool cold(snap_kind kind) const;
     // Whether enough of a kind was published or resumed from to tell how useful it is.
     bool known(snap_kind kind) const;
     void enqueue(uint32_t slot, snap_kind kind);  // a published snapshot, or a rolling one kept
     void taken(snap_kind kind);                   // counts a snapshot of that kind kept (or a ghost)
     void ghost(const recurrent_tracker& t);       // t ends without a snapshot there: remember where
-    // A prompt resumed at `from` (0: nothing) went past a ghost: a sequence end would have served.
-    void find_ghost(std::span<const token_t> tokens, uint64_t key, uint64_t seed, uint64_t from);
+    // Whether the prompt, resumed at `from` (whose chain hash is seed; a root: the key), goes past a ghost:
+    // a sequence end would have served it.
+    void find_ghost(std::span<const token_t> tokens, uint64_t seed, uint64_t from);
     // t's prompt reached the snapshot of block id: the one t resumed from or took before is superseded
     void passed(recurrent_tracker& t, uint32_t id);
     void drop_snapshot(uint32_t id);  // the block keeps its place in the chain
