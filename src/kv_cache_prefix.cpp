@@ -28,7 +28,7 @@ void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) 
         bad(fmt::format("the prefix cache needs one position per token, not n_pos {}", p.n_pos));
     if (q.block_size == 0 || q.block_size > p.kv_size || p.kv_size % q.block_size != 0)
         bad(fmt::format("prefix block_size {} must divide kv_size {}", q.block_size, p.kv_size));
-    if (q.policy != evict_policy::lru && q.policy != evict_policy::slru)
+    if (q.policy > evict_policy::adaptive)
         bad(fmt::format("prefix policy {} unknown", static_cast<int>(q.policy)));
     if (!(q.protected_fraction >= 0.0f && q.protected_fraction <= 1.0f))
         bad(fmt::format("prefix protected_fraction {} must be in [0, 1]", q.protected_fraction));
@@ -406,6 +406,7 @@ uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(c
             break;
         const uint32_t parent = b.parent, stream = b.stream;
         tier_evicting(id);  // it leaves memory as an eviction would
+        ps.index.evicting(id);
         ps.emit(prefix_event::kind::removed, id);
         kv_cells& cells = streams_[stream];
         for (uint32_t c : ps.index.cells(id)) {
@@ -530,6 +531,7 @@ bool kv_cache::prefix_make_room(uint32_t stream, uint32_t n, std::span<const uin
     if (!ps.index.plan_eviction(stream, n - free, plan, keep)) return false;
     for (uint32_t id : plan) {
         tier_evicting(id);  // its rows, while its cells still hold them
+        ps.index.evicting(id);
         ps.emit(prefix_event::kind::removed, id);
         for (uint32_t c : ps.index.cells(id)) {
             cells.unhold(c);  // no sequence holds it: empty now

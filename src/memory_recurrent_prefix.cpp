@@ -18,15 +18,21 @@ namespace kvc {
 
 namespace {
 constexpr uint32_t none = detail::prefix_index::none;
+// The adaptive policy's ghosts learn from K/V blocks evicted one by one; snapshots have their own queue
+// (design D33), so under that policy they follow SLRU.
+evict_policy snapshot_policy(evict_policy p) {
+    return p == evict_policy::adaptive ? evict_policy::slru : p;
+}
 }  // namespace
 
 // -- the state --
 
 memory_recurrent::prefix_state::prefix_state(const prefix_cache_params& p, uint32_t n_seq_max,
                                              uint32_t n_slots)
-    : index(p.block_size, 1, p.policy,
+    : index(p.block_size, 1, snapshot_policy(p.policy),
             static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * n_slots)),
-      queue(n_slots, p.policy, static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * n_slots)),
+      queue(n_slots, snapshot_policy(p.policy),
+            static_cast<uint32_t>(static_cast<double>(p.protected_fraction) * n_slots)),
       bs(p.block_size),
       interval(p.snapshot_interval),
       seqs(n_seq_max),
@@ -241,7 +247,7 @@ void memory_recurrent::prefix_init() {
     };
     if (q.block_size == 0 || q.block_size > 65536)
         bad(fmt::format("prefix block_size {} must be in [1, 65536]", q.block_size));
-    if (q.policy != evict_policy::lru && q.policy != evict_policy::slru)
+    if (q.policy > evict_policy::adaptive)
         bad(fmt::format("prefix policy {} unknown", static_cast<int>(q.policy)));
     if (!(q.protected_fraction >= 0.0f && q.protected_fraction <= 1.0f))
         bad(fmt::format("prefix protected_fraction {} must be in [0, 1]", q.protected_fraction));

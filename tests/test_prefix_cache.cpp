@@ -467,6 +467,37 @@ TEST(prefix_cache, slru_keeps_a_shared_prompt_through_a_burst_of_one_off_prompts
     }
 }
 
+TEST(prefix_cache, adaptive_protects_a_prompt_published_again_after_its_eviction) {
+    // a prompt evicted by a burst and then sent again (a miss: recomputed and published) is protected under
+    // the adaptive policy, whose ghosts remember it, and survives the next burst; SLRU and LRU lose it
+    for (evict_policy policy : {evict_policy::lru, evict_policy::slru, evict_policy::adaptive}) {
+        auto p = prefix_params(32, 2);
+        p.prefix.policy = policy;
+        engine e(p);
+        const auto conv = seq_of({1, 1, 1, 1, 2, 2, 2, 2, 0});
+        const auto burst = [&](token_t from) {  // one-off prompts of one block each: 10 blocks for 8
+            for (token_t t = from; t < from + 10; ++t) {
+                ASSERT_TRUE(e.decode(1, std::vector<token_t>(4, t)));
+                e.c.prefix_publish();
+                e.c.seq_rm(1, -1, -1);
+                e.seqs[1].clear();
+            }
+        };
+        for (int round = 0; round < 2; ++round) {
+            ASSERT_TRUE(e.decode(0, conv));
+            e.c.prefix_publish();
+            e.c.seq_rm(0, -1, -1);
+            e.seqs[0].clear();
+            ASSERT_NO_FATAL_FAILURE(burst(static_cast<token_t>(3 + 10 * round)));
+            if (round == 0) {
+                ASSERT_EQ(e.c.prefix_lookup(conv), 0u) << "the burst must evict it";
+            }
+        }
+        const uint32_t want = policy == evict_policy::adaptive ? 8 : 0;
+        EXPECT_EQ(e.c.prefix_lookup(conv), want) << "policy " << static_cast<int>(policy);
+    }
+}
+
 TEST(prefix_cache, embeddings_are_published_only_under_a_key_naming_their_content) {
     // a prompt of 4 text tokens and 8 image positions (placeholder ids 7), the image fed as embeddings
     const auto prompt = seq_of({1, 2, 3, 4, 7, 7, 7, 7, 7, 7, 7, 7, 5});
@@ -735,6 +766,11 @@ TEST(prefix_cache_property, lru_hits_always_hold_the_tokens_they_claim) {
 
 TEST(prefix_cache_property, slru_hits_always_hold_the_tokens_they_claim) {
     random_ops(evict_policy::slru, 2025);
+}
+
+TEST(prefix_cache_property, adaptive_hits_always_hold_the_tokens_they_claim) {
+    random_ops(evict_policy::adaptive, 2030);
+    random_ops(evict_policy::adaptive, 2031, /*unified=*/false, swa_type::chunked);
 }
 
 TEST(prefix_cache_property, streams_per_sequence_hits_always_hold_the_tokens_they_claim) {

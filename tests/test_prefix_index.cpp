@@ -1,9 +1,11 @@
 // The prefix cache's index (src/detail/prefix_index.cpp) against an oracle that keeps every block in a
 // flat map and finds the next victim by brute force: the evictable block of the lowest level (2 x priority
-// + protected segment) that joined its queue first. Random publishes, holds, releases, pins, hits,
-// priority changes, removals and evictions, for LRU and SLRU: the index must evict exactly the oracle's
-// blocks in the oracle's order, and agree on every block's state.
+// + protected segment) that joined its queue first. Random publishes (some of evicted blocks again),
+// holds, releases, pins, hits, priority changes, removals and evictions, for LRU, SLRU and the adaptive
+// policy (ghosts of evicted blocks, a protected bound that moves): the index must evict exactly the
+// oracle's blocks in the oracle's order, and agree on every block's state and on the bound.
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <random>
 #include <string>
@@ -32,39 +34,69 @@ struct oracle {
         uint32_t priority = prefix_default_priority;
         uint32_t hits = 0;
         uint32_t segment = 0;
+        bool seen = false;  // protected once in this life
         bool alive = true;  // in the table (false: dead, waiting for its children to go)
         bool queued = false;
         int64_t t = 0;  // when it joined its queue (push_front: before everything queued)
     };
-    bool slru;
+    struct ghost {
+        uint64_t hash;
+        uint32_t serial, stream;
+        bool kind, live;
+    };
+    evict_policy policy;
     uint32_t max_protected;
+    uint32_t capacity = 0;  // adaptive: blocks per stream
     std::map<uint32_t, blk> b{};
     int64_t clock = 0, front = 0;
+    std::map<uint32_t, uint64_t> bound{};                     // adaptive: per stream, in 1/131072 block
+    std::map<std::pair<uint32_t, bool>, uint32_t> evicted{};  // (stream, kind) -> evictions
+    std::deque<ghost> ghosts{};                               // the last 2 x capacity x n_stream evictions
+    uint32_t n_stream = 1;
 
+    bool slru() const { return policy != evict_policy::lru; }
+    uint32_t bound_of(uint32_t stream) const {
+        return policy == evict_policy::adaptive && bound.count(stream)
+                   ? static_cast<uint32_t>(bound.at(stream) >> 17)
+                   : max_protected;
+    }
     bool evictable(const blk& x) const { return x.alive && x.held == 0 && x.pins == 0; }
+    bool waiting(const blk& x) const { return evictable(x) && !x.queued && x.children > 0; }
     static uint32_t level(const blk& x) { return 2 * x.priority + x.segment; }
-    uint32_t protected_queued(uint32_t stream) const {
+    // protected blocks that could go: queued, or waiting for their children
+    uint32_t protected_evictable(uint32_t stream) const {
         uint32_t n = 0;
-        for (const auto& [id, x] : b) n += x.queued && x.segment == 1 && x.stream == stream;
+        for (const auto& [id, x] : b) n += evictable(x) && x.segment == 1 && x.stream == stream;
         return n;
     }
-    void became_evictable(uint32_t id) {
-        blk& x = b[id];
-        if (slru && x.hits > 0) x.segment = 1;
-        if (x.children > 0) return;  // waiting
-        x.queued = true;
-        x.t = ++clock;
-        while (slru && protected_queued(x.stream) > max_protected) {
+    void demote(uint32_t stream) {
+        while (slru() && protected_evictable(stream) > bound_of(stream)) {
             auto victim = b.end();
             for (auto it = b.begin(); it != b.end(); ++it)
-                if (it->second.queued && it->second.segment == 1 && it->second.stream == x.stream &&
+                if (it->second.queued && it->second.segment == 1 && it->second.stream == stream &&
                     (victim == b.end() || std::pair(it->second.priority, it->second.t) <
                                               std::pair(victim->second.priority, victim->second.t)))
                     victim = it;
+            if (victim == b.end()) return;
             victim->second.segment = 0;
             victim->second.hits = 0;
             victim->second.t = ++clock;
+            // its protected ancestors that wait for it alone go with it
+            for (uint32_t p = victim->second.parent; p != none; p = b[p].parent) {
+                blk& q = b[p];
+                if (!waiting(q) || q.children != 1 || q.segment == 0 || q.stream != stream) break;
+                q.segment = 0;
+                q.hits = 0;
+            }
         }
+    }
+    void became_evictable(uint32_t id) {
+        blk& x = b[id];
+        if (slru() && x.hits > 0) x.segment = 1, x.seen = true;
+        if (x.children > 0) return;  // waiting
+        x.queued = true;
+        x.t = ++clock;
+        if (x.segment) demote(x.stream);
     }
     void became_held(uint32_t id) { b[id].queued = false; }
     // The next victim of a stream: its queued block of the lowest level that joined its queue first.
@@ -81,22 +113,50 @@ struct oracle {
         x.alive = false;
         x.queued = false;
         if (x.children > 0) return;  // dead until its children go
-        uint32_t p = x.parent;
+        uint32_t p = x.parent, child_level = level(x);
         b.erase(id);
         while (p != none) {
             blk& q = b[p];
             if (--q.children > 0) return;
             if (q.alive) {
-                if (evictable(q)) {  // a waiting parent goes to the head of its queue
+                if (evictable(
+                        q)) {  // a waiting parent joins its queue: at the head after a child of its level
                     q.queued = true;
-                    q.t = --front;
+                    q.t = level(q) == child_level ? --front : ++clock;
                 }
                 return;
             }
             const uint32_t up = q.parent;
+            child_level = level(q);
             b.erase(p);
             p = up;
         }
+    }
+    // adaptive: an evicted block leaves a ghost
+    void evicting(uint32_t id, uint64_t hash) {
+        if (policy != evict_policy::adaptive) return;
+        const blk& x = b[id];
+        for (ghost& g : ghosts)
+            if (g.live && g.hash == hash) g.live = false;
+        ghosts.push_back({hash, ++evicted[{x.stream, x.seen}], x.stream, x.seen, true});
+        if (ghosts.size() > size_t{2} * capacity * n_stream) ghosts.pop_front();
+    }
+    // adaptive: a block published with this hash; true if a ghost came back (the block counts as hit)
+    bool published(uint64_t hash) {
+        if (policy != evict_policy::adaptive) return false;
+        for (ghost& g : ghosts) {
+            if (!g.live || g.hash != hash) continue;
+            g.live = false;
+            if (!bound.count(g.stream)) bound[g.stream] = uint64_t{max_protected} << 17;
+            if (evicted[{g.stream, g.kind}] - g.serial < std::max(1u, capacity / 16)) {
+                uint64_t& v = bound[g.stream];
+                const uint64_t step = uint64_t{capacity} * bs;
+                v = g.kind ? std::min(uint64_t{capacity} << 17, v + step) : v - std::min(step, v);
+                demote(g.stream);
+            }
+            return true;
+        }
+        return false;
     }
 };
 
@@ -126,11 +186,15 @@ void check_states(const prefix_index& ix, const oracle& o) {
 }
 
 // n_stream > 1: blocks live in random streams and chains cross them (one stream per sequence).
-void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
+// capacity: the adaptive policy's blocks per stream (65536: every returning ghost moves the bound by a
+// block; 160: a window of 10 evictions, so most ghosts come back too late to move it).
+void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1, uint32_t capacity = 65536) {
     std::mt19937 rng(seed);
     const uint32_t max_protected = 6;
-    prefix_index ix(bs, n_stream, policy, max_protected);
-    oracle o{.slru = policy == evict_policy::slru, .max_protected = max_protected};
+    prefix_index ix(bs, n_stream, policy, max_protected, capacity);
+    oracle o{.policy = policy, .max_protected = max_protected, .capacity = capacity, .n_stream = n_stream};
+    std::vector<std::pair<uint32_t, token_t>> gone;  // evicted blocks: (parent, first token)
+    uint64_t returned = 0;
     token_t next_token = 0;
     uint64_t evictions = 0, multi = 0;
     const auto pick = [&](auto pred) {
@@ -143,7 +207,14 @@ void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
         const int what = static_cast<int>(rng() % 100);
         if (what < 20 || o.b.size() < 4) {  // publish: a root or a child of a live block
             uint32_t parent = rng() % 3 == 0 ? none : pick([](const oracle::blk& x) { return x.alive; });
-            const std::vector<token_t> toks{next_token++, 0};
+            std::vector<token_t> toks{next_token++, 0};
+            if (!gone.empty() && rng() % 2) {  // an evicted block again, if its parent is still there
+                const auto [p, t] = gone[rng() % gone.size()];
+                if (p != none && (!o.b.count(p) || !o.b[p].alive)) continue;
+                parent = p;
+                toks = {t, 0};
+                if (ix.find(parent, 7, toks) != none) continue;
+            }
             const std::vector<uint32_t> cells(bs, 0);
             const auto prio = static_cast<uint8_t>(rng() % 3 * 25);
             const uint32_t stream = rng() % n_stream;
@@ -153,6 +224,10 @@ void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
             if (parent != none) {
                 ++o.b[parent].children;
                 o.b[parent].queued = false;  // an evictable parent waits for its child
+            }
+            if (o.published(ix.at(id).hash)) {
+                o.b[id].hits = 1;
+                ++returned;
             }
             // the publisher lets go at once, or keeps holding
             if (rng() % 2) {
@@ -217,6 +292,7 @@ void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
                 const uint32_t v = sim.next_victim(stream);
                 if (v == none) break;
                 want.push_back(v);
+                sim.evicting(v, ix.at(v).hash);
                 sim.remove(v);
             }
             const bool ok = ix.plan_eviction(stream, k * bs, plan);
@@ -227,7 +303,11 @@ void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
             }
             ASSERT_TRUE(ok) << "op " << op;
             ASSERT_EQ(plan, want) << "op " << op << dump(o);
-            for (uint32_t id : plan) ix.remove(id);
+            for (uint32_t id : plan) {
+                gone.emplace_back(ix.at(id).parent, ix.tokens(id)[0]);
+                ix.evicting(id);
+                ix.remove(id);
+            }
             o = sim;
             evictions += k;
             multi += k > 1;
@@ -237,10 +317,14 @@ void run(evict_policy policy, uint32_t seed, int n_ops, uint32_t n_stream = 1) {
             uint32_t pinned = 0;
             for (const auto& [id, x] : o.b) pinned += x.alive && x.pins > 0 && x.stream == st;
             ASSERT_EQ(ix.pinned_blocks(st), pinned) << "op " << op << " stream " << st;
+            ASSERT_EQ(ix.max_protected(st), o.bound_of(st)) << "op " << op << " stream " << st;
         }
     }
     EXPECT_GT(evictions, static_cast<uint64_t>(n_ops) / 20) << "the test must evict";
     EXPECT_GT(multi, 0u);
+    if (policy == evict_policy::adaptive) {
+        EXPECT_GT(returned, static_cast<uint64_t>(n_ops) / 100);
+    }
 }
 
 TEST(prefix_index_property, lru_evicts_in_the_oracles_order) {
@@ -253,6 +337,13 @@ TEST(prefix_index_property, slru_evicts_in_the_oracles_order) {
 
 // Regression: a plan took a parent of another stream once its children were planned, so eviction freed
 // that block's cell numbers in the wrong stream.
+TEST(prefix_index_property, adaptive_evicts_in_the_oracles_order) {
+    for (uint32_t seed = 1; seed <= 4; ++seed) {
+        ASSERT_NO_FATAL_FAILURE(run(evict_policy::adaptive, seed, 10000));
+        ASSERT_NO_FATAL_FAILURE(run(evict_policy::adaptive, seed, 10000, 1, 160));
+    }
+}
+
 TEST(prefix_index_property, chains_across_streams_evict_in_the_oracles_order) {
     for (uint32_t seed = 1; seed <= 4; ++seed)
         ASSERT_NO_FATAL_FAILURE(run(seed % 2 ? evict_policy::lru : evict_policy::slru, seed, 10000, 3));

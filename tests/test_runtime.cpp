@@ -50,6 +50,7 @@ struct setup {
     uint32_t n_ubatch = 512;
     bool prefix = false;  // a prefix cache of 4-token blocks
     bool engine = false;  // the runtime owns the K/V tensors (engine-owned storage) and runs the cache's ops
+    evict_policy evict = evict_policy::lru;  // the prefix cache's (not a parameter of the suites)
     std::string name() const {
         return fmt::format("k={} v={} v_trans={} unified={} swa={} prefix={} engine={}", to_string(type_k),
                            to_string(type_v), v_trans, unified, n_swa, prefix, engine);
@@ -70,6 +71,7 @@ public:
         p.n_swa = s.n_swa;
         p.swa = s.swa;
         p.prefix = {.enabled = s.prefix, .block_size = 4};
+        p.prefix.policy = s.evict;
         p.prefix.tiers = std::move(tiers);
         if (s.engine) p.engine = &tensors_;
         cache_ = std::make_unique<kv_cache>(p);
@@ -371,6 +373,34 @@ TEST_P(prefix_equals_recompute, evictions_under_a_small_cache) {
     EXPECT_EQ(r.cache().prefix_lookup(prompts[0]), 0u);
     EXPECT_EQ(r.attach(1, prompts[5]), 19u);
     r.decode({{{1}, 19, {prompts[5].back()}}});
+    EXPECT_CLOSE(r);
+}
+
+// The adaptive policy: a prompt evicted and then sent again comes back protected (its blocks' ghosts are
+// remembered), so the next burst of one-off prompts leaves it whole, and resuming it gives the logits of
+// recomputing it.
+TEST_P(prefix_equals_recompute, adaptive_policy_keeps_a_prompt_that_came_back) {
+    setup s = GetParam();
+    s.evict = evict_policy::adaptive;
+    pair_run r(s, 4, 64);  // 64 cells: 16 blocks
+    const auto serve = [&](const std::vector<token_t>& p) {
+        const uint32_t n = r.attach(0, p);
+        r.decode({{{0}, static_cast<pos_t>(n), {p.begin() + n, p.end()}}});
+        r.decode({{{0}, -1, r.tokens(1)}});
+        r.both([](auto& c, auto& f) {
+            c.seq_rm(0, -1, -1);
+            f.seq_rm(0, -1, -1);
+        });
+    };
+    const auto conv = r.tokens(20);  // 5 blocks
+    serve(conv);
+    for (int k = 0; k < 4; ++k) serve(r.tokens(20));
+    ASSERT_LT(r.cache().prefix_lookup(conv), 16u) << "the burst must evict it";
+    serve(conv);
+    for (int k = 0; k < 4; ++k) serve(r.tokens(20));
+    EXPECT_EQ(r.cache().prefix_lookup(conv), 19u);  // all but the last token, which attach leaves to decode
+    EXPECT_EQ(r.attach(1, conv), 19u);
+    r.decode({{{1}, 19, {conv.back()}}});
     EXPECT_CLOSE(r);
 }
 

@@ -256,6 +256,7 @@ typedef bool (*kvc_layer_filter)(uint32_t il, void* user_data);
 typedef enum kvc_evict_policy {
     KVC_EVICT_LRU = 0,   ///< least recently released first
     KVC_EVICT_SLRU = 1,  ///< segmented LRU: blocks never hit since publishing before blocks hit at least once
+    KVC_EVICT_ADAPTIVE = 2,  ///< SLRU with ghosts of evicted blocks and a protected bound that adapts
 } kvc_evict_policy;
 
 /// @brief What happened to a prefix cache's index (the C++ kvc::prefix_event::kind).

@@ -25,6 +25,11 @@ namespace kvc {
 enum class evict_policy : uint8_t {
     lru,   ///< least recently released first
     slru,  ///< segmented LRU: blocks never hit since publishing go before blocks hit at least once
+    /// SLRU whose evicted blocks leave ghosts (their hashes, twice the cache's blocks): a block published
+    /// again while its ghost is remembered is protected as if hit, and the protected bound (starting at
+    /// protected_fraction) moves to where evicted blocks come back. For long reuse distances (chats whose
+    /// next turn comes after many other prompts). A recurrent memory's snapshots follow SLRU under it.
+    adaptive,
 };
 
 /// Highest priority of a prefix (kv_cache::prefix_attach, prefix_set_priority); 0 is evicted first.

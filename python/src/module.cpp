@@ -849,7 +849,9 @@ PYBIND11_MODULE(_kvcache, m) {
                               {"no_update", memory_status::no_update},
                               {"failed_prepare", memory_status::failed_prepare},
                               {"failed_compute", memory_status::failed_compute}});
-    bind_enum<evict_policy>(m, "EvictPolicy", {{"lru", evict_policy::lru}, {"slru", evict_policy::slru}});
+    bind_enum<evict_policy>(
+        m, "EvictPolicy",
+        {{"lru", evict_policy::lru}, {"slru", evict_policy::slru}, {"adaptive", evict_policy::adaptive}});
     m.attr("SEQ_ALL") = seq_all;
     m.attr("__version__") = version_string();
     m.def("row_size", &row_size, py::arg("type"), py::arg("n"),

@@ -158,9 +158,9 @@ prefix_tier_params tiers_to_cpp(const kvc_prefix_tier_params& c, const char* nam
 
 prefix_cache_params prefix_to_cpp(const kvc_prefix_cache_params& c, const char* name) {
     const int32_t policy = raw(c.policy);
-    if (policy < 0 || policy > static_cast<int32_t>(evict_policy::slru))
+    if (policy < 0 || policy > static_cast<int32_t>(evict_policy::adaptive))
         throw_error(errc::invalid_argument,
-                    fmt::format("{}.prefix.policy = {} is not a kvc_evict_policy (0 to 1)", name, policy));
+                    fmt::format("{}.prefix.policy = {} is not a kvc_evict_policy (0 to 2)", name, policy));
     prefix_cache_params p{.enabled = c.enabled,
                           .block_size = c.block_size,
                           .policy = static_cast<evict_policy>(policy),

@@ -54,7 +54,7 @@ struct kv_cache::prefix_state {
 
     prefix_state(const prefix_cache_params& p, uint32_t kv_size, uint32_t n_stream, uint32_t n_seq_max,
                  swa_type swa_rule, uint32_t window)
-        : index(p.block_size, n_stream, p.policy, max_protected(p, kv_size)),
+        : index(p.block_size, n_stream, p.policy, max_protected(p, kv_size), kv_size / p.block_size),
           seqs(n_seq_max),
           on_event(p.on_event),
           swa(swa_rule),

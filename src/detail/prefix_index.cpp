@@ -4,16 +4,34 @@
 #include <cassert>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <xxhash.h>
 
 namespace kvc::detail {
 
+namespace {
+// The adaptive policy's ghosts: twice the blocks of every stream (grown as evictions come).
+uint32_t ghost_capacity(evict_policy policy, uint32_t capacity, uint32_t n_stream) {
+    if (policy != evict_policy::adaptive) return 0;
+    return static_cast<uint32_t>(std::min<uint64_t>(UINT32_MAX, uint64_t{2} * capacity * n_stream));
+}
+}  // namespace
+
 prefix_index::prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy,
-                           uint32_t max_protected)
-    : bs_(block_size), policy_(policy), max_protected_(max_protected), streams_(n_stream) {
+                           uint32_t max_protected, uint32_t capacity)
+    : bs_(block_size),
+      policy_(policy),
+      max_protected_(max_protected),
+      capacity_(capacity),
+      ghosts_(ghost_capacity(policy, capacity, n_stream)),
+      streams_(n_stream) {
     slots_.assign(64, none);
+    for (stream_queues& q : streams_) {
+        q.max_protected = max_protected_;
+        q.bound = uint64_t{max_protected_} << 17;
+    }
 }
 
 uint64_t prefix_index::chain_hash(uint64_t seed, std::span<const token_t> toks) {
@@ -171,9 +189,16 @@ uint32_t prefix_index::add(uint32_t parent, uint64_t key, std::span<const token_
         if (p.st == state::queued) {
             unlink(parent);
             p.st = state::waiting;
+            streams_[p.stream].n_protected_waiting += p.segment;
         }
     }
     table_insert(id);
+    if (policy_ == evict_policy::adaptive) {
+        if (const auto g = ghosts_.take(b.hash)) {
+            b.hit = 1;  // seen again: protected once let go
+            learn(*g);
+        }
+    }
     if (held == 0) make_evictable(id);
     return id;
 }
@@ -233,22 +258,48 @@ void prefix_index::unlink(uint32_t id) {
 // The oldest protected block of the lowest priority goes back to probation (as its newest block).
 void prefix_index::demote_protected(uint32_t stream) {
     stream_queues& sq = streams_[stream];
-    while (sq.n_protected > max_protected_) {
+    while (sq.n_protected + sq.n_protected_waiting > sq.max_protected) {
         const uint32_t l = next_level(sq, 0, /*protected_only=*/true);
-        assert(l < n_levels);
+        if (l == n_levels) return;  // the rest waits for children: demoted with them
         const uint32_t id = sq.levels[l].head;
         unlink(id);
         rec(id).segment = 0;
         rec(id).hit = 0;  // back in protection only after another hit
         push_back(id);
+        // the protected blocks that wait for it alone go with it: a chain is demoted whole
+        for (uint32_t p = rec(id).parent; p != none; p = rec(p).parent) {
+            block& b = rec(p);
+            if (b.st != state::waiting || b.n_children != 1 || b.segment == 0 || b.stream != stream) break;
+            b.segment = 0;
+            b.hit = 0;
+            --sq.n_protected_waiting;
+        }
     }
+}
+
+// A ghost came back: a segment larger by `window` blocks would have kept it. So a recent ghost of a block
+// never protected lowers the protected bound by a step (more room for probation), one of a protected
+// block raises it: the bound settles where both segments' edges get as many returns (design D34).
+void prefix_index::learn(const ghost_set::ghost& g) {
+    stream_queues& sq = streams_[g.stream];
+    const uint32_t window = std::max(1u, capacity_ / 16);
+    if (sq.evicted[g.kind] - g.serial >= window) return;
+    // a step per token: 1/256 of the capacity for 512 tokens of evidence, whatever the block size
+    const uint64_t cap = uint64_t{capacity_} << 17, step = uint64_t{capacity_} * bs_;
+    if (g.kind == 0)
+        sq.bound -= std::min(step, sq.bound);
+    else
+        sq.bound = std::min(cap, sq.bound + step);
+    sq.max_protected = static_cast<uint32_t>(sq.bound >> 17);
+    demote_protected(g.stream);
 }
 
 void prefix_index::make_evictable(uint32_t id) {
     block& b = rec(id);
-    if (policy_ == evict_policy::slru && b.hit) b.segment = 1;  // stays until demoted
+    if (policy_ != evict_policy::lru && b.hit) b.segment = b.seen = 1;  // stays until demoted
     if (b.n_children > 0) {
         b.st = state::waiting;
+        streams_[b.stream].n_protected_waiting += b.segment;
         return;
     }
     push_back(id);
@@ -258,6 +309,7 @@ void prefix_index::make_evictable(uint32_t id) {
 void prefix_index::make_held(uint32_t id) {
     block& b = rec(id);
     if (b.st == state::queued) unlink(id);
+    if (b.st == state::waiting) streams_[b.stream].n_protected_waiting -= b.segment;
     b.st = state::held;
 }
 
@@ -319,23 +371,33 @@ void prefix_index::to_front(uint32_t id) {
 bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out,
                                  std::span<const uint32_t> keep) const {
     // Walk the levels lowest first, each queue oldest first. A waiting parent whose children all go in
-    // the plan joins the head of its level's queue then (as child_gone does), so it goes next unless a
-    // lower level still has blocks.
+    // the plan joins its level's queue then, as child_gone does: at the head (it goes next) after a child
+    // of its level, at the tail (after the blocks queued there) after a child of another level.
     const stream_queues& sq = streams_[stream];
+    struct joined {
+        uint32_t id, level;
+        int64_t key;  // head: the last joined first; tail: the first joined first
+        bool tail;
+    };
     std::vector<std::pair<uint32_t, uint32_t>> left;  // (waiting parent, children not yet planned)
-    std::vector<uint32_t> ready;                      // parents at queue heads, the last readied first
+    std::vector<joined> ready;
+    int64_t seq = 0;
     const size_t start = out.size();
     uint64_t got = 0;
     uint32_t level = next_level(sq, 0);
     uint32_t cur = level < n_levels ? sq.levels[level].head : none;
+    // order at one level: parents joined at the head, the queue, parents joined at the tail
+    const auto rank = [](uint32_t l, int cls, int64_t key) { return std::tuple(l, cls, key); };
     while (got < n) {
-        // the ready parent of the lowest level (the last readied among equals), if not above the walk's
         auto best = ready.end();
         for (auto it = ready.begin(); it != ready.end(); ++it)
-            if (best == ready.end() || level_of(at(*it)) <= level_of(at(*best))) best = it;
+            if (best == ready.end() ||
+                rank(it->level, it->tail ? 2 : 0, it->key) < rank(best->level, best->tail ? 2 : 0, best->key))
+                best = it;
         uint32_t id;
-        if (best != ready.end() && level_of(at(*best)) <= level) {
-            id = *best;
+        if (best != ready.end() &&
+            (cur == none || rank(best->level, best->tail ? 2 : 0, best->key) < rank(level, 1, 0))) {
+            id = best->id;
             ready.erase(best);
         } else if (cur != none) {
             id = cur;
@@ -356,7 +418,10 @@ bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32
         if (p == none || at(p).st != state::waiting || at(p).stream != stream) continue;
         auto it = std::find_if(left.begin(), left.end(), [p](const auto& e) { return e.first == p; });
         if (it == left.end()) it = left.insert(left.end(), {p, at(p).n_children});
-        if (--it->second == 0) ready.push_back(p);
+        if (--it->second > 0) continue;
+        const bool tail = level_of(at(p)) != level_of(at(id));
+        ++seq;
+        ready.push_back({p, level_of(at(p)), tail ? seq : -seq, tail});
     }
     return true;
 }
@@ -370,20 +435,33 @@ void prefix_index::free_record(uint32_t id) {
     free_ids_.push_back(id);
 }
 
-void prefix_index::child_gone(uint32_t parent) {
+void prefix_index::child_gone(uint32_t parent, uint32_t child_level) {
     while (parent != none) {
         block& p = rec(parent);
         assert(p.n_children > 0);
         if (--p.n_children > 0) return;
         if (p.st == state::waiting) {
-            push_front(parent);  // the protected bound is enforced again at the next release
+            streams_[p.stream].n_protected_waiting -= p.segment;
+            // the protected bound is enforced again at the next release
+            if (level_of(p) == child_level)
+                push_front(parent);
+            else
+                push_back(parent);
             return;
         }
         if (p.st != state::dead) return;
         const uint32_t up = p.parent;
+        child_level = level_of(p);
         free_record(parent);
         parent = up;
     }
+}
+
+void prefix_index::evicting(uint32_t id) {
+    if (policy_ != evict_policy::adaptive) return;
+    const block& b = at(id);
+    stream_queues& sq = streams_[b.stream];
+    ghosts_.insert({.hash = b.hash, .serial = ++sq.evicted[b.seen], .stream = b.stream, .kind = b.seen});
 }
 
 void prefix_index::remove(uint32_t id) {
@@ -391,6 +469,7 @@ void prefix_index::remove(uint32_t id) {
     assert(b.st != state::unused && b.st != state::dead);
     ++b.gen;  // references to it are stale from now on
     if (b.st == state::queued) unlink(id);
+    if (b.st == state::waiting) streams_[b.stream].n_protected_waiting -= b.segment;
     if (b.pins > 0) --streams_[b.stream].n_pinned;
     table_erase(id);
     const uint32_t parent = b.parent;
@@ -399,8 +478,9 @@ void prefix_index::remove(uint32_t id) {
         b.held = b.pins = 0;
         return;
     }
+    const uint32_t level = level_of(b);
     free_record(id);
-    child_gone(parent);
+    child_gone(parent, level);
 }
 
 void prefix_index::clear() {
@@ -409,14 +489,19 @@ void prefix_index::clear() {
     free_ids_.clear();
     slots_.assign(64, none);
     n_live_ = 0;
-    for (stream_queues& q : streams_) q = stream_queues{};
+    for (stream_queues& q : streams_) {
+        q = stream_queues{};
+        q.max_protected = max_protected_;
+        q.bound = uint64_t{max_protected_} << 17;
+    }
+    ghosts_.clear();
 }
 
 size_t prefix_index::bytes() const {
     return chunks_.size() *
                (chunk * (sizeof(block) + sizeof(uint64_t) + bs_ * (sizeof(token_t) + sizeof(uint32_t)))) +
            chunks_.capacity() * sizeof(chunk_data) + free_ids_.capacity() * sizeof(uint32_t) +
-           slots_.capacity() * sizeof(uint32_t);
+           slots_.capacity() * sizeof(uint32_t) + ghosts_.bytes();
 }
 
 void check_prompt_tokens(std::span<const token_t> tokens, int32_t n_vocab, const char* what) {

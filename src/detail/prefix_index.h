@@ -12,7 +12,9 @@
 // Eviction order: the lowest level first, each level's queue oldest first. A level is the block's
 // priority (0-100) and, with the SLRU policy, its segment: a block that was hit since it was published
 // joins the protected segment of its priority, which goes after the probationary one; the protected
-// blocks of a stream are bounded (the oldest of the lowest priority drop back to probation).
+// blocks of a stream are bounded (the oldest of the lowest priority drop back to probation). The adaptive
+// policy is SLRU whose evicted blocks leave ghosts: a block published again while its ghost is remembered
+// counts as hit, and each stream's protected bound moves with the ghosts that come back (design D34).
 //
 // A cache with a sliding window keeps only the blocks near each boundary (design D30), so its chains
 // have gaps: it adds every block as a root whose key is its parent's hash (root_depth gives its depth).
@@ -28,6 +30,8 @@
 
 #include <kvcache/prefix_cache.h>
 #include <kvcache/types.h>
+
+#include "detail/ghost_set.h"
 
 namespace kvc::detail {
 
@@ -49,17 +53,21 @@ public:
         uint16_t held = 0;  // cells with at least one sequence
         uint16_t pins = 0;
         uint16_t stream = 0;
-        uint8_t priority = prefix_default_priority;
-        uint8_t segment : 1 = 0;  // 1: protected (SLRU)
+        uint8_t priority : 7 = prefix_default_priority;
+        uint8_t seen : 1 = 0;     // protected once in this life (the adaptive policy's ghosts keep it)
+        uint8_t segment : 1 = 0;  // 1: protected (SLRU, adaptive)
         uint8_t hit : 1 = 0;      // attached since it last left protection
         state st : 3 = state::unused;
         uint8_t stored : 3 = 0;  // bit t: tier t holds its record (kv_cache's tiers)
     };
     static_assert(prefix_max_tiers <= 3, "block::stored has a bit per tier");
+    static_assert(prefix_max_priority < 128, "block::priority has 7 bits");
     static_assert(sizeof(block) == 40, "a block record stays 40 bytes");
 
-    // max_protected: queued protected blocks per stream (SLRU); ignored by LRU.
-    prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected);
+    // max_protected: queued protected blocks per stream (SLRU; where the adaptive policy starts); ignored
+    // by LRU. capacity: the blocks a stream holds, which scales the adaptive policy's ghosts and steps.
+    prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected,
+                 uint32_t capacity = 0);
 
     uint32_t block_size() const { return bs_; }
     uint32_t size() const { return n_live_; }        // blocks in the table
@@ -85,6 +93,9 @@ public:
         return id < n_records_ && at(id).gen == gen && at(id).st != state::unused && at(id).st != state::dead;
     }
     uint32_t pinned_blocks(uint32_t stream) const { return streams_[stream].n_pinned; }
+    // The bound on a stream's queued protected blocks (the adaptive policy moves it).
+    uint32_t max_protected(uint32_t stream) const { return streams_[stream].max_protected; }
+    uint32_t ghosts() const { return ghosts_.size(); }
 
     // The block after `parent` (none: a root of `key`) holding exactly `toks` (block_size tokens).
     uint32_t find(uint32_t parent, uint64_t key, std::span<const token_t> toks) const;
@@ -128,6 +139,8 @@ public:
     // frees fewer.
     bool plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32_t>& out,
                        std::span<const uint32_t> keep = {}) const;
+    // The block leaves to make room (called before remove): the adaptive policy keeps its ghost.
+    void evicting(uint32_t id);
     // Takes a block out of the table (and queue). Its record is reused at once, or, while children depend
     // on it, once they are gone (dead). The caller has let go of its cells.
     void remove(uint32_t id);
@@ -150,7 +163,11 @@ private:
         std::array<queue, n_levels> levels;
         std::array<uint64_t, (n_levels + 63) / 64> nonempty{};  // bit l: levels[l] has blocks
         uint32_t n_protected = 0;                               // queued blocks of protected levels
+        uint32_t n_protected_waiting = 0;                       // protected, waiting for children
+        uint32_t max_protected = 0;                             // the bound on both
+        uint64_t bound = 0;  // the adaptive policy's bound in 1/131072 of a block (max_protected << 17)
         uint32_t n_pinned = 0;
+        std::array<uint32_t, 2> evicted{};  // evictions of never-protected and once-protected blocks
     };
 
     // Records, tokens and cells in chunks: growth copies nothing and wastes at most one chunk.
@@ -180,12 +197,15 @@ private:
     void make_evictable(uint32_t id);  // no sequence and no pin holds it any more
     void make_held(uint32_t id);       // a sequence or a pin holds it now
     void demote_protected(uint32_t stream);
+    void learn(const ghost_set::ghost& g);  // a ghost published again (adaptive)
     void free_record(uint32_t id);
-    void child_gone(uint32_t parent);
+    void child_gone(uint32_t parent, uint32_t child_level);
 
     uint32_t bs_;
     evict_policy policy_;
     uint32_t max_protected_;
+    uint32_t capacity_;
+    ghost_set ghosts_;
     std::vector<chunk_data> chunks_;
     uint32_t n_records_ = 0;
     std::vector<uint32_t> free_ids_;

@@ -347,8 +347,11 @@ void run(sim_cli_options o) {
         o.sim.evict = evict_policy::lru;
     else if (o.evict == "slru")
         o.sim.evict = evict_policy::slru;
+    else if (o.evict == "adaptive")
+        o.sim.evict = evict_policy::adaptive;
     else
-        throw error(errc::invalid_argument, fmt::format("--evict '{}': not one of lru, slru", o.evict));
+        throw error(errc::invalid_argument,
+                    fmt::format("--evict '{}': not one of lru, slru, adaptive", o.evict));
     for (const std::string& s : split(o.schedule)) {
         if (s != "fcfs" && s != "lpm")
             throw error(errc::invalid_argument, fmt::format("--schedule '{}': not one of fcfs, lpm", s));
@@ -530,7 +533,7 @@ void add_sim_command(CLI::App& app) {
     cmd->add_option("--sweep", o->sweep, "several budgets, comma-separated (e.g. 1%,3%,10%,30%)");
     cmd->add_option("--concurrency", o->sim.concurrency, "live requests at most (sequences, slots)")
         ->capture_default_str();
-    cmd->add_option("--evict", o->evict, "the prefix cache's eviction policy: lru, slru")
+    cmd->add_option("--evict", o->evict, "the prefix cache's eviction policy: lru, slru, adaptive")
         ->capture_default_str();
     cmd->add_option("--arrival", o->arrival,
                     "ignore: a request arrives when a sequence is free; respect: at its "

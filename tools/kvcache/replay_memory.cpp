@@ -48,16 +48,21 @@ uint32_t pattern(const keys& k, const char* name, int64_t def) {
     return static_cast<uint32_t>(v);
 }
 
-// prefix=BLOCK: a prefix cache of BLOCK-token blocks (evict=lru|slru)
+// prefix=BLOCK: a prefix cache of BLOCK-token blocks (evict=lru|slru|adaptive)
 void parse_prefix(const keys& k, kv_cache_params& p) {
     const int64_t block = k.get_int("prefix", 0);
     if (block < 0 || block > (int64_t{1} << 24)) fail(fmt::format("memory: prefix={} out of range", block));
     p.prefix.enabled = block > 0;
     p.prefix.block_size = static_cast<uint32_t>(block);
     if (const auto evict = k.get("evict")) {
-        if (*evict != "lru" && *evict != "slru")
-            fail(fmt::format("memory: evict={} is not lru or slru", *evict));
-        p.prefix.policy = *evict == "slru" ? evict_policy::slru : evict_policy::lru;
+        if (*evict == "lru")
+            p.prefix.policy = evict_policy::lru;
+        else if (*evict == "slru")
+            p.prefix.policy = evict_policy::slru;
+        else if (*evict == "adaptive")
+            p.prefix.policy = evict_policy::adaptive;
+        else
+            fail(fmt::format("memory: evict={} is not lru, slru or adaptive", *evict));
     }
 }
 
