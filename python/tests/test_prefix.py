@@ -61,3 +61,22 @@ def test_callback_errors_are_counted():
     fill(c, list(range(1, 9)))
     c.prefix_publish()
     assert c.prefix_stats().event_errors == 2 and c.prefix_stats().blocks == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "adaptive"])
+def test_adaptive_keeps_a_prompt_published_again_after_its_eviction(policy):
+    # evicted by a burst, sent again (a miss), then another burst: only the adaptive policy's ghosts
+    # remember that it came back
+    c, _ = prefix_cache(policy=getattr(kvcache.EvictPolicy, policy))
+    conv = [1, 1, 1, 1, 2, 2, 2, 2, 0]
+    for burst in range(2):
+        fill(c, conv, seq=0)
+        c.prefix_publish()
+        c.seq_rm(0)
+        for t in range(3 + 10 * burst, 13 + 10 * burst):  # one-off prompts of a block: 10 for 8 blocks
+            fill(c, [t] * 4, seq=1)
+            c.prefix_publish()
+            c.seq_rm(1)
+        if burst == 0:
+            assert c.prefix_lookup(conv) == 0
+    assert c.prefix_lookup(conv) == (8 if policy == "adaptive" else 0)

@@ -19,7 +19,7 @@ uint32_t ghost_set::find_slot(uint64_t h) const {
     for (size_t i = home(h, slots_.size());; i = (i + 1) & mask) {
         const uint32_t e = slots_[i];
         if (e == none) return none;
-        if (ring_[e].g.hash == h) return static_cast<uint32_t>(i);
+        if (ring_[e].hash == h) return static_cast<uint32_t>(i);
     }
 }
 
@@ -28,7 +28,7 @@ void ghost_set::erase_slot(uint32_t slot) {
     size_t i = slot;
     slots_[i] = none;
     for (size_t j = (i + 1) & mask; slots_[j] != none; j = (j + 1) & mask) {
-        const size_t k = home(ring_[slots_[j]].g.hash, slots_.size());
+        const size_t k = home(ring_[slots_[j]].hash, slots_.size());
         // the entry at j may fill the hole at i unless its home lies cyclically in (i, j]
         const bool stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
         if (stays) continue;
@@ -43,7 +43,7 @@ void ghost_set::rehash(size_t n_slots) {
     const size_t mask = n_slots - 1;
     for (uint32_t e = 0; e < ring_.size(); ++e) {
         if (!ring_[e].live) continue;
-        size_t i = home(ring_[e].g.hash, n_slots);
+        size_t i = home(ring_[e].hash, n_slots);
         while (slots_[i] != none) i = (i + 1) & mask;
         slots_[i] = e;
     }
@@ -67,11 +67,11 @@ void ghost_set::insert(const ghost& g) {
         e = head_;
         head_ = head_ + 1 == cap_ ? 0 : head_ + 1;
         if (ring_[e].live) {
-            erase_slot(find_slot(ring_[e].g.hash));
+            erase_slot(find_slot(ring_[e].hash));
             --n_live_;
         }
     }
-    ring_[e] = {g, true};
+    ring_[e] = {.hash = g.hash, .serial = g.serial, .stream = g.stream, .kind = g.kind, .live = true};
     ++n_live_;
     const size_t mask = slots_.size() - 1;
     size_t i = home(g.hash, slots_.size());
@@ -87,7 +87,7 @@ std::optional<ghost_set::ghost> ghost_set::take(uint64_t h) {
     e.live = false;
     --n_live_;
     erase_slot(s);
-    return e.g;
+    return ghost{.hash = e.hash, .serial = e.serial, .stream = e.stream, .kind = e.kind};
 }
 
 void ghost_set::clear() {

@@ -34,10 +34,14 @@ public:
 
 private:
     static constexpr uint32_t none = UINT32_MAX;
-    struct entry {
-        ghost g;
+    struct entry {  // a ghost in 16 bytes
+        uint64_t hash = 0;
+        uint32_t serial = 0;
+        uint16_t stream = 0;
+        uint8_t kind = 0;
         bool live = false;  // false: taken, or replaced by a newer ghost of its hash
     };
+    static_assert(sizeof(entry) == 16);
 
     uint32_t find_slot(uint64_t h) const;  // the table slot of h's ghost, or none
     void erase_slot(uint32_t slot);        // backward-shift deletion (linear probing)
