@@ -500,7 +500,8 @@ void run(sim_cli_options o) {
     }
     if (!o.plot.empty()) {
         std::ofstream f(o.plot);
-        f << plot_hit_rates(all, ts, o.trace.empty() ? o.gen.kind : o.trace);
+        const std::string name = o.trace.empty() ? o.gen.kind : o.trace;
+        f << plot_hit_rates(all, ts, o.evict == "lru" ? name : fmt::format("{} (evict {})", name, o.evict));
         if (!f) throw error(errc::io, fmt::format("cannot write '{}'", o.plot));
         if (!o.json) fmt::print("\nplot in {}\n", o.plot);
     }
