@@ -255,7 +255,8 @@ void prefix_index::unlink(uint32_t id) {
     sq.n_protected -= b.segment;
 }
 
-// The oldest protected block of the lowest priority goes back to probation (as its newest block).
+// The oldest protected block of the lowest priority goes back to probation (as its newest block), with
+// the protected blocks that wait for it alone, until the stream's protected blocks are within the bound.
 void prefix_index::demote_protected(uint32_t stream) {
     stream_queues& sq = streams_[stream];
     while (sq.n_protected + sq.n_protected_waiting > sq.max_protected) {
@@ -374,30 +375,20 @@ bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32
     // the plan joins its level's queue then, as child_gone does: at the head (it goes next) after a child
     // of its level, at the tail (after the blocks queued there) after a child of another level.
     const stream_queues& sq = streams_[stream];
-    struct joined {
-        uint32_t id, level;
-        int64_t key;  // head: the last joined first; tail: the first joined first
-        bool tail;
-    };
+    // A block's place: (level, 0 joined at the head / 1 queued / 2 joined at the tail, order among them).
+    using place = std::tuple<uint32_t, int, int64_t>;
     std::vector<std::pair<uint32_t, uint32_t>> left;  // (waiting parent, children not yet planned)
-    std::vector<joined> ready;
-    int64_t seq = 0;
+    std::vector<std::pair<place, uint32_t>> ready;    // parents joined in the plan
+    int64_t joins = 0;
     const size_t start = out.size();
     uint64_t got = 0;
     uint32_t level = next_level(sq, 0);
     uint32_t cur = level < n_levels ? sq.levels[level].head : none;
-    // order at one level: parents joined at the head, the queue, parents joined at the tail
-    const auto rank = [](uint32_t l, int cls, int64_t key) { return std::tuple(l, cls, key); };
     while (got < n) {
-        auto best = ready.end();
-        for (auto it = ready.begin(); it != ready.end(); ++it)
-            if (best == ready.end() ||
-                rank(it->level, it->tail ? 2 : 0, it->key) < rank(best->level, best->tail ? 2 : 0, best->key))
-                best = it;
+        const auto best = std::min_element(ready.begin(), ready.end());
         uint32_t id;
-        if (best != ready.end() &&
-            (cur == none || rank(best->level, best->tail ? 2 : 0, best->key) < rank(level, 1, 0))) {
-            id = best->id;
+        if (best != ready.end() && (cur == none || best->first < place(level, 1, 0))) {
+            id = best->second;
             ready.erase(best);
         } else if (cur != none) {
             id = cur;
@@ -419,9 +410,11 @@ bool prefix_index::plan_eviction(uint32_t stream, uint32_t n, std::vector<uint32
         auto it = std::find_if(left.begin(), left.end(), [p](const auto& e) { return e.first == p; });
         if (it == left.end()) it = left.insert(left.end(), {p, at(p).n_children});
         if (--it->second > 0) continue;
-        const bool tail = level_of(at(p)) != level_of(at(id));
-        ++seq;
-        ready.push_back({p, level_of(at(p)), tail ? seq : -seq, tail});
+        ++joins;  // at the head the last joined goes first, at the tail the first joined
+        if (level_of(at(p)) == level_of(at(id)))
+            ready.push_back({place(level_of(at(p)), 0, -joins), p});
+        else
+            ready.push_back({place(level_of(at(p)), 2, joins), p});
     }
     return true;
 }
