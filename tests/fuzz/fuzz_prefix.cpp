@@ -114,7 +114,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     p.prefix.block_size = block;
     p.prefix.n_vocab = n_vocab;
     const uint8_t shape = r.u8();
-    p.prefix.policy = shape & 1 ? KVC_EVICT_SLRU : KVC_EVICT_LRU;
+    p.prefix.policy = (shape & 1) == 0   ? KVC_EVICT_LRU
+                      : (shape & 4) == 0 ? KVC_EVICT_SLRU
+                                         : KVC_EVICT_ADAPTIVE;
     p.unified = (shape & 2) == 0;  // else one stream per sequence: attaches copy rows across streams
     kvc_memory* mem = nullptr;
     check(kvc_kv_cache_create(&p, &mem) == KVC_OK);
