@@ -62,6 +62,10 @@ static void test_prefix_cache(void) {
     mem = NULL;
     CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "one position per token");
     CHECK(mem == NULL);
+    p.n_pos = 1;
+    p.prefix.policy = (kvc_evict_policy)3;
+    CHECK_ERR(kvc_kv_cache_create(&p, &mem), KVC_ERR_INVALID_ARGUMENT, "is not a kvc_evict_policy (0 to 2)");
+    CHECK(mem == NULL);
 }
 
 /* An event listener that mirrors the index: the hashes stored and not removed. */

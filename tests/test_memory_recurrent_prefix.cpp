@@ -276,6 +276,14 @@ TEST(memory_recurrent_prefix, bad_calls_are_refused_and_change_nothing) {
     EXPECT_THROW(memory_recurrent{p}, error);
     p = make_params(0, 0, (1u << 24) + 1);
     EXPECT_THROW(memory_recurrent{p}, error);
+    p = make_params(0, 0, 2);
+    p.prefix.policy = static_cast<evict_policy>(3);
+    try {
+        memory_recurrent r(p);
+        ADD_FAILURE() << "a policy past adaptive was accepted";
+    } catch (const error& x) {
+        EXPECT_NE(std::string(x.what()).find("prefix policy 3 unknown"), std::string::npos) << x.what();
+    }
 }
 
 // Snapshots live after the planes: the memory counts them as cached, and their rows go back when they go.
@@ -325,6 +333,30 @@ TEST(memory_recurrent_prefix, snapshots_under_live_sequences_give_way_to_new_one
     EXPECT_EQ(m.prefix_attach(1, cat(abc, {99})), 16u);
     EXPECT_TRUE(state_is(m, 1, std::span(abc).first(16)));
     m.validate();
+}
+
+// The adaptive policy's ghosts are for K/V blocks: a recurrent memory's snapshots follow SLRU under it (a
+// snapshot resumed from is protected; LRU lets newer snapshots push it out).
+TEST(memory_recurrent_prefix, snapshots_follow_slru_under_the_adaptive_policy) {
+    const std::vector<token_t> a{1, 2, 3, 4, 5}, q1{20, 21, 22, 23, 24, 25, 26, 27, 28},
+        q2{30, 31, 32, 33, 34, 35, 36, 37, 38};
+    const auto run = [&](evict_policy policy) {
+        recurrent_params p = make_params(0, 0, 2);
+        p.prefix.policy = policy;
+        memory_recurrent m(p);
+        feed(m, 0, 0, a);  // 4
+        EXPECT_TRUE(m.seq_rm(0, -1, -1));
+        EXPECT_EQ(m.prefix_attach(1, cat(a, {99})), 4u);  // resumed from: a hit
+        EXPECT_TRUE(m.seq_rm(1, -1, -1));
+        feed(m, 2, 0, q1);  // 8
+        EXPECT_TRUE(m.seq_rm(2, -1, -1));
+        feed(m, 3, 0, q2);  // 8: the pool of 2 is full, one of the others goes
+        EXPECT_TRUE(m.seq_rm(3, -1, -1));
+        return std::vector<uint32_t>{m.prefix_lookup(cat(a, {99})), m.prefix_lookup(cat(q1, {99}))};
+    };
+    const auto slru = run(evict_policy::slru);
+    EXPECT_NE(run(evict_policy::lru), slru) << "the scenario must tell the policies apart";
+    EXPECT_EQ(run(evict_policy::adaptive), slru);
 }
 
 // A live sequence's rolling snapshot matters only once it ends: kept snapshots do not give way to it.

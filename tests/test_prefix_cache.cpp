@@ -166,6 +166,14 @@ TEST(prefix_cache, bad_configurations_and_calls_are_errors_that_change_nothing) 
     EXPECT_THROW(kv_cache{p}, error);
     p.n_swa = 4;
     EXPECT_NO_THROW(kv_cache{p});
+    p = prefix_params(64, 2);
+    p.prefix.policy = static_cast<evict_policy>(3);
+    try {
+        kv_cache c(p);
+        ADD_FAILURE() << "a policy past adaptive was accepted";
+    } catch (const error& x) {
+        EXPECT_NE(std::string(x.what()).find("prefix policy 3 unknown"), std::string::npos) << x.what();
+    }
 
     engine e(64, 2);
     const auto prompt = seq_of({1, 2, 3, 4, 5, 6, 7, 8, 9});

@@ -1,7 +1,7 @@
 // The hashes of blocks a prefix cache evicted, those of its last `capacity` evictions (less the ones
 // published again since), each with what it was when it left: what the adaptive policy learns from
-// (design D34). A ghost costs 16 bytes plus its table
-// slots; the ring and the table grow with the ghosts actually remembered, up to `capacity`.
+// (design D34). A ghost costs 16 bytes plus two table slots; the ring and the table grow with the ghosts
+// actually remembered, up to `capacity`.
 #pragma once
 
 #include <cstddef>

@@ -12,7 +12,8 @@
 // Eviction order: the lowest level first, each level's queue oldest first. A level is the block's
 // priority (0-100) and, with the SLRU policy, its segment: a block that was hit since it was published
 // joins the protected segment of its priority, which goes after the probationary one; the protected
-// blocks of a stream are bounded (the oldest of the lowest priority drop back to probation). The adaptive
+// blocks of a stream are bounded, those of chains waiting for children included (the oldest of the lowest
+// priority drop back to probation, with the protected chain that waits for them alone). The adaptive
 // policy is SLRU whose evicted blocks leave ghosts: a block published again while its ghost is remembered
 // counts as hit, and each stream's protected bound moves with the ghosts that come back (design D34).
 //
@@ -64,8 +65,9 @@ public:
     static_assert(prefix_max_priority < 128, "block::priority has 7 bits");
     static_assert(sizeof(block) == 40, "a block record stays 40 bytes");
 
-    // max_protected: queued protected blocks per stream (SLRU; where the adaptive policy starts); ignored
-    // by LRU. capacity: the blocks a stream holds, which scales the adaptive policy's ghosts and steps.
+    // max_protected: evictable protected blocks per stream (SLRU; where the adaptive policy starts);
+    // ignored by LRU. capacity: the blocks a stream holds, which scales the adaptive policy's ghosts and
+    // steps.
     prefix_index(uint32_t block_size, uint32_t n_stream, evict_policy policy, uint32_t max_protected,
                  uint32_t capacity = 0);
 
@@ -93,9 +95,8 @@ public:
         return id < n_records_ && at(id).gen == gen && at(id).st != state::unused && at(id).st != state::dead;
     }
     uint32_t pinned_blocks(uint32_t stream) const { return streams_[stream].n_pinned; }
-    // The bound on a stream's queued protected blocks (the adaptive policy moves it).
+    // The bound on a stream's evictable protected blocks (the adaptive policy moves it).
     uint32_t max_protected(uint32_t stream) const { return streams_[stream].max_protected; }
-    uint32_t ghosts() const { return ghosts_.size(); }
 
     // The block after `parent` (none: a root of `key`) holding exactly `toks` (block_size tokens).
     uint32_t find(uint32_t parent, uint64_t key, std::span<const token_t> toks) const;
