@@ -1,7 +1,11 @@
 // kvcache sim's generators (tools/kvcache/sim_generate.cpp): seeded, in Mooncake's format, with the
 // structure each kind promises.
+#include <algorithm>
+#include <cmath>
+#include <map>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -90,6 +94,41 @@ TEST(sim_generate, mooncake_like_statistics) {
     EXPECT_LT(reuse, 0.45);
 }
 
+// The median number of requests between a conversation's turns (block 5 is always the conversation's own:
+// system prompts end by block 4).
+double median_turn_gap(const std::vector<sim_request>& r) {
+    std::map<uint64_t, size_t> last;
+    std::vector<size_t> gaps;
+    for (size_t i = 0; i < r.size(); ++i) {
+        if (r[i].hash_ids.size() <= 5) continue;
+        const auto [it, fresh] = last.try_emplace(r[i].hash_ids[5], i);
+        if (!fresh) gaps.push_back(i - std::exchange(it->second, i));
+    }
+    if (gaps.empty()) return 0;
+    std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
+    return static_cast<double>(gaps[gaps.size() / 2]);
+}
+
+TEST(sim_generate, mooncake_like_follow_gap_sets_when_conversations_come_back) {
+    generate_options o;
+    o.kind = "mooncake-like";
+    o.prompts = 6000;
+    const double recent = median_turn_gap(generate(o));
+    o.follow_gap = 423;  // Mooncake's conversation trace
+    const auto r = generate(o);
+    const double late = median_turn_gap(r);
+    EXPECT_LT(recent, 100);
+    EXPECT_GT(late, 0.8 * 423);
+    EXPECT_LT(late, 1.2 * 423);
+    const trace_stats st = analyse_trace(r, 512, 16);
+    const double mean_in = static_cast<double>(st.prompt_tokens) / static_cast<double>(st.requests);
+    const double reuse = static_cast<double>(st.reusable_tokens) / static_cast<double>(st.prompt_tokens);
+    EXPECT_GT(mean_in, 10000);
+    EXPECT_LT(mean_in, 14000);
+    EXPECT_GT(reuse, 0.35);
+    EXPECT_LT(reuse, 0.5);
+}
+
 TEST(sim_generate, bad_kind_and_knobs_are_errors) {
     generate_options o;
     o.kind = "chat";
@@ -97,6 +136,23 @@ TEST(sim_generate, bad_kind_and_knobs_are_errors) {
     o.kind = "agent";
     o.block = 0;
     EXPECT_THROW(generate(o), error);
+    o.block = 512;
+    o.kind = "mooncake-like";
+    for (double bad : {-1.0, std::nan(""), 1e10}) {
+        o.follow_gap = bad;
+        EXPECT_THROW(generate(o), error) << bad;
+    }
+    o.follow_gap = 0;
+    o.recency = -2;
+    EXPECT_THROW(generate(o), error);
+    o.recency = 8;
+    o.follow_gap = 100;
+    try {
+        generate(o);
+        ADD_FAILURE() << "--recency with --follow-gap accepted";
+    } catch (const error& e) {
+        EXPECT_NE(std::string(e.what()).find("--follow-gap"), std::string::npos) << e.what();
+    }
 }
 
 }  // namespace

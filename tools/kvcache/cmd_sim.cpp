@@ -606,6 +606,9 @@ void add_sim_command(CLI::App& app) {
         "--recency", o->gen.recency,
         "mooncake-like: follow-ups continue the k-th most recent conversation, k ~ Exp(N) (default "
         "32); 0: uniform over the 256 most recent");
+    cmd->add_option("--follow-gap", o->gen.follow_gap,
+                    "mooncake-like: instead of --recency, a turn is continued (probability 0.4) a log-normal "
+                    "number of requests later, of this median (Mooncake's conversation trace: 423)");
     cmd->add_option("--instances", o->sim.instances,
                     "serving instances in lockstep, each with its own budget and concurrency (kvcache, none)")
         ->capture_default_str();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <random>
 #include <unordered_map>
 
@@ -136,12 +137,14 @@ std::vector<sim_request> parallel(builder& b) {
 }
 
 // Statistics like Mooncake's conversation trace (FAST'25): prompts of ~12k tokens on average, ~40% of
-// prompt tokens reusable with an infinite cache, ~343 output tokens. 40% of requests continue a recent
-// conversation (its history, the answer and a new message; see `recency`), the others open a new one:
-// one of 16 system prompts (1-3k tokens) half of the time, then a long document.
+// prompt tokens reusable with an infinite cache, ~343 output tokens. 40% of requests continue an earlier
+// conversation (its history, the answer and a new message), the others open a new one: one of 16 system
+// prompts (1-3k tokens) half of the time, then a long document. Which conversation a follow-up continues:
+// a recent one (`recency`), or the one whose turn was scheduled for it (`follow_gap`).
 std::vector<sim_request> mooncake_like(builder& b) {
     const uint32_t N = or_default(b.o.prompts, 2000), O = or_default(b.o.output, 343);
     const double recency = b.o.recency < 0 ? 32 : b.o.recency;
+    const double gap = b.o.follow_gap;
     std::vector<std::pair<uint64_t, uint32_t>> systems;
     for (uint32_t i = 0; i < 16; ++i) systems.emplace_back(b.ids.stream(), 1024 + b.r.below(4) * 512);
     struct conv {
@@ -149,31 +152,52 @@ std::vector<sim_request> mooncake_like(builder& b) {
         uint64_t stream;
         uint32_t len;
     };
-    std::vector<conv> recent;
+    std::vector<conv> convs;
+    // follow_gap: (request index due, conversation), earliest first
+    std::multimap<uint64_t, size_t> due;
+    const auto schedule = [&](uint32_t i, size_t c) {
+        constexpr double sigma = 1.0;
+        if (b.r.uniform() < 0.4)
+            due.emplace(
+                i + 1 + static_cast<uint64_t>(b.r.lognormal(gap * std::exp(sigma * sigma / 2), sigma)), c);
+    };
+    const auto add = [&](const conv& c, uint32_t private_len, uint32_t out) {
+        const uint32_t sl = c.sys < 16 ? systems[c.sys].second : 0;
+        b.add(c.sys < 16 ? systems[c.sys].first : c.stream, sl, c.stream, private_len, out);
+    };
     for (uint32_t i = 0; i < N; ++i) {
         const uint32_t out = 32 + b.r.below(2 * O - 64);
-        if (!recent.empty() && b.r.uniform() < 0.4) {
+        size_t next = SIZE_MAX;
+        if (gap > 0) {
+            if (!due.empty() && due.begin()->first <= i) {
+                next = due.begin()->second;
+                due.erase(due.begin());
+            }
+        } else if (!convs.empty() && b.r.uniform() < 0.4) {
             // most follow-ups come soon after the turn before: the k-th most recent conversation
             const uint32_t n =
-                static_cast<uint32_t>(std::min<size_t>(recent.size(), recency > 0 ? recent.size() : 256));
+                static_cast<uint32_t>(std::min<size_t>(convs.size(), recency > 0 ? convs.size() : 256));
             const uint32_t k =
                 recency > 0 ? std::min(static_cast<uint32_t>(b.r.exponential(recency)), n - 1) : b.r.below(n);
-            conv& c = recent[recent.size() - 1 - k];
+            next = convs.size() - 1 - k;
+        }
+        if (next != SIZE_MAX) {
+            conv& c = convs[next];
             const uint32_t msg =
                 std::clamp<uint32_t>(static_cast<uint32_t>(b.r.lognormal(1500, 1.0)), 16, 16384);
             if (c.len + msg < 120000) {
-                const uint32_t sl = c.sys < 16 ? systems[c.sys].second : 0;
-                b.add(c.sys < 16 ? systems[c.sys].first : c.stream, sl, c.stream, c.len + msg, out);
+                add(c, c.len + msg, out);
                 c.len += msg + out;
+                if (gap > 0) schedule(i, next);
                 continue;
             }
         }
         conv c{b.r.uniform() < 0.5 ? b.r.below(16) : 16u, b.ids.stream(), 0};
         c.len = std::clamp<uint32_t>(static_cast<uint32_t>(b.r.lognormal(10000, 1.0)), 64, 100000);
-        const uint32_t sl = c.sys < 16 ? systems[c.sys].second : 0;
-        b.add(c.sys < 16 ? systems[c.sys].first : c.stream, sl, c.stream, c.len, out);
+        add(c, c.len, out);
         c.len += out;
-        recent.push_back(c);
+        convs.push_back(c);
+        if (gap > 0) schedule(i, convs.size() - 1);
     }
     return std::move(b.reqs);
 }
@@ -189,7 +213,13 @@ const std::vector<std::string>& generator_kinds() {
 std::vector<sim_request> generate(const generate_options& o) {
     if (o.block == 0 || o.block > (1u << 20))
         throw error(errc::invalid_argument, fmt::format("--trace-block {} not in [1, 1048576]", o.block));
-    if (o.rate < 0) throw error(errc::invalid_argument, fmt::format("--rate {} is negative", o.rate));
+    if (!(o.rate >= 0)) throw error(errc::invalid_argument, fmt::format("--rate {} is negative", o.rate));
+    if (!(o.follow_gap >= 0 && o.follow_gap <= 1e9))
+        throw error(errc::invalid_argument, fmt::format("--follow-gap {} not in [0, 1e9]", o.follow_gap));
+    if (!(o.recency == -1 || (o.recency >= 0 && o.recency <= 1e9)))
+        throw error(errc::invalid_argument, fmt::format("--recency {} not in [0, 1e9]", o.recency));
+    if (o.follow_gap > 0 && o.recency >= 0)
+        throw error(errc::invalid_argument, "--recency and --follow-gap exclude each other");
     builder b(o);
     if (o.kind == "shared-prefix") return shared_prefix(b);
     if (o.kind == "multi-turn") return conversations(b, false);

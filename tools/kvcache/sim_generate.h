@@ -27,6 +27,10 @@ struct generate_options {
     /// mooncake-like: a follow-up continues the k-th most recent conversation, k ~ Exp(recency); 0: k
     /// uniform in the 256 most recent (little locality). Default 32.
     double recency = -1;
+    /// mooncake-like: instead of `recency`, a turn is continued with probability 0.4, a log-normal
+    /// number of requests later with this median (sigma 1: Mooncake's conversation trace has 141 /
+    /// 423 / 1,662 requests at the 10th / 50th / 90th percentile). 0: off.
+    double follow_gap = 0;
     double rate = 0;  ///< mean arrivals per second (Poisson), 0: the kind's default (10)
 };
 
