@@ -137,6 +137,11 @@ TEST(sim_generate, bad_kind_and_knobs_are_errors) {
     o.block = 0;
     EXPECT_THROW(generate(o), error);
     o.block = 512;
+    for (double bad : {-1.0, std::nan("")}) {
+        o.rate = bad;
+        EXPECT_THROW(generate(o), error) << bad;
+    }
+    o.rate = 0;
     o.kind = "mooncake-like";
     for (double bad : {-1.0, std::nan(""), 1e10}) {
         o.follow_gap = bad;

@@ -213,7 +213,7 @@ const std::vector<std::string>& generator_kinds() {
 std::vector<sim_request> generate(const generate_options& o) {
     if (o.block == 0 || o.block > (1u << 20))
         throw error(errc::invalid_argument, fmt::format("--trace-block {} not in [1, 1048576]", o.block));
-    if (!(o.rate >= 0)) throw error(errc::invalid_argument, fmt::format("--rate {} is negative", o.rate));
+    if (!(o.rate >= 0)) throw error(errc::invalid_argument, fmt::format("--rate {} must be >= 0", o.rate));
     if (!(o.follow_gap >= 0 && o.follow_gap <= 1e9))
         throw error(errc::invalid_argument, fmt::format("--follow-gap {} not in [0, 1e9]", o.follow_gap));
     if (!(o.recency == -1 || (o.recency >= 0 && o.recency <= 1e9)))
