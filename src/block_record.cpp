@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include "detail/byte_fields.h"
+
 namespace kvc {
 
 static_assert(std::endian::native == std::endian::little, "block records are little-endian, as the host");
@@ -15,21 +17,12 @@ static_assert(sizeof(token_t) == 4);
 namespace {
 
 // header fields (block_record.h)
-constexpr size_t off_magic = 0, off_version = 4, off_flags = 6, off_fingerprint = 8, off_key = 16,
-                 off_hash = 24, off_parent = 32, off_depth = 40, off_block_size = 44, off_layers = 48,
-                 off_zero = 52, off_row_bytes = 56;
+constexpr size_t field_magic = 0, field_version = 4, field_flags = 6, field_fingerprint = 8, field_key = 16,
+                 field_hash = 24, field_parent = 32, field_depth = 40, field_block_size = 44,
+                 field_layers = 48, field_zero = 52, field_row_bytes = 56;
 
-template <typename T>
-T load_at(std::span<const uint8_t> b, size_t off) {
-    T v;
-    std::memcpy(&v, b.data() + off, sizeof v);
-    return v;
-}
-
-template <typename T>
-void store_at(std::span<uint8_t> b, size_t off, T v) {
-    std::memcpy(b.data() + off, &v, sizeof v);
-}
+using detail::load_at;
+using detail::store_at;
 
 [[noreturn]] void refuse(errc code, const std::string& what) {
     throw error(code, "block record: " + what);
@@ -157,18 +150,18 @@ std::vector<uint8_t> encode_block(const block_layout& layout, const block_id& id
     const size_t at_rows = block_record_header_size + tokens.size_bytes();
     std::vector<uint8_t> out(at_rows + rows + block_record_trailer_size);
     const std::span<uint8_t> b(out);
-    store_at<uint32_t>(b, off_magic, block_record_magic);
-    store_at<uint16_t>(b, off_version, block_record_version);
-    store_at<uint16_t>(b, off_flags, 0);
-    store_at<uint64_t>(b, off_fingerprint, layout.fingerprint());
-    store_at<uint64_t>(b, off_key, id.key);
-    store_at<uint64_t>(b, off_hash, id.hash);
-    store_at<uint64_t>(b, off_parent, id.parent_hash);
-    store_at<uint32_t>(b, off_depth, id.depth);
-    store_at<uint32_t>(b, off_block_size, layout.block_size);
-    store_at<uint32_t>(b, off_layers, static_cast<uint32_t>(layout.layers.size()));
-    store_at<uint32_t>(b, off_zero, 0);
-    store_at<uint64_t>(b, off_row_bytes, rows);
+    store_at<uint32_t>(b, field_magic, block_record_magic);
+    store_at<uint16_t>(b, field_version, block_record_version);
+    store_at<uint16_t>(b, field_flags, 0);
+    store_at<uint64_t>(b, field_fingerprint, layout.fingerprint());
+    store_at<uint64_t>(b, field_key, id.key);
+    store_at<uint64_t>(b, field_hash, id.hash);
+    store_at<uint64_t>(b, field_parent, id.parent_hash);
+    store_at<uint32_t>(b, field_depth, id.depth);
+    store_at<uint32_t>(b, field_block_size, layout.block_size);
+    store_at<uint32_t>(b, field_layers, static_cast<uint32_t>(layout.layers.size()));
+    store_at<uint32_t>(b, field_zero, 0);
+    store_at<uint64_t>(b, field_row_bytes, rows);
     std::memcpy(out.data() + block_record_header_size, tokens.data(), tokens.size_bytes());
     for (uint32_t l = 0; l < layout.layers.size(); ++l)
         for (const bool is_v : {false, true}) {
@@ -197,28 +190,28 @@ block_view decode_block(std::span<const uint8_t> value, const block_layout& layo
     if (value.size() < least)
         refuse(errc::corrupt_data,
                fmt::format("{} bytes, fewer than a header and a checksum ({})", value.size(), least));
-    const uint32_t magic = load_at<uint32_t>(value, off_magic);
+    const uint32_t magic = load_at<uint32_t>(value, field_magic);
     if (magic != block_record_magic)
         refuse(errc::corrupt_data,
                fmt::format("magic {:#010x}, not \"KVCB\" ({:#010x})", magic, block_record_magic));
-    const uint16_t version = load_at<uint16_t>(value, off_version);
+    const uint16_t version = load_at<uint16_t>(value, field_version);
     if (version != block_record_version)
         refuse(errc::unsupported,
                fmt::format("version {}, this build reads {}", version, block_record_version));
-    const uint64_t fp = load_at<uint64_t>(value, off_fingerprint), want_fp = layout.fingerprint();
+    const uint64_t fp = load_at<uint64_t>(value, field_fingerprint), want_fp = layout.fingerprint();
     if (fp != want_fp)
         refuse(errc::corrupt_data,
                fmt::format("layout fingerprint {}, this cache's is {}: written by another model or layout",
                            hex(fp), hex(want_fp)));
-    if (load_at<uint16_t>(value, off_flags) != 0 || load_at<uint32_t>(value, off_zero) != 0)
+    if (load_at<uint16_t>(value, field_flags) != 0 || load_at<uint32_t>(value, field_zero) != 0)
         refuse(errc::corrupt_data, "reserved header fields are not zero");
-    const uint32_t bs = load_at<uint32_t>(value, off_block_size),
-                   n_layers = load_at<uint32_t>(value, off_layers);
+    const uint32_t bs = load_at<uint32_t>(value, field_block_size),
+                   n_layers = load_at<uint32_t>(value, field_layers);
     if (bs != layout.block_size || n_layers != layout.layers.size())
         refuse(errc::corrupt_data, fmt::format("block of {} tokens and {} layers, the layout has {} and {}",
                                                bs, n_layers, layout.block_size, layout.layers.size()));
     std::vector<uint64_t> off = offsets_of(layout);
-    const uint64_t rows = load_at<uint64_t>(value, off_row_bytes);
+    const uint64_t rows = load_at<uint64_t>(value, field_row_bytes);
     if (rows != off.back())
         refuse(errc::corrupt_data, fmt::format("{} row bytes, the layout has {}", rows, off.back()));
     const uint64_t size = layout.record_bytes();
@@ -233,10 +226,10 @@ block_view decode_block(std::span<const uint8_t> value, const block_layout& layo
     if (reinterpret_cast<uintptr_t>(value.data()) % alignof(token_t) != 0)
         throw error(errc::invalid_argument, "block record: the value is not 4-byte aligned");
     block_view v;
-    v.id = {.key = load_at<uint64_t>(value, off_key),
-            .hash = load_at<uint64_t>(value, off_hash),
-            .parent_hash = load_at<uint64_t>(value, off_parent),
-            .depth = load_at<uint32_t>(value, off_depth)};
+    v.id = {.key = load_at<uint64_t>(value, field_key),
+            .hash = load_at<uint64_t>(value, field_hash),
+            .parent_hash = load_at<uint64_t>(value, field_parent),
+            .depth = load_at<uint32_t>(value, field_depth)};
     v.tokens = {reinterpret_cast<const token_t*>(value.data() + block_record_header_size), bs};
     const uint64_t h = block_chain_hash(v.id.parent_hash, v.tokens);
     if (h != v.id.hash)

@@ -14,7 +14,7 @@
 namespace kvc {
 
 namespace {
-constexpr uint32_t none = detail::prefix_index::none;
+using detail::none;
 }  // namespace
 
 void kv_cache::check_prefix_params(const kv_cache_params& p, uint32_t n_stream) {

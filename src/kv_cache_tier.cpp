@@ -16,8 +16,8 @@ namespace kvc {
 
 namespace {
 
+using detail::none;
 using detail::prefix_index;
-constexpr uint32_t none = prefix_index::none;
 
 // save_k / save_v into one piece of a record, which must come out exactly filled.
 class span_writer final : public io_write_i {

@@ -17,7 +17,7 @@
 namespace kvc {
 
 namespace {
-constexpr uint32_t none = detail::prefix_index::none;
+using detail::none;
 // The adaptive policy's ghosts learn from K/V blocks evicted one by one; snapshots have their own queue
 // (design D33), so under that policy they follow SLRU.
 evict_policy snapshot_policy(evict_policy p) {

@@ -15,7 +15,7 @@
 namespace kvc {
 
 namespace {
-constexpr uint32_t none = detail::prefix_index::none;
+using detail::none;
 }  // namespace
 
 block_layout memory_recurrent::prefix_block_layout(uint64_t model_id) const {

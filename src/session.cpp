@@ -15,6 +15,7 @@
 #include <kvcache/session.h>
 #include <kvcache/state.h>
 
+#include "detail/byte_fields.h"
 #include "detail/state_io.h"
 
 namespace kvc {
@@ -48,17 +49,8 @@ constexpr size_t off_magic = 0, off_version = 4, off_flags = 8, off_seq = 12, of
                  off_n_tokens = 20, off_layout_len = 24, off_payload = 32, off_stored = 40,
                  off_fingerprint = 48, off_checksum = 56, off_header_checksum = 64;
 
-template <class T>
-T load_at(std::span<const uint8_t> b, size_t at) {
-    T v;
-    std::memcpy(&v, b.data() + at, sizeof v);
-    return v;
-}
-
-template <class T>
-void store_at(uint8_t* b, size_t at, T v) {
-    std::memcpy(b + at, &v, sizeof v);
-}
+using detail::load_at;
+using detail::store_at;
 
 uint64_t xxh3(const void* p, size_t n) {
     return XXH3_64bits(p, n);

@@ -24,11 +24,6 @@ void load_with_tokens(int32_t* tokens_out, size_t capacity, size_t* n_tokens_out
     if (n_tokens_out != nullptr) *n_tokens_out = tokens.size();
 }
 
-std::span<const kvc::token_t> tokens_of(const int32_t* tokens, size_t n_tokens) {
-    need_array(tokens, n_tokens, "tokens");
-    return n_tokens > 0 ? std::span<const kvc::token_t>(tokens, n_tokens) : std::span<const kvc::token_t>();
-}
-
 }  // namespace
 
 // -- state buffers --

@@ -215,6 +215,9 @@ private:
     std::vector<stream_queues> streams_;
 };
 
+// No block: prefix_index::none, for the sources of the prefix cache.
+inline constexpr uint32_t none = prefix_index::none;
+
 // Checks the tokens of a prefix call: at most INT32_MAX, none negative, with a vocabulary (n_vocab > 0) each
 // below it; kvc::error(invalid_argument) naming `what`, the token and the bound.
 void check_prompt_tokens(std::span<const token_t> tokens, int32_t n_vocab, const char* what);

@@ -44,7 +44,7 @@ struct sim_cli_options {
     std::vector<std::string> tiers;
 };
 
-std::vector<std::string> split(const std::string& s) {
+std::vector<std::string> split_commas(const std::string& s) {
     std::vector<std::string> v;
     std::stringstream in(s);
     for (std::string x; std::getline(in, x, ',');)
@@ -352,7 +352,7 @@ void run(sim_cli_options o) {
     else
         throw error(errc::invalid_argument,
                     fmt::format("--evict '{}': not one of lru, slru, adaptive", o.evict));
-    for (const std::string& s : split(o.schedule)) {
+    for (const std::string& s : split_commas(o.schedule)) {
         if (s != "fcfs" && s != "lpm")
             throw error(errc::invalid_argument, fmt::format("--schedule '{}': not one of fcfs, lpm", s));
         o.schedules.push_back(s == "fcfs" ? sim_schedule::fcfs : sim_schedule::lpm);
@@ -396,7 +396,7 @@ void run(sim_cli_options o) {
     else if (!o.policy_given && o.sim.instances != 1)
         o.policies = "kvcache,none";
     std::vector<sim_policy> policies;
-    for (const std::string& p : split(o.policies)) {
+    for (const std::string& p : split_commas(o.policies)) {
         const auto v = parse_sim_policy(p);
         if (!v)
             throw error(
@@ -411,7 +411,8 @@ void run(sim_cli_options o) {
                                                         o.sim.cache_block, o.sim.trace_block));
     const trace_stats ts = analyse_trace(reqs, o.sim.trace_block, o.sim.cache_block);
     std::vector<std::string> budget_specs =
-        o.sweep.empty() ? std::vector<std::string>{o.budget.empty() ? "10%" : o.budget} : split(o.sweep);
+        o.sweep.empty() ? std::vector<std::string>{o.budget.empty() ? "10%" : o.budget}
+                        : split_commas(o.sweep);
     if (!o.sweep.empty() && !o.budget.empty())
         throw error(errc::invalid_argument, "give --budget or --sweep, not both");
     std::vector<uint32_t> budgets;
