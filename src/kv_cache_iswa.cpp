@@ -97,6 +97,11 @@ uint64_t kv_cache_iswa::reserve_bytes(const kv_cache_iswa_params& p) {
     return add_sat(kv_cache::reserve_bytes(half(p, false)), kv_cache::reserve_bytes(half(p, true)));
 }
 
+kv_cache* kv_cache_iswa::layer_cache(uint32_t il) {
+    if (base_->has_layer(il)) return base_.get();
+    return swa_->has_layer(il) ? swa_.get() : nullptr;
+}
+
 memory_breakdown kv_cache_iswa::get_memory_breakdown() const {
     memory_breakdown b = base_->get_memory_breakdown();
     b += swa_->get_memory_breakdown();

@@ -395,15 +395,6 @@ uint64_t memory_hybrid::state_max_bytes() const {
     return add_sat(attn_->state_max_bytes(), recr_->state_max_bytes());  // the two payloads back to back
 }
 
-const kv_cache& memory_hybrid::attn_cache(uint32_t il) const {
-    if (const auto* kv = dynamic_cast<const kv_cache*>(attn_.get()); kv && kv->has_layer(il)) return *kv;
-    if (const auto* is = dynamic_cast<const kv_cache_iswa*>(attn_.get())) {
-        if (is->get_base().has_layer(il)) return is->get_base();
-        if (is->get_swa().has_layer(il)) return is->get_swa();
-    }
-    throw error(errc::out_of_range, fmt::format("memory_hybrid: no attention layer {}", il));
-}
-
 size_t memory_hybrid::size_bytes() const {
     const auto* kv = dynamic_cast<const kv_cache*>(attn_.get());
     const size_t attn = kv ? kv->size_bytes() : dynamic_cast<const kv_cache_iswa&>(*attn_).size_bytes();

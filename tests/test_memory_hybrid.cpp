@@ -78,13 +78,14 @@ TEST(memory_hybrid, parts_keep_their_layers) {
               (std::vector<uint32_t>{1, 3}));
     EXPECT_EQ(std::vector<uint32_t>(m.get_recr().layer_ids().begin(), m.get_recr().layer_ids().end()),
               (std::vector<uint32_t>{0, 2}));
-    EXPECT_EQ(&m.attn_cache(1), &kv);
-    EXPECT_THROW(m.attn_cache(0), error);
+    EXPECT_EQ(m.layer_cache(1), &kv);
+    EXPECT_EQ(m.layer_cache(0), nullptr);
     EXPECT_EQ(m.size_bytes(), kv.size_bytes() + m.get_recr().size_bytes());
     EXPECT_EQ(m.state_layout(), "hybrid attn=" + kv.state_layout() + " recr=" + m.get_recr().state_layout());
     const memory_hybrid both(make_params(256, 2, 0, true));  // a layer may be in both parts
     EXPECT_EQ(both.get_recr().layer_ids().size(), 4u);
-    EXPECT_TRUE(both.attn_cache(0).has_layer(0));
+    ASSERT_NE(both.layer_cache(0), nullptr);
+    EXPECT_TRUE(both.layer_cache(0)->has_layer(0));
 }
 
 TEST(memory_hybrid, invalid_configurations_are_refused) {
@@ -179,7 +180,7 @@ TEST(memory_hybrid, contexts_combine_their_children) {
     EXPECT_EQ(full->get_status(), memory_status::success);
     full->apply();
     EXPECT_EQ(full->get_recr()->get_n_rs(), m.get_recr().get_size());
-    EXPECT_EQ(&full->get_attn(1)->cache(), &m.attn_cache(1));
+    EXPECT_EQ(&full->get_attn(1)->cache(), m.layer_cache(1));
     EXPECT_EQ(full->get_attn(0), nullptr) << "layer 0 is recurrent";
     EXPECT_EQ(m.init_update(false)->get_status(), memory_status::no_update);  // neither has work
     ASSERT_EQ(decode(m, {{0, 0, 4}}), memory_status::success);
@@ -268,8 +269,8 @@ TEST(memory_hybrid, iswa_attention) {
     p.attn.swa = swa_type::standard;
     memory_hybrid m(p);
     const auto& is = dynamic_cast<const kv_cache_iswa&>(m.get_attn());
-    EXPECT_EQ(&m.attn_cache(1), &is.get_swa());
-    EXPECT_EQ(&m.attn_cache(3), &is.get_base());
+    EXPECT_EQ(m.layer_cache(1), &is.get_swa());
+    EXPECT_EQ(m.layer_cache(3), &is.get_base());
     for (pos_t pos = 0; pos < 320; pos += 64)
         ASSERT_EQ(decode(m, {{0, pos, 64}}, 64), memory_status::success);
     EXPECT_EQ(is.get_base().seq_pos_min(0), 0);

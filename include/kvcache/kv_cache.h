@@ -157,6 +157,15 @@ public:
     uint64_t state_max_bytes() const override;
     memory_breakdown get_memory_breakdown() const override;
 
+    uint32_t n_seq_max() const override { return params_.n_seq_max; }
+    uint32_t n_pos() const override { return params_.n_pos; }
+    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.layers.size()); }
+    kv_cache* layer_cache(uint32_t il) override { return has_layer(il) ? this : nullptr; }
+    using memory_i::layer_cache;
+    memory_recurrent* recurrent() override { return nullptr; }
+    prefix_cache_i* prefix_cache() override { return prefix_ != nullptr ? this : nullptr; }
+    using memory_i::prefix_cache;
+
     /// K/V bytes a cache made from p would reserve (every cell of every stream), saturating at UINT64_MAX;
     /// p need not be valid. What creation checks against p.memory_budget.
     static uint64_t reserve_bytes(const kv_cache_params& p);
@@ -218,13 +227,14 @@ public:
     /// included) and returns the tokens pinned: no eviction takes them until as many prefix_unpin calls.
     /// Throws kvc::error, changing nothing, when the pinned cells would exceed
     /// prefix.max_pinned_fraction of the cache, or (unsupported) in a cache with a sliding window.
-    uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key = 0);
+    uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key = 0) override;
+    bool prefix_can_pin() const override { return true; }  ///< pins and priorities are a KV cache's
     /// Undoes one prefix_pin of the same prefix: unpins the pinned blocks of the longest cached prefix of
     /// `tokens` and returns their tokens.
-    uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key = 0);
+    uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key = 0) override;
     /// Sets the priority (0-100) of the blocks of the longest cached prefix of `tokens`; returns their
     /// tokens. A cached block moves to the newest end of its new priority's queue.
-    uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority);
+    uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority) override;
     /// Publishes now the blocks completed by the ubatches applied so far (the next init_batch,
     /// init_ubatches, prefix_lookup or prefix_attach does it anyway); call it after computing them.
     void prefix_publish() override;
@@ -263,10 +273,10 @@ public:
     uint32_t prefix_fetch_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
                                  uint64_t key = 0, uint32_t stream = 0);
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
-    std::vector<prefix_tier_stats> get_tier_stats() const;
+    std::vector<prefix_tier_stats> get_tier_stats() const override;
     /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
     /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
-    void prefix_tier_drain();
+    void prefix_tier_drain() override;
     /// For memories built of parts (memory_hybrid): brings back from the tiers what memory lacks of the
     /// first max_tokens of `tokens` (whole blocks, the last token excluded), into seq_id's stream, as
     /// prefix_attach does first. Nothing without tiers. Throws as prefix_attach for bad tokens or ids.

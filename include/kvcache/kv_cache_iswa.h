@@ -106,6 +106,15 @@ public:
     uint64_t state_max_bytes() const override;
     memory_breakdown get_memory_breakdown() const override;  ///< both caches' bytes
 
+    uint32_t n_seq_max() const override { return params_.kv.n_seq_max; }
+    uint32_t n_pos() const override { return params_.kv.n_pos; }
+    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.kv.layers.size()); }
+    kv_cache* layer_cache(uint32_t il) override;  ///< the base or the SWA cache
+    using memory_i::layer_cache;
+    memory_recurrent* recurrent() override { return nullptr; }
+    prefix_cache_i* prefix_cache() override { return prefix_enabled() ? this : nullptr; }
+    using memory_i::prefix_cache;
+
     /// K/V bytes both caches made from p would reserve, saturating; p need not be valid.
     static uint64_t reserve_bytes(const kv_cache_iswa_params& p);
 

@@ -38,8 +38,11 @@ namespace kvc {
 
 struct ubatch;                   // batch.h
 class batch_allocr;              // batch.h
+class kv_cache;                  // kv_cache.h
 class kv_cache_context;          // kv_cache.h
+class memory_recurrent;          // memory_recurrent.h
 class memory_recurrent_context;  // memory_recurrent.h
+class prefix_cache_i;            // prefix_cache.h
 
 /// Flags of state_write / state_read.
 using state_seq_flags = uint32_t;
@@ -164,6 +167,31 @@ public:
 
     /// Where its bytes are (memory_breakdown). Counts every cell: for reports, not for every step.
     virtual memory_breakdown get_memory_breakdown() const = 0;
+
+    // -- capabilities --
+    /// @name Capabilities
+    /// What the memory holds and offers, whatever its kind: code that serves any memory (the C API, the
+    /// Python package, the tools) asks these instead of casting to the memory's class.
+    /// @{
+    /// Sequence ids a batch may use: [0, n_seq_max()).
+    virtual uint32_t n_seq_max() const = 0;
+    /// Positions per token a batch gives (M-RoPE: 4; 1 for a memory without attention).
+    virtual uint32_t n_pos() const = 0;
+    /// Model layers the memory was made for (those it keeps nothing for included).
+    virtual uint32_t n_layer() const = 0;
+    /// The attention cache that keeps model layer il's K/V: the kv_cache itself, the base or SWA cache of
+    /// a kv_cache_iswa, a memory_hybrid's attention part; null when no cache keeps it.
+    virtual kv_cache* layer_cache(uint32_t il) = 0;
+    /// The attention cache that keeps model layer il's K/V, or null (see the non-const overload).
+    const kv_cache* layer_cache(uint32_t il) const { return const_cast<memory_i*>(this)->layer_cache(il); }
+    /// The recurrent state: a memory_recurrent itself, a memory_hybrid's recurrent part; null otherwise.
+    virtual memory_recurrent* recurrent() = 0;
+    /// The prefix cache (lookups, attaches, pins, priorities, statistics, tiers), or null when the memory
+    /// was made without one.
+    virtual prefix_cache_i* prefix_cache() = 0;
+    /// The prefix cache, or null (see the non-const overload).
+    const prefix_cache_i* prefix_cache() const { return const_cast<memory_i*>(this)->prefix_cache(); }
+    /// @}
 };
 
 using memory_ptr = std::unique_ptr<memory_i>;  ///< an owned memory

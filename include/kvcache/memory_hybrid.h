@@ -99,6 +99,15 @@ public:
     uint64_t state_max_bytes() const override;
     memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
 
+    uint32_t n_seq_max() const override { return params_.attn.n_seq_max; }
+    uint32_t n_pos() const override { return params_.attn.n_pos; }
+    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.attn.layers.size()); }
+    kv_cache* layer_cache(uint32_t il) override { return attn_->layer_cache(il); }
+    using memory_i::layer_cache;
+    memory_recurrent* recurrent() override { return recr_.get(); }
+    prefix_cache_i* prefix_cache() override { return prefix_enabled() ? this : nullptr; }
+    using memory_i::prefix_cache;
+
     // -- prefix cache (params().prefix.enabled; see the file comment) --
     bool prefix_enabled() const override { return attn_prefix_ != nullptr; }
     /// Tokens prefix_attach would resume now: the deepest block boundary n < tokens.size() with the
@@ -120,19 +129,16 @@ public:
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without): the
     /// attention part's blocks and the recurrent part's snapshots through the same stores, counted together
     /// (est_* and store: the attention part's).
-    std::vector<prefix_tier_stats> get_tier_stats() const;
+    std::vector<prefix_tier_stats> get_tier_stats() const override;
     /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
     /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
-    void prefix_tier_drain();
+    void prefix_tier_drain() override;
 
     // -- parts --
     memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)
     const memory_i& get_attn() const { return *attn_; }  ///< the attention part
     memory_recurrent& get_recr() { return *recr_; }      ///< the recurrent part
-    const memory_recurrent& get_recr() const { return *recr_; }  ///< the recurrent part
-    /// The attention part's KV cache holding model layer il (the base or SWA cache with iswa); throws
-    /// kvc::error when no attention layer il exists.
-    const kv_cache& attn_cache(uint32_t il) const;
+    const memory_recurrent& get_recr() const { return *recr_; }     ///< the recurrent part
     const memory_hybrid_params& params() const { return params_; }  ///< the configuration
     size_t size_bytes() const;                                      ///< K/V and state rows of both parts
 

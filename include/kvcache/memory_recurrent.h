@@ -197,6 +197,15 @@ public:
     /// history planes.
     memory_breakdown get_memory_breakdown() const override;
 
+    uint32_t n_seq_max() const override { return params_.n_seq_max; }
+    uint32_t n_pos() const override { return 1; }
+    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.layers.size()); }
+    kv_cache* layer_cache(uint32_t /*il*/) override { return nullptr; }
+    using memory_i::layer_cache;
+    memory_recurrent* recurrent() override { return this; }
+    prefix_cache_i* prefix_cache() override { return prefix_enabled() ? this : nullptr; }
+    using memory_i::prefix_cache;
+
     /// State bytes a memory made from p would hold (every row of every plane), saturating at UINT64_MAX;
     /// p need not be valid. What creation checks against p.memory_budget.
     static uint64_t reserve_bytes(const recurrent_params& p);
@@ -240,10 +249,10 @@ public:
     /// kvc::error(unsupported) without a prefix cache.
     block_layout prefix_block_layout(uint64_t model_id) const;
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
-    std::vector<prefix_tier_stats> get_tier_stats() const;
+    std::vector<prefix_tier_stats> get_tier_stats() const override;
     /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
     /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
-    void prefix_tier_drain();
+    void prefix_tier_drain() override;
     /// For memories built of parts (memory_hybrid): brings back from the tiers a snapshot deeper than
     /// memory's for the first max_tokens + 1 of `tokens`, as prefix_attach does first. Nothing without
     /// tiers. Throws as prefix_attach for bad tokens.

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <vector>
 
 #include <kvcache/prefix_tiers.h>
 #include <kvcache/types.h>
@@ -122,10 +123,11 @@ struct prefix_stats {
     size_t index_bytes = 0;
 };
 
-/// The prefix cache calls every memory that can have one offers (kv_cache, memory_recurrent,
-/// memory_hybrid), for code that serves any of them (the C API, `kvcache replay`, `kvcache sim`). Each
-/// class documents its own rules; without a prefix cache the calls throw kvc::error(unsupported), except
-/// prefix_enabled, prefix_publish (nothing to do) and get_prefix_stats (zeros).
+/// The prefix cache of any memory (kv_cache, kv_cache_iswa, memory_recurrent, memory_hybrid), for code
+/// that serves any of them (the C API, Python, `kvcache replay`, `kvcache sim`): memory_i::prefix_cache()
+/// gives it when the memory has one. Each class documents its own rules; without a prefix cache the calls
+/// throw kvc::error(unsupported), except prefix_enabled, prefix_publish (nothing to do) and
+/// get_prefix_stats (zeros).
 class prefix_cache_i {
 public:
     virtual ~prefix_cache_i() = default;
@@ -141,6 +143,22 @@ public:
     virtual void prefix_publish() = 0;
     /// What the prefix cache did and holds.
     virtual prefix_stats get_prefix_stats() const = 0;
+    /// Whether the memory pins prefixes and sets their priorities (a kv_cache; its prefix_pin may still
+    /// refuse, e.g. with a sliding window).
+    virtual bool prefix_can_pin() const { return false; }
+    /// Pins the blocks of the longest cached prefix of `tokens`; returns the tokens pinned (kv_cache).
+    /// Memories that cannot pin throw kvc::error(unsupported): a cache with a sliding window, recurrent
+    /// snapshots.
+    virtual uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key);
+    /// Undoes one prefix_pin of the same prefix; returns the tokens unpinned (kv_cache; see prefix_pin).
+    virtual uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key);
+    /// Sets the priority of the blocks of the longest cached prefix of `tokens`; returns their tokens
+    /// (kv_cache; see prefix_pin).
+    virtual uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority);
+    /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
+    virtual std::vector<prefix_tier_stats> get_tier_stats() const { return {}; }
+    /// With prefix.tiers.async_writes: returns when every write queued so far is done. Nothing otherwise.
+    virtual void prefix_tier_drain() {}
 };
 
 }  // namespace kvc

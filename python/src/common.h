@@ -46,8 +46,6 @@ struct py_memory {
     kv_cache_iswa* iswa = nullptr;
     memory_recurrent* recr = nullptr;
     memory_hybrid* hybrid = nullptr;
-    uint32_t n_seq_max = 1;  // what batches are validated against
-    uint32_t n_pos = 1;
 
     /// Runs f on the memory without the GIL and with the memory's lock; f must not touch Python objects.
     template <class F>
@@ -64,11 +62,10 @@ struct py_kv_cache_iswa : py_memory {};
 struct py_memory_recurrent : py_memory {};
 struct py_memory_hybrid : py_memory {};
 
-/// A memory object for an owned memory (the top level) or a part of one (sharing its owner and lock).
-py_memory make_memory(std::shared_ptr<memory_i> owner, std::shared_ptr<std::mutex> mutex, memory_i* mem);
-
-/// The Python object of a memory or a part of one, of its kind's class (KVCache, ...).
-py::object wrap(const py_memory& pm);
+/// A memory object for an owned memory (the top level) or a part of one (sharing its owner and lock); M
+/// (kv_cache, kv_cache_iswa, memory_recurrent, memory_hybrid) sets the typed pointer of its class.
+template <class M>
+py_memory make_memory(std::shared_ptr<memory_i> owner, std::shared_ptr<std::mutex> mutex, M* mem);
 
 /// What a batch context needs: the validated batch (which the context's ubatches came from), the context,
 /// and the memory it belongs to (kept alive).

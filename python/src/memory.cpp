@@ -15,48 +15,58 @@
 
 namespace kvc::py_binding {
 
-py_memory make_memory(std::shared_ptr<memory_i> owner, std::shared_ptr<std::mutex> mutex, memory_i* mem) {
+template <class M>
+py_memory make_memory(std::shared_ptr<memory_i> owner, std::shared_ptr<std::mutex> mutex, M* mem) {
     py_memory pm;
     pm.owner = std::move(owner);
     pm.mutex = std::move(mutex);
     pm.mem = mem;
-    pm.kv = dynamic_cast<kv_cache*>(mem);
-    pm.iswa = dynamic_cast<kv_cache_iswa*>(mem);
-    pm.recr = dynamic_cast<memory_recurrent*>(mem);
-    pm.hybrid = dynamic_cast<memory_hybrid*>(mem);
-    if (pm.kv != nullptr) {
-        pm.n_seq_max = pm.kv->params().n_seq_max;
-        pm.n_pos = pm.kv->params().n_pos;
-    } else if (pm.iswa != nullptr) {
-        pm.n_seq_max = pm.iswa->params().kv.n_seq_max;
-        pm.n_pos = pm.iswa->params().kv.n_pos;
-    } else if (pm.recr != nullptr) {
-        pm.n_seq_max = pm.recr->params().n_seq_max;
-    } else if (pm.hybrid != nullptr) {
-        pm.n_seq_max = pm.hybrid->params().attn.n_seq_max;
-        pm.n_pos = pm.hybrid->params().attn.n_pos;
-    }
+    if constexpr (std::is_same_v<M, kv_cache>) pm.kv = mem;
+    if constexpr (std::is_same_v<M, kv_cache_iswa>) pm.iswa = mem;
+    if constexpr (std::is_same_v<M, memory_recurrent>) pm.recr = mem;
+    if constexpr (std::is_same_v<M, memory_hybrid>) pm.hybrid = mem;
     return pm;
 }
+template py_memory make_memory(std::shared_ptr<memory_i>, std::shared_ptr<std::mutex>, kv_cache*);
 
-py::object wrap(const py_memory& pm) {
-    auto as = [&pm](auto kind) {
-        static_cast<py_memory&>(kind) = pm;
-        return py::cast(std::move(kind));
-    };
-    if (pm.kv != nullptr) return as(py_kv_cache{});
-    if (pm.iswa != nullptr) return as(py_kv_cache_iswa{});
-    if (pm.recr != nullptr) return as(py_memory_recurrent{});
-    if (pm.hybrid != nullptr) return as(py_memory_hybrid{});
-    return py::cast(pm);
+namespace {
+
+// The Python class of each memory class.
+template <class M>
+struct py_class_of;
+template <>
+struct py_class_of<kv_cache> {
+    using type = py_kv_cache;
+};
+template <>
+struct py_class_of<kv_cache_iswa> {
+    using type = py_kv_cache_iswa;
+};
+template <>
+struct py_class_of<memory_recurrent> {
+    using type = py_memory_recurrent;
+};
+template <>
+struct py_class_of<memory_hybrid> {
+    using type = py_memory_hybrid;
+};
+
+// A part of the memory `of` (sharing its owner and lock), as an object of the part's Python class.
+template <class M>
+py::object wrap_part(const py_memory& of, M* part) {
+    typename py_class_of<M>::type obj;
+    static_cast<py_memory&>(obj) = make_memory(of.owner, of.mutex, part);
+    return py::cast(std::move(obj));
 }
+
+}  // namespace
 
 namespace {
 
 template <class Kind, class Memory>
 Kind make_owned(std::shared_ptr<Memory> m) {
     Kind k;
-    memory_i* raw = m.get();
+    Memory* raw = m.get();
     static_cast<py_memory&>(k) = make_memory(std::move(m), std::make_shared<std::mutex>(), raw);
     return k;
 }
@@ -158,10 +168,10 @@ void bind_memory_base(py::module_& m) {
                 st->memory = self;
                 const batch view = b.view();
                 batch_options opt;
-                opt.n_seq_max = self.n_seq_max;
+                opt.n_seq_max = self.mem->n_seq_max();
                 opt.n_vocab = n_vocab;
                 opt.n_embd = b.n_embd();
-                opt.n_pos = self.n_pos;
+                opt.n_pos = self.mem->n_pos();
                 opt.output_all = output_all;
                 if (n_ubatch == 0) fail_argument("init_batch: n_ubatch must be > 0");
                 self.locked([&] {
@@ -200,7 +210,7 @@ void bind_memory_base(py::module_& m) {
         .def_property_readonly(
             "can_shift",
             [](const py_memory& self) { return self.locked([&] { return self.mem->get_can_shift(); }); })
-        .def_property_readonly("n_seq_max", [](const py_memory& self) { return self.n_seq_max; })
+        .def_property_readonly("n_seq_max", [](const py_memory& self) { return self.mem->n_seq_max(); })
         .def(
             "clear", [](const py_memory& self, bool data) { self.locked([&] { self.mem->clear(data); }); },
             py::arg("data") = false, "Every sequence leaves; data: also zero the stored rows.")
@@ -396,7 +406,7 @@ void bind_kv_cache(py::module_& m) {
                 s.locked([&] {
                     const kv_cells& c = s.kv->cells(stream);
                     pos = c.pos_get(cell);
-                    for (seq_id_t id = 0; id < static_cast<seq_id_t>(s.n_seq_max); ++id)
+                    for (seq_id_t id = 0; id < static_cast<seq_id_t>(s.kv->n_seq_max()); ++id)
                         if (c.seq_has(cell, id)) seqs.push_back(id);
                 });
                 return py::make_tuple(pos, seqs);
@@ -449,68 +459,9 @@ void bind_kv_cache(py::module_& m) {
         .def(
             "compact", [](const py_kv_cache& s) { return s.locked([&] { return s.kv->compact(); }); },
             "Moves used cells down into empty ones; returns the cells moved.")
-        .def_property_readonly(
-            "fragmentation",
-            [](const py_kv_cache& s) { return s.locked([&] { return s.kv->fragmentation(); }); })
-        // the prefix cache (params.prefix.enabled)
-        .def(
-            "prefix_lookup",
-            [](const py_kv_cache& s, const py::object& tokens, uint64_t key) {
-                const auto t = tokens_of(tokens, "prefix_lookup tokens");
-                return s.locked([&] { return s.kv->prefix_lookup(t, key); });
-            },
-            py::arg("tokens"), py::arg("key") = 0,
-            "Tokens of the prompt prefix_attach would give a sequence now.")
-        .def(
-            "prefix_attach",
-            [](const py_kv_cache& s, seq_id_t seq, const py::object& tokens, uint64_t key,
-               uint32_t priority) {
-                const auto t = tokens_of(tokens, "prefix_attach tokens");
-                const auto pr = static_cast<uint8_t>(check_u8(priority, "prefix_attach"));
-                return s.locked([&] { return s.kv->prefix_attach(seq, t, key, pr); });
-            },
-            py::arg("seq_id"), py::arg("tokens"), py::arg("key") = 0,
-            py::arg("priority") = prefix_default_priority,
-            "Starts the empty sequence seq_id with the cells of the longest cached prefix of tokens; returns "
-            "n: "
-            "decode tokens[n:] from position n.")
-        .def(
-            "prefix_pin",
-            [](const py_kv_cache& s, const py::object& tokens, uint64_t key) {
-                const auto t = tokens_of(tokens, "prefix_pin tokens");
-                return s.locked([&] { return s.kv->prefix_pin(t, key); });
-            },
-            py::arg("tokens"), py::arg("key") = 0,
-            "Pins the cached prefix of tokens; returns the tokens pinned.")
-        .def(
-            "prefix_unpin",
-            [](const py_kv_cache& s, const py::object& tokens, uint64_t key) {
-                const auto t = tokens_of(tokens, "prefix_unpin tokens");
-                return s.locked([&] { return s.kv->prefix_unpin(t, key); });
-            },
-            py::arg("tokens"), py::arg("key") = 0, "Undoes one prefix_pin; returns the tokens unpinned.")
-        .def(
-            "prefix_set_priority",
-            [](const py_kv_cache& s, const py::object& tokens, uint64_t key, uint32_t priority) {
-                const auto t = tokens_of(tokens, "prefix_set_priority tokens");
-                const auto pr = static_cast<uint8_t>(check_u8(priority, "prefix_set_priority"));
-                return s.locked([&] { return s.kv->prefix_set_priority(t, key, pr); });
-            },
-            py::arg("tokens"), py::arg("key"), py::arg("priority"))
-        .def(
-            "prefix_publish", [](const py_kv_cache& s) { s.locked([&] { s.kv->prefix_publish(); }); },
-            "Publishes the blocks the ubatches applied so far completed.")
-        .def(
-            "prefix_stats",
-            [](const py_kv_cache& s) { return s.locked([&] { return s.kv->get_prefix_stats(); }); },
-            "What the prefix cache did and holds.")
-        .def(
-            "tier_stats",
-            [](const py_kv_cache& s) { return s.locked([&] { return s.kv->get_tier_stats(); }); },
-            "What the prefix cache did with each of its tiers (prefix.tiers.stores, in order).")
-        .def(
-            "prefix_tier_drain", [](const py_kv_cache& s) { s.locked([&] { s.kv->prefix_tier_drain(); }); },
-            "With prefix.tiers.async_writes: returns when every write queued so far is done.");
+        .def_property_readonly("fragmentation", [](const py_kv_cache& s) {
+            return s.locked([&] { return s.kv->fragmentation(); });
+        });
 }
 
 void bind_composites(py::module_& m) {
@@ -527,14 +478,10 @@ void bind_composites(py::module_& m) {
              "KVCacheISWA(**fields of KVCacheISWAParams)")
         .def_property_readonly("params", [](const py_kv_cache_iswa& s) { return s.iswa->params(); })
         .def_property_readonly(
-            "base",
-            [](const py_kv_cache_iswa& s) {
-                return wrap(make_memory(s.owner, s.mutex, &s.iswa->get_base()));
-            },
+            "base", [](const py_kv_cache_iswa& s) { return wrap_part(s, &s.iswa->get_base()); },
             "The full-attention layers' KVCache (a part: it shares this memory's lifetime and lock).")
         .def_property_readonly(
-            "swa",
-            [](const py_kv_cache_iswa& s) { return wrap(make_memory(s.owner, s.mutex, &s.iswa->get_swa())); },
+            "swa", [](const py_kv_cache_iswa& s) { return wrap_part(s, &s.iswa->get_swa()); },
             "The sliding-window layers' KVCache.")
         .def_property_readonly("size_bytes", [](const py_kv_cache_iswa& s) { return s.iswa->size_bytes(); });
 
@@ -549,14 +496,6 @@ void bind_composites(py::module_& m) {
              }),
              "MemoryRecurrent(**fields of RecurrentParams)")
         .def_property_readonly("params", [](const py_memory_recurrent& s) { return s.recr->params(); })
-        .def(
-            "tier_stats",
-            [](const py_memory_recurrent& s) { return s.locked([&] { return s.recr->get_tier_stats(); }); },
-            "What the prefix cache did with each of its tiers (snapshots; prefix.tiers.stores, in order).")
-        .def(
-            "prefix_tier_drain",
-            [](const py_memory_recurrent& s) { s.locked([&] { s.recr->prefix_tier_drain(); }); },
-            "With prefix.tiers.async_writes: returns when every write queued so far is done.")
         .def_property_readonly("size", [](const py_memory_recurrent& s) { return s.recr->get_size(); })
         .def_property_readonly("n_rs_seq",
                                [](const py_memory_recurrent& s) { return s.recr->get_n_rs_seq(); })
@@ -618,62 +557,113 @@ void bind_composites(py::module_& m) {
              }),
              "MemoryHybrid(**fields of MemoryHybridParams)")
         .def_property_readonly("params", [](const py_memory_hybrid& s) { return s.hybrid->params(); })
-        .def(
-            "tier_stats",
-            [](const py_memory_hybrid& s) { return s.locked([&] { return s.hybrid->get_tier_stats(); }); },
-            "What the prefix cache did with each of its tiers (both parts together).")
-        .def(
-            "prefix_tier_drain",
-            [](const py_memory_hybrid& s) { s.locked([&] { s.hybrid->prefix_tier_drain(); }); },
-            "With prefix.tiers.async_writes: returns when every write queued so far is done.")
         .def_property_readonly(
             "attn",
             [](const py_memory_hybrid& s) {
-                return wrap(make_memory(s.owner, s.mutex, &s.hybrid->get_attn()));
+                // the one question of kind the bindings ask: which class the attention part is
+                memory_i& attn = s.hybrid->get_attn();
+                if (s.hybrid->params().iswa) return wrap_part(s, static_cast<kv_cache_iswa*>(&attn));
+                return wrap_part(s, static_cast<kv_cache*>(&attn));
             },
             "The attention part (a KVCache or KVCacheISWA part).")
         .def_property_readonly(
-            "recr",
-            [](const py_memory_hybrid& s) {
-                return wrap(make_memory(s.owner, s.mutex, &s.hybrid->get_recr()));
-            },
+            "recr", [](const py_memory_hybrid& s) { return wrap_part(s, &s.hybrid->get_recr()); },
             "The recurrent part (a MemoryRecurrent part).")
         .def_property_readonly("size_bytes",
                                [](const py_memory_hybrid& s) { return s.hybrid->size_bytes(); });
 }
 
-// The prefix calls every memory with a prefix cache offers (prefix_cache_i), on an iSWA pair, a recurrent
-// or a hybrid memory (a KVCache binds its own, with pins and priorities).
-template <class T>
-void bind_prefix_calls(py::module_& m, const char* name) {
-    auto c = py::reinterpret_borrow<py::class_<T, py_memory>>(m.attr(name));
-    const auto pc = [](const T& s) -> prefix_cache_i& { return dynamic_cast<prefix_cache_i&>(*s.mem); };
+// The prefix cache of any memory (memory_i::prefix_cache()): unsupported when it was made without one.
+prefix_cache_i& prefix_of(const py_memory& s, const char* what) {
+    prefix_cache_i* p = s.mem->prefix_cache();
+    if (p == nullptr)
+        throw error(errc::unsupported,
+                    std::string(what) + ": the memory has no prefix cache (params.prefix.enabled)");
+    return *p;
+}
+
+// The prefix calls, on the base class: every memory answers them through its prefix cache.
+void bind_prefix_calls(py::module_& m) {
+    auto c = py::reinterpret_borrow<py::class_<py_memory>>(m.attr("Memory"));
     c.def(
          "prefix_lookup",
-         [pc](const T& s, const py::object& tokens, uint64_t key) {
+         [](const py_memory& s, const py::object& tokens, uint64_t key) {
              const auto t = tokens_of(tokens, "prefix_lookup tokens");
-             return s.locked([&] { return pc(s).prefix_lookup(t, key); });
+             return s.locked([&] { return prefix_of(s, "prefix_lookup").prefix_lookup(t, key); });
          },
          py::arg("tokens"), py::arg("key") = 0,
-         "Tokens of the prompt prefix_attach would resume now (the deepest boundary before its last token "
-         "with everything a resumed sequence needs: blocks, window, snapshot).")
+         "Tokens of the prompt prefix_attach would give a sequence now (the deepest boundary before its last "
+         "token with everything a resumed sequence needs: blocks, window, snapshot).")
         .def(
             "prefix_attach",
-            [pc](const T& s, seq_id_t seq, const py::object& tokens, uint64_t key, uint32_t priority) {
+            [](const py_memory& s, seq_id_t seq, const py::object& tokens, uint64_t key, uint32_t priority) {
                 const auto t = tokens_of(tokens, "prefix_attach tokens");
                 const auto pr = static_cast<uint8_t>(check_u8(priority, "prefix_attach"));
-                return s.locked([&] { return pc(s).prefix_attach(seq, t, key, pr, UINT32_MAX); });
+                return s.locked(
+                    [&] { return prefix_of(s, "prefix_attach").prefix_attach(seq, t, key, pr, UINT32_MAX); });
             },
             py::arg("seq_id"), py::arg("tokens"), py::arg("key") = 0,
             py::arg("priority") = prefix_default_priority,
-            "Resumes the empty sequence seq_id at the deepest such boundary of tokens; returns n: decode "
-            "tokens[n:] from position n.")
+            "Starts the empty sequence seq_id with the longest cached prefix of tokens (shared cells; a "
+            "snapshot for recurrent state); returns n: decode tokens[n:] from position n.")
         .def(
-            "prefix_publish", [pc](const T& s) { s.locked([&] { pc(s).prefix_publish(); }); },
-            "Publishes the snapshots (and blocks) the ubatches applied so far wrote.")
+            "prefix_pin",
+            [](const py_memory& s, const py::object& tokens, uint64_t key) {
+                const auto t = tokens_of(tokens, "prefix_pin tokens");
+                return s.locked([&] { return prefix_of(s, "prefix_pin").prefix_pin(t, key); });
+            },
+            py::arg("tokens"), py::arg("key") = 0,
+            "Pins the cached prefix of tokens (a plain KVCache); returns the tokens pinned.")
         .def(
-            "prefix_stats", [pc](const T& s) { return s.locked([&] { return pc(s).get_prefix_stats(); }); },
-            "What the prefix cache did and holds.");
+            "prefix_unpin",
+            [](const py_memory& s, const py::object& tokens, uint64_t key) {
+                const auto t = tokens_of(tokens, "prefix_unpin tokens");
+                return s.locked([&] { return prefix_of(s, "prefix_unpin").prefix_unpin(t, key); });
+            },
+            py::arg("tokens"), py::arg("key") = 0, "Undoes one prefix_pin; returns the tokens unpinned.")
+        .def(
+            "prefix_set_priority",
+            [](const py_memory& s, const py::object& tokens, uint64_t key, uint32_t priority) {
+                const auto t = tokens_of(tokens, "prefix_set_priority tokens");
+                const auto pr = static_cast<uint8_t>(check_u8(priority, "prefix_set_priority"));
+                return s.locked(
+                    [&] { return prefix_of(s, "prefix_set_priority").prefix_set_priority(t, key, pr); });
+            },
+            py::arg("tokens"), py::arg("key"), py::arg("priority"))
+        .def(
+            "prefix_publish",
+            [](const py_memory& s) {
+                s.locked([&] {
+                    if (prefix_cache_i* p = s.mem->prefix_cache()) p->prefix_publish();
+                });
+            },
+            "Publishes the blocks (and snapshots) the ubatches applied so far completed.")
+        .def(
+            "prefix_stats",
+            [](const py_memory& s) {
+                return s.locked([&] {
+                    const prefix_cache_i* p = s.mem->prefix_cache();
+                    return p != nullptr ? p->get_prefix_stats() : prefix_stats{};
+                });
+            },
+            "What the prefix cache did and holds (zeros without one).")
+        .def(
+            "tier_stats",
+            [](const py_memory& s) {
+                return s.locked([&] {
+                    const prefix_cache_i* p = s.mem->prefix_cache();
+                    return p != nullptr ? p->get_tier_stats() : std::vector<prefix_tier_stats>{};
+                });
+            },
+            "What the prefix cache did with each of its tiers (prefix.tiers.stores, in order).")
+        .def(
+            "prefix_tier_drain",
+            [](const py_memory& s) {
+                s.locked([&] {
+                    if (prefix_cache_i* p = s.mem->prefix_cache()) p->prefix_tier_drain();
+                });
+            },
+            "With prefix.tiers.async_writes: returns when every write queued so far is done.");
 }
 
 }  // namespace
@@ -683,9 +673,7 @@ void bind_memories(py::module_& m) {
     bind_memory_base(m);
     bind_kv_cache(m);
     bind_composites(m);
-    bind_prefix_calls<py_kv_cache_iswa>(m, "KVCacheISWA");
-    bind_prefix_calls<py_memory_recurrent>(m, "MemoryRecurrent");
-    bind_prefix_calls<py_memory_hybrid>(m, "MemoryHybrid");
+    bind_prefix_calls(m);
     m.def(
         "read_session_header",
         [](const std::string& path) {

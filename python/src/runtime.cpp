@@ -20,6 +20,7 @@ namespace {
 struct py_runtime {
     std::shared_ptr<const model> m;
     py_memory memory;
+    py::object memory_object;  // the Python object it was given (Runtime.memory returns it)
     std::unique_ptr<runtime> rt;
 };
 
@@ -198,22 +199,18 @@ void bind_runtime(py::module_& parent) {
         m, "Runtime",
         "Decodes batches with a model through a memory (KVCache, KVCacheISWA, MemoryRecurrent "
         "or MemoryHybrid), as an engine's llama_decode does.")
-        .def(py::init([](const std::shared_ptr<model>& md, const py_memory& mem, uint32_t n_threads,
+        .def(py::init([](const std::shared_ptr<model>& md, const py::object& memory, uint32_t n_threads,
                          uint32_t n_ubatch, bool embd_all) {
+                 const auto& mem = memory.cast<const py_memory&>();
                  auto r = std::make_unique<py_runtime>();
                  r->m = md;
                  r->memory = mem;
+                 r->memory_object = memory;
                  runtime_params p;
                  p.n_threads = n_threads;
                  p.n_ubatch = n_ubatch;
                  p.embd_all = embd_all;
-                 r->rt = mem.locked([&] {
-                     if (mem.kv != nullptr) return std::make_unique<runtime>(*md, *mem.kv, p);
-                     if (mem.iswa != nullptr) return std::make_unique<runtime>(*md, *mem.iswa, p);
-                     if (mem.recr != nullptr) return std::make_unique<runtime>(*md, *mem.recr, p);
-                     if (mem.hybrid != nullptr) return std::make_unique<runtime>(*md, *mem.hybrid, p);
-                     throw error(errc::unsupported, "Runtime: not a memory the runtime decodes through");
-                 });
+                 r->rt = mem.locked([&] { return std::make_unique<runtime>(*md, *mem.mem, p); });
                  return r;
              }),
              py::arg("model"), py::arg("memory"), py::kw_only(), py::arg("n_threads") = 0,
@@ -231,7 +228,7 @@ void bind_runtime(py::module_& parent) {
             "unchanged; "
             "status failed_prepare: no room, nothing changed.")
         .def_property_readonly("model", [](const py_runtime& r) { return r.m; })
-        .def_property_readonly("memory", [](const py_runtime& r) { return wrap(r.memory); });
+        .def_property_readonly("memory", [](const py_runtime& r) { return r.memory_object; });
 
     py::class_<py_reference>(
         m, "ReferenceMemory",

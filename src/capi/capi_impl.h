@@ -21,6 +21,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,23 +34,17 @@
 #include <kvcache/kv_storage_engine.h>
 #include <kvcache/limits.h>
 #include <kvcache/memory.h>
-#include <kvcache/memory_hybrid.h>
 #include <kvcache/memory_recurrent.h>
+#include <kvcache/prefix_cache.h>
 #include <kvcache/types.h>
 
 // -- handles --
 
-/// A memory and typed pointers to its parts (owned by mem; null when it has none of that kind).
+/// A memory (what it can do: memory_i's capabilities) and the kind it was created as.
 struct kvc_memory {
     std::unique_ptr<kvc::kv_storage_engine> engine;  // a C engine's adapter (declared first: outlives mem)
     kvc::memory_ptr mem;
     kvc_memory_kind kind = KVC_MEMORY_KIND_KV_CACHE;
-    kvc::kv_cache* kv = nullptr;            // a KV cache
-    kvc::kv_cache_iswa* iswa = nullptr;     // an iSWA memory
-    kvc::memory_hybrid* hybrid = nullptr;   // a hybrid memory (its attention part: a KV cache or iSWA)
-    kvc::memory_recurrent* recr = nullptr;  // a recurrent memory, or a hybrid's recurrent part
-    uint32_t n_seq_max = 1;                 // what batches are validated against
-    uint32_t n_pos = 1;
 };
 
 /// A reference to a block store (kvcache_tiers.h); memories made with it hold their own.
@@ -123,6 +118,9 @@ void need_ptr(const void* p, const char* name);
 /// An array argument: NULL only when empty.
 void need_array(const void* p, size_t n, const char* name);
 
+/// The token array argument `tokens` (NULL only when empty; at most INT32_MAX tokens).
+std::span<const token_t> tokens_of(const int32_t* tokens, size_t n_tokens);
+
 /// The value of a C enum read without loading it as the enum type: callers may pass any int, and a C++
 /// enum holding a value outside its range is undefined behaviour.
 template <class E>
@@ -165,5 +163,8 @@ kv_cache_context& attn_of(const kvc_memory_context& c, uint32_t il);
 
 /// The recurrent part of m: unsupported for a memory without recurrent state.
 memory_recurrent& recurrent_of(const kvc_memory& m);
+
+/// The prefix cache of m: unsupported for a memory made without one.
+prefix_cache_i& prefix_of(const kvc_memory& m);
 
 }  // namespace kvc::capi

@@ -1,10 +1,12 @@
 // The C API's foundations: the error barrier's message slot, logging, the version, element types, the
 // conversions between C and C++ parameters and their defaults, and the parts of a memory.
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 
 #include <fmt/format.h>
+#include <kvcache/memory_hybrid.h>
 
 #include "capi_impl.h"
 
@@ -77,6 +79,14 @@ void need_ptr(const void* p, const char* name) {
 void need_array(const void* p, size_t n, const char* name) {
     if (p == nullptr && n > 0)
         throw_error(errc::invalid_argument, fmt::format("{} is NULL but has {} entries", name, n));
+}
+
+std::span<const token_t> tokens_of(const int32_t* tokens, size_t n_tokens) {
+    if (n_tokens > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+        throw_error(errc::invalid_argument,
+                    fmt::format("n_tokens = {} exceeds {}", n_tokens, std::numeric_limits<int32_t>::max()));
+    need_array(tokens, n_tokens, "tokens");
+    return n_tokens > 0 ? std::span<const token_t>(tokens, n_tokens) : std::span<const token_t>();
 }
 
 dtype to_dtype(const kvc_type& t, const char* name) {
@@ -320,23 +330,10 @@ namespace {
 }  // namespace
 
 const kv_cache& layer_cache(const kvc_memory& m, uint32_t il) {
-    if (m.kv != nullptr) {
-        if (!m.kv->has_layer(il)) no_kv_for(il, m.kv->params().layers.size());
-        return *m.kv;
-    }
-    if (m.iswa != nullptr) {
-        if (m.iswa->get_base().has_layer(il)) return m.iswa->get_base();
-        if (m.iswa->get_swa().has_layer(il)) return m.iswa->get_swa();
-        no_kv_for(il, m.iswa->get_base().params().layers.size());
-    }
-    if (m.hybrid != nullptr) {
-        try {
-            return m.hybrid->attn_cache(il);
-        } catch (const error& e) {
-            if (e.code() != errc::out_of_range) throw;
-            no_kv_for(il, m.hybrid->params().attn.layers.size());  // the same messages for every memory
-        }
-    }
+    if (const kv_cache* kv = m.mem->layer_cache(il)) return *kv;
+    const uint32_t n = m.mem->n_layer();
+    for (uint32_t l = 0; l < n; ++l)
+        if (m.mem->layer_cache(l) != nullptr) no_kv_for(il, n);  // the same messages for every memory
     throw_error(errc::unsupported, "this memory holds no K/V (a recurrent memory)");
 }
 
@@ -354,10 +351,19 @@ kv_cache_context& attn_of(const kvc_memory_context& c, uint32_t il) {
 }
 
 memory_recurrent& recurrent_of(const kvc_memory& m) {
-    if (m.recr == nullptr)
+    memory_recurrent* r = m.mem->recurrent();
+    if (r == nullptr)
         throw_error(errc::unsupported,
                     "this memory holds no recurrent state (only recurrent and hybrid memories do)");
-    return *m.recr;
+    return *r;
+}
+
+prefix_cache_i& prefix_of(const kvc_memory& m) {
+    prefix_cache_i* p = m.mem->prefix_cache();
+    if (p == nullptr)
+        throw_error(errc::unsupported,
+                    "this memory has no prefix cache (a memory created with prefix.enabled)");
+    return *p;
 }
 
 // -- logging --

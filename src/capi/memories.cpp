@@ -5,6 +5,7 @@
 #include <span>
 
 #include <fmt/format.h>
+#include <kvcache/memory_hybrid.h>
 
 #include "capi_impl.h"
 
@@ -15,15 +16,10 @@ using kvc::errc;
 
 namespace {
 
-// A memory handle over a C++ memory; set_parts fills its typed pointers.
-template <class M, class SetParts>
-kvc_memory* new_memory(std::unique_ptr<M> mem, kvc_memory_kind kind, uint32_t n_seq_max, uint32_t n_pos,
-                       const SetParts& set_parts) {
+// A memory handle over a C++ memory.
+kvc_memory* new_memory(kvc::memory_ptr mem, kvc_memory_kind kind) {
     auto m = std::make_unique<kvc_memory>();
     m->kind = kind;
-    m->n_seq_max = n_seq_max;
-    m->n_pos = n_pos;
-    set_parts(*m, *mem);
     m->mem = std::move(mem);
     return m.release();
 }
@@ -38,10 +34,7 @@ kvc_status kvc_kv_cache_create(const kvc_kv_cache_params* params, kvc_memory** o
         auto engine = to_cpp(c.engine, "params.engine");
         kvc::kv_cache_params kp = to_cpp(c, "params");
         kp.engine = engine.get();
-        auto cache = std::make_unique<kvc::kv_cache>(std::move(kp));
-        const kvc::kv_cache_params& p = cache->params();
-        *out = new_memory(std::move(cache), KVC_MEMORY_KIND_KV_CACHE, p.n_seq_max, p.n_pos,
-                          [](kvc_memory& m, kvc::kv_cache& kv) { m.kv = &kv; });
+        *out = new_memory(std::make_unique<kvc::kv_cache>(std::move(kp)), KVC_MEMORY_KIND_KV_CACHE);
         (*out)->engine = std::move(engine);
     });
 }
@@ -56,10 +49,7 @@ kvc_status kvc_iswa_create(const kvc_iswa_params* params, kvc_memory** out) noex
         p.kv = to_cpp(c.kv, "params.kv");
         p.kv.engine = engine.get();
         p.sizing = to_cpp(c.sizing);
-        auto iswa = std::make_unique<kvc::kv_cache_iswa>(std::move(p));
-        const kvc::kv_cache_params& kv = iswa->params().kv;
-        *out = new_memory(std::move(iswa), KVC_MEMORY_KIND_ISWA, kv.n_seq_max, kv.n_pos,
-                          [](kvc_memory& m, kvc::kv_cache_iswa& is) { m.iswa = &is; });
+        *out = new_memory(std::make_unique<kvc::kv_cache_iswa>(std::move(p)), KVC_MEMORY_KIND_ISWA);
         (*out)->engine = std::move(engine);
     });
 }
@@ -69,10 +59,8 @@ kvc_status kvc_recurrent_create(const kvc_recurrent_params* params, kvc_memory**
     return guarded(__func__, [&] {
         const kvc_recurrent_params& c = need(params, "params");
         need(out, "out");
-        auto recr = std::make_unique<kvc::memory_recurrent>(to_cpp(c, "params"));
-        const uint32_t n_seq_max = recr->params().n_seq_max;
-        *out = new_memory(std::move(recr), KVC_MEMORY_KIND_RECURRENT, n_seq_max, 1,
-                          [](kvc_memory& m, kvc::memory_recurrent& r) { m.recr = &r; });
+        *out = new_memory(std::make_unique<kvc::memory_recurrent>(to_cpp(c, "params")),
+                          KVC_MEMORY_KIND_RECURRENT);
     });
 }
 
@@ -89,13 +77,8 @@ kvc_status kvc_hybrid_create(const kvc_hybrid_params* params, kvc_memory** out) 
         if (c.iswa) p.iswa = to_cpp(c.sizing);
         p.memory_budget = c.memory_budget;
         p.prefix = prefix_to_cpp(c.prefix, "params");
-        auto hybrid = std::make_unique<kvc::memory_hybrid>(std::move(p));
-        const kvc::kv_cache_params& attn = hybrid->params().attn;
-        *out = new_memory(std::move(hybrid), c.iswa ? KVC_MEMORY_KIND_HYBRID_ISWA : KVC_MEMORY_KIND_HYBRID,
-                          attn.n_seq_max, attn.n_pos, [](kvc_memory& m, kvc::memory_hybrid& h) {
-                              m.hybrid = &h;
-                              m.recr = &h.get_recr();
-                          });
+        *out = new_memory(std::make_unique<kvc::memory_hybrid>(std::move(p)),
+                          c.iswa ? KVC_MEMORY_KIND_HYBRID_ISWA : KVC_MEMORY_KIND_HYBRID);
         (*out)->engine = std::move(engine);
     });
 }
@@ -237,9 +220,9 @@ kvc_status kvc_memory_init_batch(kvc_memory* mem, const kvc_batch* batch, uint32
         need(out, "out");
         auto c = std::make_unique<kvc_memory_context>();
         kvc::batch_options opt;
-        opt.n_seq_max = m.n_seq_max;
+        opt.n_seq_max = m.mem->n_seq_max();
         opt.n_embd = b.n_embd;
-        opt.n_pos = m.n_pos;
+        opt.n_pos = m.mem->n_pos();
         opt.output_all = embd_all;
         c->balloc.init(b.view(), positions_of(m.mem.get()), opt);
         kvc::memory_context_ptr ctx = m.mem->init_batch(c->balloc, n_ubatch, embd_all);

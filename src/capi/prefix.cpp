@@ -1,6 +1,5 @@
 // The C API of the prefix cache: the prefix_* calls of a KV cache, a recurrent or a hybrid memory.
 #include <cstdint>
-#include <limits>
 #include <span>
 
 #include <fmt/format.h>
@@ -11,34 +10,6 @@ using namespace kvc::capi;
 using kvc::errc;
 
 namespace {
-
-// The memory's prefix cache: a KV cache's, a recurrent memory's or a hybrid memory's.
-kvc::prefix_cache_i& prefix_of(const kvc_memory& m) {
-    auto* p = dynamic_cast<kvc::prefix_cache_i*>(m.mem.get());
-    if (p == nullptr || !p->prefix_enabled())
-        throw_error(errc::unsupported,
-                    "this memory has no prefix cache (a memory created with prefix.enabled)");
-    return *p;
-}
-
-// Pins and priorities: a KV cache's prefix cache.
-kvc::kv_cache& prefix_cache_of(const kvc_memory& m) {
-    auto* kv = dynamic_cast<kvc::kv_cache*>(&prefix_of(m));
-    if (kv == nullptr)
-        throw_error(errc::unsupported,
-                    "pins and priorities of cached prefixes are a KV cache's (this memory "
-                    "caches snapshots of recurrent states)");
-    return *kv;
-}
-
-std::span<const kvc::token_t> tokens_of(const int32_t* tokens, size_t n) {
-    if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
-        throw_error(errc::invalid_argument,
-                    fmt::format("n_tokens = {} exceeds {}", n, std::numeric_limits<int32_t>::max()));
-    if (n > 0 && tokens == nullptr)
-        throw_error(errc::invalid_argument, fmt::format("tokens is NULL for {} tokens", n));
-    return {tokens, n};
-}
 
 uint8_t priority_of(uint32_t priority) {
     if (priority > kvc::prefix_max_priority)
@@ -70,7 +41,7 @@ kvc_status kvc_memory_prefix_attach(kvc_memory* mem, int32_t seq_id, const int32
 kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
                                  uint32_t* out) noexcept {
     return guarded(__func__, [&] {
-        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        kvc::prefix_cache_i& c = prefix_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");
         n = c.prefix_pin(tokens_of(tokens, n_tokens), key);
     });
@@ -79,7 +50,7 @@ kvc_status kvc_memory_prefix_pin(kvc_memory* mem, const int32_t* tokens, size_t 
 kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* tokens, size_t n_tokens, uint64_t key,
                                    uint32_t* out) noexcept {
     return guarded(__func__, [&] {
-        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        kvc::prefix_cache_i& c = prefix_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");
         n = c.prefix_unpin(tokens_of(tokens, n_tokens), key);
     });
@@ -88,7 +59,7 @@ kvc_status kvc_memory_prefix_unpin(kvc_memory* mem, const int32_t* tokens, size_
 kvc_status kvc_memory_prefix_set_priority(kvc_memory* mem, const int32_t* tokens, size_t n_tokens,
                                           uint64_t key, uint32_t priority, uint32_t* out) noexcept {
     return guarded(__func__, [&] {
-        kvc::kv_cache& c = prefix_cache_of(need(mem, "mem"));
+        kvc::prefix_cache_i& c = prefix_of(need(mem, "mem"));
         uint32_t& n = need(out, "out");
         n = c.prefix_set_priority(tokens_of(tokens, n_tokens), key, priority_of(priority));
     });

@@ -19,12 +19,10 @@ using kvc::errc;
 
 namespace {
 
-// The tiers of a KV cache, a recurrent or a hybrid memory (an iSWA memory refuses them at creation).
+// The tiers of a memory's prefix cache (none without one).
 std::vector<kvc::prefix_tier_stats> tier_stats_of(const kvc_memory& m) {
-    if (m.hybrid != nullptr) return m.hybrid->get_tier_stats();
-    if (m.kind == KVC_MEMORY_KIND_KV_CACHE && m.kv != nullptr) return m.kv->get_tier_stats();
-    if (m.recr != nullptr) return m.recr->get_tier_stats();
-    return {};
+    const kvc::prefix_cache_i* p = m.mem->prefix_cache();
+    return p != nullptr ? p->get_tier_stats() : std::vector<kvc::prefix_tier_stats>{};
 }
 
 kvc_block_store_stats to_c(const kvc::block_store_stats& s) {
@@ -263,11 +261,6 @@ kvc_status kvc_memory_get_tier_stats(const kvc_memory* mem, uint32_t index, kvc_
 kvc_status kvc_memory_prefix_tier_drain(kvc_memory* mem) noexcept {
     return guarded(__func__, [&] {
         kvc_memory& m = need(mem, "mem");
-        if (m.hybrid != nullptr)
-            m.hybrid->prefix_tier_drain();
-        else if (m.kind == KVC_MEMORY_KIND_KV_CACHE && m.kv != nullptr)
-            m.kv->prefix_tier_drain();
-        else if (m.recr != nullptr)
-            m.recr->prefix_tier_drain();
+        if (kvc::prefix_cache_i* p = m.mem->prefix_cache()) p->prefix_tier_drain();
     });
 }

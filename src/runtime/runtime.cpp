@@ -156,40 +156,20 @@ private:
 
 }  // namespace
 
-runtime::runtime(const model& m, kv_cache& cache, runtime_params params)
-    : model_(&m),
-      mem_(&cache),
-      base_(&cache),
-      layer_cache_(m.hparams().n_layer, &cache),
-      params_(params),
-      pool_(params.n_threads) {
-    check_layers();
-}
-
-runtime::runtime(const model& m, kv_cache_iswa& mem, runtime_params params)
-    : model_(&m), mem_(&mem), base_(&mem.get_base()), params_(params), pool_(params.n_threads) {
-    for (uint32_t il = 0; il < m.hparams().n_layer; ++il)
-        layer_cache_.push_back(mem.get_swa().has_layer(il) ? &mem.get_swa() : &mem.get_base());
-    check_layers();
-}
-
-runtime::runtime(const model& m, memory_recurrent& mem, runtime_params params)
-    : model_(&m),
-      mem_(&mem),
-      recr_(&mem),
-      layer_cache_(m.hparams().n_layer, nullptr),
-      params_(params),
-      pool_(params.n_threads) {
-    check_layers();
-}
-
-runtime::runtime(const model& m, memory_hybrid& mem, runtime_params params)
-    : model_(&m), mem_(&mem), recr_(&mem.get_recr()), params_(params), pool_(params.n_threads) {
-    auto* iswa = dynamic_cast<kv_cache_iswa*>(&mem.get_attn());
-    base_ = iswa ? &iswa->get_base() : dynamic_cast<kv_cache*>(&mem.get_attn());
-    for (uint32_t il = 0; il < m.hparams().n_layer; ++il) {
-        kv_cache* c = iswa && iswa->get_swa().has_layer(il) ? &iswa->get_swa() : base_;
-        layer_cache_.push_back(m.hparams().is_recurrent(il) ? nullptr : c);
+runtime::runtime(const model& m, memory_i& mem, runtime_params params)
+    : model_(&m), mem_(&mem), recr_(mem.recurrent()), params_(params), pool_(params.n_threads) {
+    const model_hparams& hp = m.hparams();
+    bool base_is_swa = false;
+    for (uint32_t il = 0; il < hp.n_layer; ++il) {
+        kv_cache* c = hp.is_recurrent(il) ? nullptr : mem.layer_cache(il);
+        layer_cache_.push_back(c);
+        if (c == nullptr) continue;
+        // the base cache: the full-attention layers' (an iSWA memory's SWA cache keeps only windows)
+        const bool swa = c->params().layers[il].is_swa;
+        if (base_ == nullptr || (base_is_swa && !swa)) {
+            base_ = c;
+            base_is_swa = swa;
+        }
     }
     check_layers();
 }
@@ -255,8 +235,8 @@ decode_result runtime::decode(const batch& b) {
         up->apply();
 
     batch_allocr balloc;
-    const uint32_t n_seq_max = base_ ? base_->params().n_seq_max : recr_->params().n_seq_max;
-    balloc.init(b, positions_of(mem_), {.n_seq_max = n_seq_max, .n_vocab = static_cast<int32_t>(hp.n_vocab)});
+    balloc.init(b, positions_of(mem_),
+                {.n_seq_max = mem_->n_seq_max(), .n_vocab = static_cast<int32_t>(hp.n_vocab)});
     decode_result res;
     auto ctx = mem_->init_batch(balloc, params_.n_ubatch, params_.embd_all);
     if (is_fail(ctx->get_status())) {

@@ -30,6 +30,19 @@ uint64_t memory_budget(const keys& k) {
     return static_cast<uint64_t>(v);
 }
 
+// The attention caches of a memory, found through its layers (memory_i::layer_cache): the one that keeps
+// the full-attention layers, and the sliding-window one of an iSWA pair (null without).
+std::pair<const kv_cache*, const kv_cache*> attn_caches(const memory_i& mem) {
+    const kv_cache *base = nullptr, *swa = nullptr;
+    for (uint32_t il = 0; il < mem.n_layer(); ++il) {
+        const kv_cache* c = mem.layer_cache(il);
+        if (c == nullptr || c == base || c == swa) continue;
+        (base == nullptr ? base : swa) = c;
+        if (swa != nullptr && !swa->params().layers[il].is_swa) std::swap(base, swa);
+    }
+    return {base, swa};
+}
+
 // A constructor's refusal of the configuration is a script error.
 template <class T, class... Args>
 std::unique_ptr<T> build(Args&&... args) {
@@ -87,7 +100,6 @@ void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
     if (r.mdl->memory_kind() == model_memory::recurrent) {
         rp.prefix = prefix;
         auto rec = build<memory_recurrent>(std::move(rp));
-        if (prefix.enabled) r.prefix = rec.get();
         r.rt = std::make_unique<runtime>(*r.mdl, *rec, rtp);
         r.parts = {{.name = "rs", .used_label = "used", .recr = rec.get()}};
         r.mem = std::move(rec);
@@ -106,20 +118,18 @@ void make_model_state(replay_memory& r, const keys& k, kv_cache_params p) {
     h.recr = std::move(rp);
     h.prefix = prefix;
     auto hyb = build<memory_hybrid>(std::move(h));
-    if (prefix.enabled) r.prefix = hyb.get();
     r.rt = std::make_unique<runtime>(*r.mdl, *hyb, rtp);
     // `show` counts the attention cells, as llama.cpp; `cells part=rs` lists the states
-    if (const auto* iswa = dynamic_cast<const kv_cache_iswa*>(&hyb->get_attn())) {
-        const kv_cache &base = iswa->get_base(), &swa = iswa->get_swa();
-        r.parts = {{.name = "base", .used_label = "used", .kv = &base},
-                   {.name = "swa", .used_label = "used_swa", .kv = &swa},
+    if (const auto [base, swa] = attn_caches(*hyb); swa != nullptr) {
+        r.parts = {{.name = "base", .used_label = "used", .kv = base},
+                   {.name = "swa", .used_label = "used_swa", .kv = swa},
                    {.name = "rs", .used_label = "", .recr = &hyb->get_recr()}};
         r.mem = std::move(hyb);
-        fmt::print("memory ok size={} streams={} swa_size={}\n", base.get_size() * base.get_n_stream(),
-                   base.get_n_stream(), swa.get_size() * swa.get_n_stream());
+        fmt::print("memory ok size={} streams={} swa_size={}\n", base->get_size() * base->get_n_stream(),
+                   base->get_n_stream(), swa->get_size() * swa->get_n_stream());
         return;
     }
-    const auto& attn = dynamic_cast<const kv_cache&>(hyb->get_attn());
+    const kv_cache& attn = *attn_caches(*hyb).first;
     r.parts = {{.name = "kv", .used_label = "used", .kv = &attn},
                {.name = "rs", .used_label = "", .recr = &hyb->get_recr()}};
     r.mem = std::move(hyb);
@@ -163,7 +173,6 @@ void make_kv(replay_memory& r, const keys& k, kv_cache_params p, bool typed) {
                 "memory: n_rs_seq is for recurrent state (type=recurrent, hybrid, or a "
                 "mamba or jamba model)");
         auto cache = std::make_unique<kv_cache>(p);
-        if (p.prefix.enabled) r.prefix = cache.get();
         if (r.mdl) r.rt = std::make_unique<runtime>(*r.mdl, *cache, runtime_params{.n_ubatch = r.n_ubatch});
         r.parts = {{.name = "kv", .used_label = "used", .kv = cache.get()}};
         r.mem = std::move(cache);
@@ -182,7 +191,6 @@ void make_iswa(replay_memory& r, const keys& k, kv_cache_params p) {
     parse_prefix(k, p);
     auto iswa = build<kv_cache_iswa>(kv_cache_iswa_params{
         .kv = std::move(p), .sizing = {.swa_full = k.get_bool("swa_full", true), .n_ubatch = r.n_ubatch}});
-    if (iswa->prefix_enabled()) r.prefix = iswa.get();
     const kv_cache &base = iswa->get_base(), &swa = iswa->get_swa();
     r.parts = {{.name = "base", .used_label = "used", .kv = &base},
                {.name = "swa", .used_label = "used_swa", .kv = &swa}};
@@ -213,7 +221,7 @@ void make_hybrid(replay_memory& r, const keys& k, kv_cache_params p) {
     h.attn = std::move(p);
     auto hyb = build<memory_hybrid>(std::move(h));
     // replay's hybrid has a plain KV cache as its attention part (no iswa key)
-    const auto& attn = dynamic_cast<const kv_cache&>(hyb->get_attn());
+    const kv_cache& attn = *attn_caches(*hyb).first;
     const memory_recurrent& recr = hyb->get_recr();
     r.parts = {{.name = "kv", .used_label = "used", .kv = &attn},
                {.name = "rs", .used_label = "used_rs", .recr = &recr}};

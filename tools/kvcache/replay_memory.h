@@ -28,14 +28,13 @@ struct replay_part {
 /// What a `memory` line builds. Members are destroyed bottom up: the runtime before the memory and model
 /// it refers to.
 struct replay_memory {
-    std::unique_ptr<model> mdl;        ///< model=: the model the runtime runs
-    std::unique_ptr<memory_i> mem;     ///< the memory every op works on
-    std::unique_ptr<runtime> rt;       ///< model=: decode runs the forward pass
-    std::vector<replay_part> parts;    ///< the first is what `cells` lists without part=
-    prefix_cache_i* prefix = nullptr;  ///< prefix=: the memory whose prefix cache the prefix ops use
-    uint32_t n_layer = 0;              ///< model layers of the memory
-    uint32_t n_seq_max = 1;            ///< sequence ids [0, n_seq_max)
-    uint32_t n_ubatch = 512;           ///< tokens per ubatch
+    std::unique_ptr<model> mdl;      ///< model=: the model the runtime runs
+    std::unique_ptr<memory_i> mem;   ///< the memory every op works on
+    std::unique_ptr<runtime> rt;     ///< model=: decode runs the forward pass
+    std::vector<replay_part> parts;  ///< the first is what `cells` lists without part=
+    uint32_t n_layer = 0;            ///< model layers of the memory
+    uint32_t n_seq_max = 1;          ///< sequence ids [0, n_seq_max)
+    uint32_t n_ubatch = 512;         ///< tokens per ubatch
 };
 
 /// Builds the memory of a `memory` line (w[0] == "memory") and prints `memory ok ...`. A bad key or value,

@@ -1,10 +1,10 @@
 // The prefix cache ops of `kvcache replay` (docs/op-scripts.md): a memory line with prefix=BLOCK gives the
 // KV cache (or a mamba or jamba model's memory) a prefix cache; these ops look prompts up, attach them, pin
 // them (KV caches) and print the counters.
+#include <algorithm>
+
 #include <fmt/format.h>
-#include <kvcache/kv_cache.h>
-#include <kvcache/kv_cache_iswa.h>
-#include <kvcache/memory_hybrid.h>
+#include <kvcache/prefix_cache.h>
 
 #include "replay_ops.h"
 
@@ -12,9 +12,9 @@ namespace kvc::cli {
 namespace {
 
 prefix_cache_i& prefix_cache(replay_memory& m, std::string_view op) {
-    if (m.prefix == nullptr)
-        fail(fmt::format("{}: the memory has no prefix cache (memory ... prefix=BLOCK)", op));
-    return *m.prefix;
+    prefix_cache_i* p = m.mem->prefix_cache();
+    if (p == nullptr) fail(fmt::format("{}: the memory has no prefix cache (memory ... prefix=BLOCK)", op));
+    return *p;
 }
 
 std::vector<token_t> tokens_of(std::string_view list, std::string_view op) {
@@ -52,14 +52,14 @@ void op_attach(replay_memory& m, const words& w) {
 }
 
 void op_pin(replay_memory& m, const words& w) {
-    auto* c = dynamic_cast<kv_cache*>(&prefix_cache(m, w[0]));
-    if (c == nullptr)
+    prefix_cache_i& c = prefix_cache(m, w[0]);
+    if (!c.prefix_can_pin())
         fail(fmt::format("{}: pins are a plain KV cache's (not an iSWA pair's, nor recurrent snapshots')",
                          w[0]));
     const auto toks = tokens_of(w[1], w[0]);
     const keys k(w, 2, {"key"}, w[0] == "pin" ? "pin" : "unpin");
     guarded(w[0] == "pin" ? "pin" : "unpin", [&] {
-        const uint32_t n = w[0] == "pin" ? c->prefix_pin(toks, key_of(k)) : c->prefix_unpin(toks, key_of(k));
+        const uint32_t n = w[0] == "pin" ? c.prefix_pin(toks, key_of(k)) : c.prefix_unpin(toks, key_of(k));
         fmt::print("{} n={}\n", w[0], n);
     });
 }
@@ -76,12 +76,10 @@ void op_pstats(replay_memory& m, const words&) {
         "evicted={} unpublished={} copied={}\n",
         s.blocks, s.cached_cells, s.shared_cells, s.pinned_cells, s.free_cells, s.lookups, s.tokens_looked_up,
         s.hit_tokens, s.published_blocks, s.evicted_blocks, s.unpublished_blocks, s.bytes_copied);
-    const auto* iswa = dynamic_cast<kv_cache_iswa*>(m.prefix);
-    const auto* hyb = dynamic_cast<memory_hybrid*>(m.prefix);
-    if (iswa != nullptr || (hyb && dynamic_cast<const kv_cache_iswa*>(&hyb->get_attn())))  // the SWA cache's
+    if (std::any_of(m.parts.begin(), m.parts.end(), [](const replay_part& p) { return p.name == "swa"; }))
         fmt::print("pstats swa_blocks={} swa_published={} swa_evicted={}\n", s.swa_blocks,
                    s.swa_published_blocks, s.swa_evicted_blocks);
-    if (iswa == nullptr && dynamic_cast<kv_cache*>(m.prefix) == nullptr)  // recurrent or hybrid: snapshots
+    if (m.mem->recurrent() != nullptr)  // recurrent or hybrid: snapshots
         fmt::print("pstats snapshots={} saved={} dropped={}\n", s.snapshots, s.snapshots_saved,
                    s.snapshots_dropped);
 }

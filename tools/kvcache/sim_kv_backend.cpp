@@ -57,12 +57,12 @@ public:
                 if (prefix) ka.kv_size = hybrid_kv_cells(o);  // the budget less the pool's memory
                 auto h = std::make_unique<memory_hybrid>(memory_hybrid_params{
                     .attn = ka, .recr = rp, .iswa = std::nullopt, .memory_budget = 0, .prefix = pc});
-                kv_ = &dynamic_cast<kv_cache&>(h->get_attn());
+                kv_ = h->layer_cache(0);
                 recr_ = &h->get_recr();
                 mem_ = std::move(h);
             }
         }
-        pc_ = dynamic_cast<prefix_cache_i*>(mem_.get());
+        pc_ = mem_->prefix_cache();
         tiers_ = prefix && o.memory == sim_memory::kv && !o.tiers.stores.empty();
     }
 
@@ -105,7 +105,7 @@ public:
                 b.add(w.tokens[i], w.p0 + static_cast<pos_t>(i), ids, i + 1 == w.tokens.size());
         }
         batch_allocr a;
-        a.init(b.view(), positions_of(*mem_), {.n_seq_max = n_seq_max()});
+        a.init(b.view(), positions_of(*mem_), {.n_seq_max = mem_->n_seq_max()});
         auto ctx = mem_->init_batch(a, n_ubatch_, /*embd_all=*/false);
         if (ctx->get_status() != memory_status::success) {
             const prefix_stats st = kv_ ? kv_->get_prefix_stats() : prefix_stats{};
@@ -139,7 +139,7 @@ public:
     uint64_t live_cells() const override { return held_; }
 
     void report(sim_result& r) const override {
-        const prefix_stats st = pc_->get_prefix_stats();
+        const prefix_stats st = pc_ != nullptr ? pc_->get_prefix_stats() : prefix_stats{};
         r.evicted_tokens = st.evicted_blocks * block_;
         r.bytes_copied = st.bytes_copied;
         r.probe_hit_tokens = probe_hits_;
@@ -196,10 +196,6 @@ private:
         uint64_t n = 0;
         for (const prefix_tier_stats& t : kv_->get_tier_stats()) n += t.fetched_blocks;
         return n;
-    }
-    uint32_t n_seq_max() const {
-        return kv_ ? kv_->params().n_seq_max
-                   : dynamic_cast<const memory_recurrent&>(*mem_).params().n_seq_max;
     }
     bool prefix_;
     uint32_t n_ubatch_;

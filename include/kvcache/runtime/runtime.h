@@ -139,23 +139,17 @@ struct runtime_params {
     kv_tensors* tensors = nullptr;
 };
 
-/// Decodes batches through a kv_cache or a kv_cache_iswa, as an engine's llama_decode does: applies the
-/// memory's pending work (K-shift, compaction), validates and splits the batch, places each ubatch,
-/// writes its K/V rows and attends over the views of the cache holding each layer, with that cache's KQ
-/// mask (an iSWA memory's SWA layers see only their window).
+/// Decodes batches through any memory, as an engine's llama_decode does: applies the memory's pending
+/// work (K-shift, compaction), validates and splits the batch, places each ubatch, writes its K/V rows and
+/// attends over the views of the cache holding each layer (memory_i::layer_cache: a kv_cache, the base
+/// or SWA cache of an iSWA memory, whose SWA layers see only their window; a hybrid's attention part),
+/// with that cache's KQ mask; a Mamba layer's state rows are gathered, run and written back through the
+/// context's get_recr() (recurrent_engine.h), rollback planes included.
 class runtime {
 public:
-    /// Decodes with model m through cache (both borrowed: they outlive the runtime).
-    runtime(const model& m, kv_cache& cache, runtime_params params = {});
-    /// Decodes through an iSWA memory: the model's layers with layer_desc::is_swa in its cache params go
-    /// to the SWA cache.
-    runtime(const model& m, kv_cache_iswa& mem, runtime_params params = {});
-    /// Decodes a Mamba model through a recurrent memory: each ubatch's state rows are gathered, run and
-    /// written back through the context's get_recr() (recurrent_engine.h), rollback planes included.
-    runtime(const model& m, memory_recurrent& mem, runtime_params params = {});
-    /// Decodes a Jamba model through a hybrid memory: attention layers through get_attn(il), Mamba layers
-    /// through get_recr().
-    runtime(const model& m, memory_hybrid& mem, runtime_params params = {});
+    /// Decodes with model m through mem (both borrowed: they outlive the runtime). Throws kvc::error when
+    /// the memory does not keep what a layer of the model needs (K/V, recurrent state) in its shape.
+    runtime(const model& m, memory_i& mem, runtime_params params = {});
     ~runtime();  ///< stops the thread pool
 
     /// Throws kvc::error on an invalid batch (memory unchanged); returns failed_prepare when the batch
@@ -174,7 +168,7 @@ private:
 
     const model* model_;                  // borrowed
     memory_i* mem_;                       // borrowed
-    kv_cache* base_ = nullptr;            // the memory's kv_cache, or its base cache (null: recurrent)
+    kv_cache* base_ = nullptr;            // the cache of the full-attention layers (null: recurrent)
     memory_recurrent* recr_ = nullptr;    // the recurrent state (mamba, jamba)
     std::vector<kv_cache*> layer_cache_;  // [n_layer] the cache holding each layer (null: a Mamba layer)
     runtime_params params_;
