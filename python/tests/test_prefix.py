@@ -51,6 +51,23 @@ def test_without_prefix_cache():
     with pytest.raises(kvcache.UnsupportedError):
         small_cache().prefix_lookup([1, 2, 3])
     assert small_cache().prefix_stats().blocks == 0
+    assert small_cache().tier_stats() == []
+    small_cache().prefix_publish()  # nothing to publish
+
+
+def test_every_memory_answers_the_prefix_calls():
+    r = kvcache.MemoryRecurrent(layers=[kvcache.RecurrentLayerDesc(n_embd_r=2, n_embd_s=4)], n_seq_max=2,
+                                prefix=kvcache.PrefixCacheParams(enabled=True, block_size=4))
+    assert isinstance(r, kvcache.Memory)
+    assert r.prefix_lookup([1, 2, 3, 4, 5]) == 0 and r.tier_stats() == []
+    with pytest.raises(kvcache.UnsupportedError, match="plain KV cache"):
+        r.prefix_pin([1, 2, 3, 4, 5])
+    with pytest.raises(kvcache.UnsupportedError):
+        r.prefix_set_priority([1, 2, 3, 4, 5], 0, 10)
+    without = kvcache.MemoryRecurrent(layers=[kvcache.RecurrentLayerDesc(n_embd_r=2, n_embd_s=4)])
+    with pytest.raises(kvcache.UnsupportedError, match="no prefix cache"):
+        without.prefix_attach(0, [1, 2, 3])
+    assert without.prefix_stats().snapshots == 0
 
 
 def test_callback_errors_are_counted():

@@ -27,7 +27,9 @@ def test_llama_matches_the_oracle(models):
     for type_k in ("f16", "bf16"):
         p = m.cache_params(kv_size=128, n_seq_max=2)
         p.type_k = type_k
-        rt = runtime.Runtime(m, kvcache.KVCache(p), n_threads=2, n_ubatch=4)
+        cache = kvcache.KVCache(p)
+        rt = runtime.Runtime(m, cache, n_threads=2, n_ubatch=4)
+        assert rt.memory is cache
         ref = runtime.ReferenceMemory(m, n_seq_max=2, n_threads=2)
         b = kvcache.Batch(tokens=list(range(10, 20)) + [3, 4, 5], pos=list(range(10)) + [0, 1, 2],
                           seq_ids=[0] * 10 + [1] * 3, logits=[1] * 13)
