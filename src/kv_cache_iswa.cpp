@@ -125,9 +125,7 @@ uint32_t kv_cache_iswa::prefix_attach(seq_id_t seq_id, std::span<const token_t> 
     check_seq(seq_id, "prefix_attach");
     if (base_->seq_pos_min(seq_id) >= 0 || swa_->seq_pos_min(seq_id) >= 0)
         throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
-    if (priority > prefix_max_priority)
-        throw error(errc::invalid_argument,
-                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
+    check_prefix_priority(priority, "prefix_attach");
     // the deepest boundary with both parts; the base cache attaches up to it (fewer when copies across
     // streams find no room), the SWA cache the deepest window at or before where that stopped
     const uint32_t n_both =

@@ -120,9 +120,7 @@ uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> token
                                  uint8_t priority, uint32_t max_tokens) {
     check_prefix_tokens(tokens, "prefix_attach");
     check_seq(seq_id, "prefix_attach");
-    if (priority > prefix_max_priority)
-        throw error(errc::invalid_argument,
-                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
+    check_prefix_priority(priority, "prefix_attach");
     const uint32_t st = seq_to_stream(seq_id);
     kv_cells& cells = streams_[st];
     if (cells.seq_pos_min(seq_id) >= 0)
@@ -281,9 +279,7 @@ uint32_t kv_cache::prefix_unpin(std::span<const token_t> tokens, uint64_t key) {
 
 uint32_t kv_cache::prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority) {
     check_prefix_tokens(tokens, "prefix_set_priority");
-    if (priority > prefix_max_priority)
-        throw error(errc::invalid_argument,
-                    fmt::format("prefix_set_priority: priority {} above {}", priority, prefix_max_priority));
+    check_prefix_priority(priority, "prefix_set_priority");
     prefix_publish();
     prefix_state& ps = *prefix_;
     const std::vector<uint32_t> chain = whole_blocks(ps, tokens, key);

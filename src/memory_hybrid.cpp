@@ -110,9 +110,7 @@ uint32_t memory_hybrid::prefix_attach(seq_id_t seq_id, std::span<const token_t> 
         throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
     // checked before the tiers change anything
     detail::check_prompt_tokens(tokens, params_.prefix.n_vocab, "prefix_attach");
-    if (priority > prefix_max_priority)
-        throw error(errc::invalid_argument,
-                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
+    check_prefix_priority(priority, "prefix_attach");
     if (kv_) {  // the tiers first (none with iswa): a deeper snapshot, then the K/V up to it
         recr_->prefix_fetch(tokens, key, max_tokens);
         kv_->prefix_fetch(seq_id, tokens, key, recr_->prefix_lookup(upto(tokens, max_tokens), key));

@@ -303,9 +303,7 @@ uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_
                                          uint8_t priority, uint32_t max_tokens) {
     check_prefix_tokens(tokens, "prefix_attach");
     check_seq(seq_id, "prefix_attach");
-    if (priority > prefix_max_priority)
-        throw error(errc::invalid_argument,
-                    fmt::format("prefix_attach: priority {} above {}", priority, prefix_max_priority));
+    check_prefix_priority(priority, "prefix_attach");
     if (tail_[static_cast<size_t>(seq_id)] >= 0)
         throw error(errc::invalid_argument,
                     fmt::format("prefix_attach: seq {} is not empty (its state is at position {})", seq_id,

@@ -14,6 +14,12 @@ namespace {
 
 }  // namespace
 
+void check_prefix_priority(uint32_t priority, const char* what) {
+    if (priority > prefix_max_priority)
+        throw error(errc::invalid_argument, std::string(what) + ": priority " + std::to_string(priority) +
+                                                " above " + std::to_string(prefix_max_priority));
+}
+
 uint32_t prefix_cache_i::prefix_pin(std::span<const token_t> /*tokens*/, uint64_t /*key*/) {
     no_pins("prefix_pin");
 }

@@ -173,6 +173,7 @@ public:
     /// What the memory holds and offers, whatever its kind: code that serves any memory (the C API, the
     /// Python package, the tools) asks these instead of casting to the memory's class.
     /// @{
+
     /// Sequence ids a batch may use: [0, n_seq_max()).
     virtual uint32_t n_seq_max() const = 0;
     /// Positions per token a batch gives (M-RoPE: 4; 1 for a memory without attention).

@@ -37,6 +37,8 @@ enum class evict_policy : uint8_t {
 inline constexpr uint8_t prefix_max_priority = 100;
 /// Priority of blocks published by a sequence attached without one.
 inline constexpr uint8_t prefix_default_priority = 50;
+/// Throws kvc::error(invalid_argument) "what: priority P above 100" when priority > prefix_max_priority.
+void check_prefix_priority(uint32_t priority, const char* what);
 
 /// Which index of a memory an event's block is in: memories made of parts keep one per part, and a hit
 /// needs the blocks of every part (docs/prefix-cache.md, "Events").

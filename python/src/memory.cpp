@@ -31,32 +31,13 @@ template py_memory make_memory(std::shared_ptr<memory_i>, std::shared_ptr<std::m
 
 namespace {
 
-// The Python class of each memory class.
-template <class M>
-struct py_class_of;
-template <>
-struct py_class_of<kv_cache> {
-    using type = py_kv_cache;
-};
-template <>
-struct py_class_of<kv_cache_iswa> {
-    using type = py_kv_cache_iswa;
-};
-template <>
-struct py_class_of<memory_recurrent> {
-    using type = py_memory_recurrent;
-};
-template <>
-struct py_class_of<memory_hybrid> {
-    using type = py_memory_hybrid;
-};
-
 // A part of the memory `of` (sharing its owner and lock), as an object of the part's Python class.
 template <class M>
 py::object wrap_part(const py_memory& of, M* part) {
-    typename py_class_of<M>::type obj;
-    static_cast<py_memory&>(obj) = make_memory(of.owner, of.mutex, part);
-    return py::cast(std::move(obj));
+    const py_memory pm = make_memory(of.owner, of.mutex, part);
+    if constexpr (std::is_same_v<M, kv_cache>) return py::cast(py_kv_cache{pm});
+    if constexpr (std::is_same_v<M, kv_cache_iswa>) return py::cast(py_kv_cache_iswa{pm});
+    if constexpr (std::is_same_v<M, memory_recurrent>) return py::cast(py_memory_recurrent{pm});
 }
 
 }  // namespace

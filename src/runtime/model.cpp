@@ -153,6 +153,8 @@ void attend_head(const float* q, uint32_t hd, size_t n_keys, const float* k, siz
 }  // namespace rt
 
 void model::impl::matmul(thread_pool& pool, const rt::weight& w, const float* x, size_t n_tok, float* y) {
+    // no tokens (a ubatch without outputs): y may be null, and y + o undefined
+    if (n_tok == 0) return;
     const auto n_in = static_cast<size_t>(w.n_in);
     const auto n_out = static_cast<size_t>(w.n_out);
     pool.parallel_for(

@@ -63,6 +63,12 @@ public:
     std::string state_layout() const override { return {}; }
     uint64_t state_max_bytes() const override { return 0; }  // state_write writes nothing
     kvc::memory_breakdown get_memory_breakdown() const override { return {}; }
+    uint32_t n_seq_max() const override { return 1; }
+    uint32_t n_pos() const override { return 1; }
+    uint32_t n_layer() const override { return 0; }
+    kvc::kv_cache* layer_cache(uint32_t) override { return nullptr; }
+    kvc::memory_recurrent* recurrent() override { return nullptr; }
+    kvc::prefix_cache_i* prefix_cache() override { return nullptr; }
 };
 
 void check(bool ok) {
