@@ -14,7 +14,8 @@
 #
 # A layer may use the layers below it, never one above: the core never sees a runtime header (the guard
 # in every include/kvcache/runtime/ header refuses KVC_LAYER_CORE and KVC_LAYER_CAPI) and does not link
-# the runtime; the C API and the runtime see only include/kvcache/ (no src/, so no src/detail/). The
+# the runtime; the C API and the runtime see only include/kvcache/ (no src/, so none of the core's private
+# folders, KVC_PRIVATE_DIRS). The
 # tests in tests/layers/ prove each rule by building targets that break it.
 
 # Puts a target in a layer: the definition its guards check and the include folders it may see.
@@ -63,9 +64,19 @@ set(KVC_SOURCE_HEADERS
   "memory_recurrent_prefix.cpp memory_recurrent.h"
   "memory_recurrent_tier.cpp memory_recurrent.h"
 )
+# The core's private folders of src/, by subsystem: only the core's own sources include them. Each has a
+# rank below (what its sources may include): the dtype kernels know element types only, the cell tables
+# the cells, and the prefix index (blocks, chains, eviction queues, ghosts, snapshot queues) and the tiers
+# (block records to and from stores) know no memory: the memories use them, never the reverse. detail/
+# holds the memories' own internals.
+set(KVC_PRIVATE_DIRS detail dtype cells prefix tiers)
 # The highest rank each folder of src/ may include (sources without a header of their own).
 set(KVC_SOURCE_RANKS
   "src 6"
+  "src/dtype 1"
+  "src/cells 3"
+  "src/prefix 1"
+  "src/tiers 1"
   "src/detail 6"
   "src/runtime 7"
   "src/redis 7"

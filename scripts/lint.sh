@@ -25,6 +25,7 @@ tidy() {  # tidy FILE...: clang-tidy on each, nproc at a time, into $log; fails 
 }
 status=0
 mapfile -t groups < <(cut -f1 "$tidy_dir/groups.tsv")
+echo "lint: clang-tidy on $(grep -c '/group_' "$tidy_dir/groups.tsv" || true) targets and $(grep -vc '/group_' "$tidy_dir/groups.tsv" || true) sources on their own (not in the compile database)"
 tidy "${groups[@]}" || status=$?
 if grep -q 'clang-diagnostic-error' "$log"; then
   # some target's sources do not compile as one file: every source on its own (slow, but as strict)

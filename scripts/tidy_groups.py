@@ -6,7 +6,8 @@ Usage: tidy_groups.py COMPILE_COMMANDS OUT_DIR < sources (paths relative to the 
 Sources compiled with the same command (one build target) become one file, OUT_DIR/group_N.cpp, that
 includes each of them; OUT_DIR/compile_commands.json gives every group its target's command, and every
 source its own (for lint.sh's file-by-file fallback). OUT_DIR/groups.tsv lists each group, a tab, then
-its sources. A source missing from the database is a group of its own (clang-tidy infers its command).
+its sources. A source missing from the database is a group of its own (clang-tidy infers its command); a
+target built in unity batches is found through them.
 """
 import json
 import os
@@ -19,6 +20,14 @@ def main() -> int:
     with open(db_path, encoding="utf-8") as f:
         db = json.load(f)
     by_file = {os.path.realpath(e["file"]): e for e in db}
+    # a target built in unity batches (CMake's UNITY_BUILD) lists its batches, not its sources: each source
+    # a batch includes compiles with the batch's command
+    for e in db:
+        if "/Unity/unity_" in e["file"]:
+            with open(e["file"], encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith('#include "'):
+                        by_file.setdefault(os.path.realpath(line.split('"')[1]), e)
     os.makedirs(out_dir, exist_ok=True)
 
     groups: dict[tuple[str, str], list[str]] = {}
@@ -40,7 +49,7 @@ def main() -> int:
                 skip = False
             elif a in ("-o", "-c"):
                 skip = True
-            elif os.path.realpath(os.path.join(entry["directory"], a)) != path:
+            elif os.path.realpath(os.path.join(entry["directory"], a)) != os.path.realpath(entry["file"]):
                 flags.append(a)
         groups.setdefault((entry["directory"], shlex.join(flags)), []).append(path)
 

@@ -9,7 +9,7 @@
 #include <kvcache/dtype.h>
 #include <kvcache/types.h>
 
-#include "detail/dtype_kernels.h"
+#include "dtype/dtype_kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>

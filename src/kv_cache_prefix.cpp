@@ -1,4 +1,4 @@
-// kv_cache: the prefix cache (docs/prefix-cache.md). The index (detail/prefix_index) knows blocks and
+// kv_cache: the prefix cache (docs/prefix-cache.md). The index (prefix/prefix_index) knows blocks and
 // their cells; this file keeps it true to the cells: what each sequence has decoded in order (its
 // tracker), which cells the index holds (kv_cells records each held cell's block), and what happens to
 // held cells when sequences leave them, edit them or restore a state.

@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 #include <kvcache/kv_cells.h>
 
-#include "detail/kv_cells_tables.h"
+#include "cells/kv_cells_tables.h"
 
 namespace kvc {
 

@@ -8,7 +8,7 @@
 #include <kvcache/memory_budget.h>
 #include <kvcache/memory_hybrid.h>
 
-#include "detail/prefix_index.h"
+#include "prefix/prefix_index.h"
 
 namespace kvc {
 

@@ -1,6 +1,6 @@
 // memory_recurrent: the prefix cache (docs/prefix-cache.md, "Recurrent memories"). A recurrent state is
 // overwritten by every token, so a prefix is resumable only where the engine wrote a copy of the state: a
-// snapshot at a block boundary. The index (detail/prefix_index) keeps the token chains that lead to
+// snapshot at a block boundary. The index (prefix/prefix_index) keeps the token chains that lead to
 // snapshots; this file decides where snapshots are taken, publishes them at the next step, evicts them
 // (with the blocks that serve nothing without them), and resumes sequences from them.
 #include <algorithm>

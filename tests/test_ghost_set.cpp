@@ -1,4 +1,4 @@
-// The adaptive policy's ghosts (src/detail/ghost_set.cpp) against an oracle that keeps every insertion in
+// The adaptive policy's ghosts (src/prefix/ghost_set.cpp) against an oracle that keeps every insertion in
 // order and answers by brute force: a hash is remembered if one of the last `capacity` insertions holds it
 // and nothing took or replaced it since.
 #include <deque>
@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "detail/ghost_set.h"
+#include "prefix/ghost_set.h"
 
 namespace kvc {
 namespace {

@@ -303,7 +303,7 @@ TEST(memory_recurrent_prefix, snapshots_are_counted_and_clear_empties_the_pool) 
     EXPECT_EQ(m.get_memory_breakdown().cached, 0u);
 }
 
-// -- the eviction order of snapshots (src/detail/snapshot_queue.h) --
+// -- the eviction order of snapshots (src/prefix/snapshot_queue.h) --
 
 // Decodes `toks` of seq s from p0 as one prompt batch (several tokens) or one decode step (one token).
 void feed(memory_recurrent& m, seq_id_t s, pos_t p0, const std::vector<token_t>& toks) {

@@ -1,4 +1,4 @@
-// The prefix cache's index (src/detail/prefix_index.cpp) against an oracle that keeps every block in a
+// The prefix cache's index (src/prefix/prefix_index.cpp) against an oracle that keeps every block in a
 // flat map and finds the next victim by brute force: the evictable block of the lowest level (2 x priority
 // + protected segment) that joined its queue first. Random publishes (some of evicted blocks again),
 // holds, releases, pins, hits, priority changes, removals and evictions, for LRU, SLRU and the adaptive
@@ -13,7 +13,7 @@
 
 #include <gtest/gtest.h>
 
-#include "detail/prefix_index.h"
+#include "prefix/prefix_index.h"
 
 namespace kvc {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "detail/snapshot_queue.h"
+#include "prefix/snapshot_queue.h"
 
 namespace kvc::detail {
 namespace {

@@ -229,7 +229,7 @@ private:
     uint32_t n_used_ = 0;
     bool has_shift_ = false;
 
-    // The occupancy bitmap and the per-sequence position indexes (src/detail/kv_cells_tables.h).
+    // The occupancy bitmap and the per-sequence position indexes (src/cells/kv_cells_tables.h).
     struct tables;
     std::unique_ptr<tables> t_;
 };

@@ -8,8 +8,8 @@
 
 #include <kvcache/kv_cache.h>
 
-#include "detail/prefix_index.h"
-#include "detail/tier_set.h"
+#include "prefix/prefix_index.h"
+#include "tiers/tier_set.h"
 
 namespace kvc {
 

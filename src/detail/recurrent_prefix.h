@@ -3,7 +3,7 @@
 // decoded in order.
 //
 // A block of the index is useful only through a snapshot at its end or below it: a leaf without a
-// snapshot that no sequence holds is removed at once. Eviction takes snapshots (detail/snapshot_queue),
+// snapshot that no sequence holds is removed at once. Eviction takes snapshots (prefix/snapshot_queue),
 // wherever their blocks are in a chain, and then the blocks that lead to no other snapshot.
 #pragma once
 
@@ -16,9 +16,9 @@
 
 #include <kvcache/memory_recurrent.h>
 
-#include "detail/prefix_index.h"
-#include "detail/snapshot_queue.h"
-#include "detail/tier_set.h"
+#include "prefix/prefix_index.h"
+#include "prefix/snapshot_queue.h"
+#include "tiers/tier_set.h"
 
 namespace kvc {
 

@@ -1,10 +1,10 @@
-// seq_index: the sorted (position, cell) pairs of one sequence (src/detail/kv_cells_tables.h).
+// seq_index: the sorted (position, cell) pairs of one sequence (src/cells/kv_cells_tables.h).
 #include <algorithm>
 #include <cassert>
 #include <iterator>
 #include <limits>
 
-#include "detail/kv_cells_tables.h"
+#include "cells/kv_cells_tables.h"
 
 namespace kvc::detail {
 

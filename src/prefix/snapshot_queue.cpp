@@ -1,4 +1,4 @@
-#include "detail/snapshot_queue.h"
+#include "prefix/snapshot_queue.h"
 
 #include <algorithm>
 #include <cassert>

@@ -1,5 +1,5 @@
 // The tiers of a prefix cache: writes queued and flushed, the cost model's decisions, counters.
-#include "detail/tier_set.h"
+#include "tiers/tier_set.h"
 
 #include <algorithm>
 #include <exception>

@@ -1,5 +1,5 @@
 // The background writer of a prefix cache's tiers.
-#include "detail/tier_writer.h"
+#include "tiers/tier_writer.h"
 
 #include <exception>
 

@@ -1,4 +1,4 @@
-#include "detail/prefix_index.h"
+#include "prefix/prefix_index.h"
 
 #include <algorithm>
 #include <cassert>

@@ -6,7 +6,7 @@
 // rounding, same NaN handling of max/min), so that the output bytes are identical.
 #include <cstring>
 
-#include "detail/dtype_kernels.h"
+#include "dtype/dtype_kernels.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVC_HAVE_X86_KERNELS 1

@@ -32,7 +32,7 @@
 #include <kvcache/prefix_cache.h>
 #include <kvcache/types.h>
 
-#include "detail/ghost_set.h"
+#include "prefix/ghost_set.h"
 
 namespace kvc::detail {
 

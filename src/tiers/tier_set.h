@@ -12,9 +12,9 @@
 #include <kvcache/block_record.h>
 #include <kvcache/prefix_tiers.h>
 
-#include "detail/prefix_index.h"
-#include "detail/tier_cost.h"
-#include "detail/tier_writer.h"
+#include "prefix/prefix_index.h"
+#include "tiers/tier_cost.h"
+#include "tiers/tier_writer.h"
 
 namespace kvc::detail {
 

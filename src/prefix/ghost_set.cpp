@@ -1,4 +1,4 @@
-#include "detail/ghost_set.h"
+#include "prefix/ghost_set.h"
 
 #include <algorithm>
 #include <cassert>
