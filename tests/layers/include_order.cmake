@@ -5,7 +5,8 @@
 # sources (src/ and its private folders, KVC_PRIVATE_DIRS) include those folders. So batch never includes memory, memory never includes
 # state, the core never includes the runtime.
 # Run with cmake -DSOURCE_DIR=<repository> -P; -DEXTRA="<file>:<header>" adds an include that is not there
-# (the self-test layers.include_order_refuses).
+# (the self-tests layers.include_order_refuses and layers.private_order_refuses; a private folder's header
+# is named as "detail/x.h").
 cmake_minimum_required(VERSION 3.25)
 if(NOT SOURCE_DIR)
   message(FATAL_ERROR "include_order: -DSOURCE_DIR=... is required")
@@ -36,7 +37,12 @@ function(includes_of file out_kvc out_detail)
     endif()
   endforeach()
   if(EXTRA MATCHES "^${file}:(.+)$")
-    list(APPEND kvc ${CMAKE_MATCH_1})
+    set(extra ${CMAKE_MATCH_1})
+    if(extra MATCHES "^(${private_dirs})/")  # a private folder's header, as "prefix/x.h"
+      list(APPEND detail ${extra})
+    else()
+      list(APPEND kvc ${extra})
+    endif()
   endif()
   set(${out_kvc} "${kvc}" PARENT_SCOPE)
   set(${out_detail} "${detail}" PARENT_SCOPE)
