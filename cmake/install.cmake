@@ -50,21 +50,17 @@ install(FILES ${PROJECT_BINARY_DIR}/package/kvcacheConfig.cmake
               ${PROJECT_BINARY_DIR}/package/kvcacheConfigVersion.cmake
         DESTINATION ${kvc_cmake_dir})
 
-# kvcache.pc, relocatable: paths are relative to the .pc file's own directory (${pcfiledir}), so the
-# file is right wherever `cmake --install --prefix` puts the tree.
-if(IS_ABSOLUTE "${CMAKE_INSTALL_LIBDIR}")
-  set(kvc_pc_prefix "${CMAKE_INSTALL_PREFIX}")
-  set(kvc_pc_libdir "${CMAKE_INSTALL_LIBDIR}")
-else()
-  file(RELATIVE_PATH kvc_pc_up "/kvc-prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/kvc-prefix")  # ../..
-  string(REGEX REPLACE "/$" "" kvc_pc_up "${kvc_pc_up}")
-  set(kvc_pc_prefix "\${pcfiledir}/${kvc_pc_up}")
-  set(kvc_pc_libdir "\${prefix}/${CMAKE_INSTALL_LIBDIR}")
+# The .pc files are written at install time, with the prefix the tree goes to (`cmake --install --prefix`
+# included), so pkg-config prints plain paths (-I/usr/local/include, not .../lib/pkgconfig/../../include).
+set(kvc_pc_libdir "${CMAKE_INSTALL_LIBDIR}")
+set(kvc_pc_dest "${CMAKE_INSTALL_LIBDIR}/pkgconfig")
+if(NOT IS_ABSOLUTE "${kvc_pc_libdir}")
+  set(kvc_pc_libdir "\${prefix}/${kvc_pc_libdir}")
+  set(kvc_pc_dest "\${CMAKE_INSTALL_PREFIX}/${kvc_pc_dest}")
 endif()
-if(IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDEDIR}")
-  set(kvc_pc_includedir "${CMAKE_INSTALL_INCLUDEDIR}")
-else()
-  set(kvc_pc_includedir "\${prefix}/${CMAKE_INSTALL_INCLUDEDIR}")
+set(kvc_pc_includedir "${CMAKE_INSTALL_INCLUDEDIR}")
+if(NOT IS_ABSOLUTE "${kvc_pc_includedir}")
+  set(kvc_pc_includedir "\${prefix}/${kvc_pc_includedir}")
 endif()
 # What a static link of libkvcache.a needs beyond it (pkg-config --static): the packages it uses, the
 # C++ runtime (for C programs linked with cc) and the thread library.
@@ -74,16 +70,22 @@ if(CMAKE_THREAD_LIBS_INIT)
 else()
   string(APPEND kvc_pc_libs_private " -pthread")
 endif()
-configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache.pc.in ${PROJECT_BINARY_DIR}/package/kvcache.pc @ONLY)
-configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache-runtime.pc.in ${PROJECT_BINARY_DIR}/package/kvcache-runtime.pc
-               @ONLY)
-install(FILES ${PROJECT_BINARY_DIR}/package/kvcache.pc ${PROJECT_BINARY_DIR}/package/kvcache-runtime.pc
-        DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+set(kvc_pc_files kvcache kvcache-runtime)
 if(KVC_BUILD_REDIS)
-  configure_file(${CMAKE_CURRENT_LIST_DIR}/kvcache-redis.pc.in ${PROJECT_BINARY_DIR}/package/kvcache-redis.pc
-                 @ONLY)
-  install(FILES ${PROJECT_BINARY_DIR}/package/kvcache-redis.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+  list(APPEND kvc_pc_files kvcache-redis)
 endif()
+foreach(pc IN LISTS kvc_pc_files)
+  install(CODE "
+    set(kvc_pc_prefix \"\${CMAKE_INSTALL_PREFIX}\")
+    set(kvc_pc_libdir [[${kvc_pc_libdir}]])
+    set(kvc_pc_includedir [[${kvc_pc_includedir}]])
+    set(kvc_pc_libs_private [[${kvc_pc_libs_private}]])
+    set(PROJECT_VERSION [[${PROJECT_VERSION}]])
+    set(PROJECT_DESCRIPTION [[${PROJECT_DESCRIPTION}]])
+    configure_file([[${CMAKE_CURRENT_LIST_DIR}/${pc}.pc.in]] [[${PROJECT_BINARY_DIR}/package/${pc}.pc]] @ONLY)
+    file(INSTALL DESTINATION \"${kvc_pc_dest}\" TYPE FILE
+         FILES [[${PROJECT_BINARY_DIR}/package/${pc}.pc]])")
+endforeach()
 
 if(KVC_BUILD_TOOLS)
   install(TARGETS kvcache_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

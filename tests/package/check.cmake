@@ -84,6 +84,11 @@ if(NOT SHARED)
 endif()
 step("pkg-config --cflags" "${PKG_CONFIG}" --cflags kvcache)
 separate_arguments(cflags UNIX_COMMAND "${step_output}")
+# The paths are the prefix's own, as a reader expects them (the .pc files are written at install time).
+string(FIND "${step_output}" "-I${prefix}/include" at)
+if(at EQUAL -1 OR step_output MATCHES "/\\.\\./")
+  message(FATAL_ERROR "pkg-config --cflags kvcache: expected -I${prefix}/include, got: ${step_output}")
+endif()
 step("pkg-config --libs ${static}" "${PKG_CONFIG}" --libs ${static} kvcache)
 separate_arguments(libs UNIX_COMMAND "${step_output}")
 separate_arguments(c_flags UNIX_COMMAND "${CXX_FLAGS}")  # warning flags apply to C as well
