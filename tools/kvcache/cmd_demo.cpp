@@ -31,6 +31,7 @@
 
 #include "commands.h"
 #include "demo_recurrent.h"
+#include "files.h"
 #include "rss.h"
 #include "svg.h"
 
@@ -502,7 +503,7 @@ private:
         body = svg_text(4, 18, 13, fmt::format("phase {}: {}", n_phase_, name)) + body;
         const std::string svg = svg_document(std::max(8 + cols * px, lx), y + 4, body);
         std::string file = fmt::format("{}/phase-{}.svg", o_.plot, n_phase_);
-        std::ofstream(file) << svg;
+        write_file(file, "picture", svg);
     }
 
     demo_options o_;
@@ -523,8 +524,7 @@ private:
 
 // XXH3-64 of a file's bytes: the model's name in a tier (two models of the same shapes differ there).
 uint64_t file_hash(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) throw error(errc::io, fmt::format("{}: cannot open", path));
+    std::ifstream f = open_read(path, "model", /*binary=*/true);
     XXH3_state_t* st = XXH3_createState();
     XXH3_64bits_reset(st);
     std::vector<char> buf(1 << 20);

@@ -19,6 +19,7 @@
 #include <kvcache/limits.h>
 
 #include "commands.h"
+#include "files.h"
 #include "replay_engine.h"
 #include "replay_memory.h"
 #include "replay_ops.h"
@@ -374,8 +375,7 @@ int run_replay(const std::string& path) {
     std::ifstream file;
     std::istream* in = &std::cin;
     if (path != "-") {
-        file.open(path);
-        if (!file) throw error(errc::io, fmt::format("replay: cannot open '{}'", path));
+        file = open_read(path, "op script");
         in = &file;
     }
     replay_memory m;

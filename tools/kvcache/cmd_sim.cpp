@@ -21,6 +21,7 @@
 #endif
 
 #include "commands.h"
+#include "files.h"
 #include "rss.h"
 #include "sim_engine.h"
 #include "sim_generate.h"
@@ -335,9 +336,9 @@ void run(sim_cli_options o) {
     std::vector<sim_request> reqs =
         o.trace.empty() ? generate(o.gen) : read_trace_file(o.trace, o.sim.trace_block);
     if (!o.out.empty()) {
-        std::ofstream f(o.out);
+        std::ofstream f = open_write(o.out, "trace");
         write_trace(f, reqs);
-        if (!f) throw error(errc::io, fmt::format("cannot write '{}'", o.out));
+        finish_write(f, o.out, "trace");
         if (o.budget.empty() && o.sweep.empty()) {
             fmt::print("{} requests written to {}\n", reqs.size(), o.out);
             return;
@@ -500,10 +501,10 @@ void run(sim_cli_options o) {
         fmt::print("{}\n", j.dump(2));
     }
     if (!o.plot.empty()) {
-        std::ofstream f(o.plot);
         const std::string name = o.trace.empty() ? o.gen.kind : o.trace;
-        f << plot_hit_rates(all, ts, o.evict == "lru" ? name : fmt::format("{} (evict {})", name, o.evict));
-        if (!f) throw error(errc::io, fmt::format("cannot write '{}'", o.plot));
+        write_file(
+            o.plot, "plot",
+            plot_hit_rates(all, ts, o.evict == "lru" ? name : fmt::format("{} (evict {})", name, o.evict)));
         if (!o.json) fmt::print("\nplot in {}\n", o.plot);
     }
 }

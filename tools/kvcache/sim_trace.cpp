@@ -11,6 +11,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "files.h"
+
 namespace kvc::cli {
 namespace {
 
@@ -91,8 +93,7 @@ std::vector<sim_request> read_trace(std::istream& in, const std::string& name, u
 }
 
 std::vector<sim_request> read_trace_file(const std::string& path, uint32_t block) {
-    std::ifstream in(path);
-    if (!in) throw error(errc::io, fmt::format("cannot open trace '{}'", path));
+    std::ifstream in = open_read(path, "trace");
     return read_trace(in, path, block);
 }
 
