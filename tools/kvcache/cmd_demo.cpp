@@ -51,6 +51,7 @@ struct demo_options {
     uint32_t swa = 0;  // > 0: every other layer slides a window of this many positions (iSWA memory)
     std::string plot;
     std::string tier_dir;   // the disk tier's directory (empty: a temporary one)
+    std::string session;    // where phase 4's session file is kept (empty: kvcache-demo.kvc in the temp dir)
     uint64_t model_id = 0;  // XXH3-64 of the model file: names the blocks of this model in the tier
 };
 
@@ -171,13 +172,14 @@ public:
         });
         // 4. sequence 1 saved to a session file and restored into the last sequence
         phase("save and restore", [&] {
-            const fs::path file = fs::temp_directory_path() / fmt::format("kvcache-demo-{}.kvc", ::getpid());
+            // under a name of its own while in use (demos may run side by side), then kept for the reader
+            const std::string file = fmt::format("{}.{}", o_.session, ::getpid());
             session_save_options so;
             so.compress = true;
-            const uint64_t bytes = save_file(*mem_, file.string(), 1, so);
+            const uint64_t bytes = save_file(*mem_, file, 1, so);
             const seq_id_t last = static_cast<seq_id_t>(n) - 1;
-            load_file(*mem_, file.string(), last);
-            fs::remove(file);
+            load_file(*mem_, file, last);
+            fs::rename(file, o_.session);
             ref_.seq_rm(last, -1, -1);
             ref_.seq_cp(1, last, -1, -1);
             generate(8, "decode");
@@ -203,6 +205,8 @@ public:
             "\n{} tokens decoded through the cache in {:.2f} s; worst difference {:.2e} (limit {:.0e}): {}\n",
             n_decoded_, seconds_, worst_, limit_, worst_ <= limit_ ? "cache == recompute" : "MISMATCH");
         if (!o_.plot.empty()) fmt::print("cell pictures in {}\n", o_.plot);
+        fmt::print("session file of phase 4 kept in {} (kvcache inspect {} shows what it holds)\n",
+                   o_.session, o_.session);
         const rss r = read_rss();
         fmt::print("process memory: {:.1f} MiB resident, {:.1f} MiB at the peak (model, reference, cache)\n",
                    static_cast<double>(r.now) / (1 << 20), static_cast<double>(r.peak) / (1 << 20));
@@ -561,6 +565,7 @@ int run_demo(const demo_options& o) {
         }
     } cleanup{tmp};
     demo_options opts = o;
+    if (opts.session.empty()) opts.session = (fs::temp_directory_path() / "kvcache-demo.kvc").string();
     fs::path tier_tmp;
     if (opts.tier_dir.empty()) {
         tier_tmp = fs::temp_directory_path() / fmt::format("kvcache-demo-tier-{}", ::getpid());
@@ -583,7 +588,8 @@ int run_demo(const demo_options& o) {
                                       .type_k = parse_dtype(o.type_k),
                                       .type_v = parse_dtype(o.type_v),
                                       .v_trans = o.v_trans,
-                                      .unified = o.unified});
+                                      .unified = o.unified,
+                                      .session = opts.session});
     }
     if (!o.plot.empty()) {  // before any work: a bad directory is an error now, not after phase 1
         std::error_code ec;
@@ -630,6 +636,9 @@ void add_demo_command(CLI::App& app, int& exit_code) {
     cmd->add_option("--tier-dir", opt->tier_dir,
                     "the disk tier's directory, kept after the run: a second run hits what the first wrote "
                     "(default: a temporary one)");
+    cmd->add_option("--session", opt->session,
+                    "where the session file the demo saves is kept, for `kvcache inspect` (default: "
+                    "kvcache-demo.kvc in the temporary directory)");
     cmd->callback([opt, &exit_code] { exit_code = run_demo(*opt); });
 }
 

@@ -109,12 +109,12 @@ public:
                                rollback_depth, rejected);
         });
         phase("save and restore", [&] {
-            const fs::path file =
-                fs::temp_directory_path() / fmt::format("kvcache-demo-rs-{}.kvc", ::getpid());
-            const uint64_t bytes = save_file(*mem_, file.string(), 1);
+            // under a name of its own while in use (demos may run side by side), then kept for the reader
+            const std::string file = fmt::format("{}.{}", o_.session, ::getpid());
+            const uint64_t bytes = save_file(*mem_, file, 1);
             const seq_id_t last = static_cast<seq_id_t>(n) - 1;
-            load_file(*mem_, file.string(), last);
-            fs::remove(file);
+            load_file(*mem_, file, last);
+            fs::rename(file, o_.session);
             ref_.seq_cp(1, last, -1, -1);
             generate(8);
             return fmt::format("seq 1 -> {} bytes -> seq {}", bytes, last);
@@ -131,6 +131,8 @@ public:
             "\n{} tokens decoded through the memory in {:.2f} s; worst difference {:.2e} (limit {:.0e}): "
             "{}\n",
             n_decoded_, seconds_, worst_, limit_, worst_ <= limit_ ? "cache == recompute" : "MISMATCH");
+        fmt::print("session file kept in {} (kvcache inspect {} shows what it holds)\n", o_.session,
+                   o_.session);
         return worst_ <= limit_ ? 0 : 1;
     }
 

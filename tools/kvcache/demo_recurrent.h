@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <kvcache/dtype.h>
 #include <kvcache/runtime/runtime.h>
@@ -17,6 +18,7 @@ struct recurrent_demo_options {
     dtype type_v = dtype::f16;  ///< the hybrid's V type
     bool v_trans = true;        ///< the hybrid's V layout
     bool unified = true;        ///< the hybrid's streams
+    std::string session;        ///< where the session file is kept
 };
 
 /// Runs the phases, checking each against reference_recurrent; 0 when every difference is within the

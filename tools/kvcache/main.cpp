@@ -133,6 +133,8 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    // Line by line even into a pipe or a file (`kvcache demo | tee log`), as on a terminal
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
     try {
         return run(argc, argv);
     } catch (...) {  // nothing may escape main: report and fail
