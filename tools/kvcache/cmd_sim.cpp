@@ -40,6 +40,7 @@ struct sim_cli_options {
     std::vector<sim_schedule> schedules;  // kvcache runs once per schedule
     sim_options sim;
     bool json = false;
+    bool wide = false;          // every column (ns, waits, commits, copies), about 190 characters wide
     bool policy_given = false;  // --policy was on the command line (else the default adapts to the options)
     std::string route = "rr", tier_write = "evict";
     std::vector<std::string> tiers;
@@ -148,7 +149,18 @@ std::string pct(double x) {
     return fmt::format("{:.1f}%", 100 * x);
 }
 
-void print_table(const std::vector<sim_result>& rs) {
+// What most readers want, in 100 columns; --wide adds the serving and memory columns.
+void print_narrow_table(const std::vector<sim_result>& rs) {
+    fmt::print("{:<13}  {:>8}  {:>10}  {:>14}  {:>14}  {:>10}  {:>6}  {:>8}\n", "policy", "hit rate",
+               "hit tokens", "prefill tokens", "evicted tokens", "peak cells", "queued", "ns/token");
+    for (const sim_result& r : rs)
+        fmt::print("{:<13}  {:>8}  {:>10}  {:>14}  {:>14}  {:>10}  {:>6}  {:>8.1f}\n", label(r),
+                   pct(r.hit_rate()), r.hit_tokens, r.prefill_tokens, r.evicted_tokens,
+                   r.has_serving ? std::to_string(r.peak_cells) : "-",
+                   r.has_serving ? std::to_string(r.queued) : "-", r.ns_per_token());
+}
+
+void print_wide_table(const std::vector<sim_result>& rs) {
     fmt::print(
         "{:<13} {:>7} {:>12} {:>12} {:>11} {:>10} {:>10} {:>15} {:>11} {:>7} {:>12} {:>10} {:>9} {:>7}\n",
         "policy", "hit", "hit tok", "prefill tok", "evicted", "peak cells", "live cells", "committed pk/end",
@@ -184,20 +196,16 @@ void print_snapshots(const std::vector<sim_result>& rs, const sim_options& o) {
     for (const sim_result& r : rs) {
         if (r.policy != sim_policy::kvcache && r.policy != sim_policy::llama_server) continue;
         if (o.memory == sim_memory::iswa && r.policy == sim_policy::kvcache) {
-            fmt::print(
-                "{:<13} SWA cache: {} cells ({} of the budget; window {} x concurrency {} + ubatch + "
-                "retained windows)\n",
-                label(r), r.swa_cells,
-                pct(static_cast<double>(r.swa_cells) / static_cast<double>(r.budget_tokens)), o.window,
-                o.concurrency);
+            fmt::print("{:<13} SWA cache: {} cells, {} of the budget (window {} x {} requests + more)\n",
+                       label(r), r.swa_cells,
+                       pct(static_cast<double>(r.swa_cells) / static_cast<double>(r.budget_tokens)), o.window,
+                       o.concurrency);
             continue;
         }
         const double tokens = static_cast<double>(r.peak_snapshots) * cost;
-        fmt::print(
-            "{:<13} states kept: peak {} {} = {:.0f} tokens of memory ({} of the budget; a state = {} "
-            "tokens)\n",
-            label(r), r.peak_snapshots, r.policy == sim_policy::kvcache ? "snapshots" : "checkpoints", tokens,
-            pct(tokens / static_cast<double>(r.budget_tokens)), cost);
+        fmt::print("{:<13} states kept: {} {} at peak = {:.0f} tokens ({} of budget, {} per state)\n",
+                   label(r), r.peak_snapshots, r.policy == sim_policy::kvcache ? "snapshots" : "checkpoints",
+                   tokens, pct(tokens / static_cast<double>(r.budget_tokens)), cost);
     }
 }
 
@@ -210,9 +218,9 @@ void print_setup(const sim_options& o) {
     }
     fmt::print("instances {}, route {} (budget and concurrency per instance; peaks summed over them)",
                o.instances, to_string(o.route));
-    if (!tiers.empty())
-        fmt::print("; tiers {}, write {}", tiers, o.tiers.write == tier_write::through ? "through" : "evict");
     fmt::print("\n");
+    if (!tiers.empty())
+        fmt::print("tiers {}, write {}\n", tiers, o.tiers.write == tier_write::through ? "through" : "evict");
 }
 
 std::string mib(uint64_t bytes) {
@@ -232,9 +240,11 @@ void print_instances(const std::vector<sim_result>& rs) {
         }
         for (const sim_tier_result& t : r.tiers)
             fmt::print(
-                "{:<13} tier {}: fetched {} blocks in {} fetches ({} read), written {} blocks ({}), refused "
-                "{}, errors {} (store: {} errors, {} damaged, {} evicted, {} round trips)\n",
-                label(r), t.where, t.fetched_blocks, t.fetches, mib(t.store.bytes_in), t.written_blocks,
+                "{0:<13} tier {1}\n{5:<13} fetched {2} blocks in {3} fetches ({4} read), written {6} blocks "
+                "({7})\n{5:<13} refused {8}, errors {9}; the store: {10} errors, {11} damaged, {12} evicted, "
+                "{13} "
+                "round trips\n",
+                label(r), t.where, t.fetched_blocks, t.fetches, mib(t.store.bytes_in), "", t.written_blocks,
                 mib(t.store.bytes_out), t.refused_blocks, t.errors, t.store.errors, t.store.damaged,
                 t.store.evictions, t.store.round_trips);
         if (!r.tiers.empty())
@@ -421,13 +431,20 @@ void run(sim_cli_options o) {
         sim_options so = o.sim;
         so.budget = parse_budget(b, ts.unique_tokens, o.sim.cache_block);
         check_budget(reqs, so);  // every budget before anything runs
+        if (so.budget > ts.unique_tokens)
+            fmt::print(stderr,
+                       "kvcache sim: warning: budget '{}' ({} tokens) exceeds the trace's {} unique prompt "
+                       "tokens:\n  at 100% the cache holds every block already; above, only live requests' "
+                       "cells compete\n",
+                       b, so.budget, ts.unique_tokens);
         budgets.push_back(so.budget);
     }
     const double ideal = ts.prompt_tokens ? double(ts.reusable_tokens) / double(ts.prompt_tokens) : 0;
     if (!o.json)
         fmt::print(
-            "trace   {} requests, {} prompt tokens (mean {:.0f}), {} output tokens, {} unique prompt tokens; "
-            "an infinite cache hits {} of prompt tokens\n",
+            "trace   {} requests, {} prompt tokens (mean {:.0f}), {} output tokens,\n        {} unique "
+            "prompt "
+            "tokens; an infinite cache hits {} of prompt tokens\n",
             ts.requests, ts.prompt_tokens, double(ts.prompt_tokens) / double(ts.requests), ts.output_tokens,
             ts.unique_tokens, pct(ideal));
     const bool tty = ::isatty(2) != 0;
@@ -452,12 +469,15 @@ void run(sim_cli_options o) {
             }
         if (!o.json) {
             fmt::print(
-                "\nbudget  {} tokens ({} of unique), concurrency {}, {} blocks of {} tokens, evict {}, "
-                "memory {}\n",
-                so.budget, pct(double(so.budget) / double(ts.unique_tokens)), so.concurrency,
-                so.budget / so.cache_block, so.cache_block, o.evict, o.memory);
+                "\nbudget  {} tokens ({} of unique), {} blocks of {} tokens\n        memory {}, evict {}, "
+                "concurrency {}\n",
+                so.budget, pct(double(so.budget) / double(ts.unique_tokens)), so.budget / so.cache_block,
+                so.cache_block, o.memory, o.evict, so.concurrency);
             if (so.instances != 1 || !so.tiers.stores.empty()) print_setup(so);
-            print_table(rs);
+            if (o.wide)
+                print_wide_table(rs);
+            else
+                print_narrow_table(rs);
             if (so.memory != sim_memory::kv) print_snapshots(rs, so);
             print_instances(rs);
         }
@@ -627,6 +647,9 @@ void add_sim_command(CLI::App& app) {
                     "(through)")
         ->capture_default_str();
     cmd->add_flag("--json", o->json, "print JSON");
+    cmd->add_flag("--wide", o->wide,
+                  "every column in the tables: live and committed cells, waits, copies, wall time (~190 "
+                  "characters)");
     cmd->add_option("--plot", o->plot, "draw hit rate against budget, one line per policy, into FILE.svg");
     cmd->callback([o] { run(*o); });
 }
