@@ -560,11 +560,13 @@ memory_context_ptr kv_cache::init_batch(batch_allocr& balloc, uint32_t n_ubatch,
 }
 
 memory_context_ptr kv_cache::init_ubatches(std::vector<ubatch> ubatches, std::vector<int32_t> out_ids) {
-    if (params_.auto_update) update();  // no-op without pending shifts
+    // placement does not depend on the K rows: the pending shifts are applied only for a batch that fits,
+    // so a failed prepare leaves them pending, as everything else
     std::vector<slot_info> sinfos = prepare(ubatches);
     if (sinfos.empty())
         return memory_context_ptr(
             new kv_cache_context(*this, memory_status::failed_prepare, kv_cache_context::kind::batch));
+    if (params_.auto_update) update();  // no-op without pending shifts
     return memory_context_ptr(
         new kv_cache_context(*this, std::move(ubatches), std::move(sinfos), std::move(out_ids)));
 }

@@ -17,6 +17,7 @@ std::unique_ptr<kv_cache_context> as_kv(memory_context_ptr ctx) {
 
 kv_cache_params half(const kv_cache_iswa_params& p, bool swa) {
     kv_cache_params h = p.kv;
+    h.auto_update = false;  // the pair applies both caches' shifts once both placed the batch
     const std::vector<layer_desc> layers = p.kv.layers;
     h.filter = [layers, user = p.kv.filter, swa](uint32_t il) {
         return layers[il].is_swa == swa && (!user || user(il));
@@ -226,6 +227,10 @@ memory_context_ptr kv_cache_iswa::init_ubatches(std::vector<ubatch> ubatches, st
     memory_context_ptr swa = swa_->init_ubatches(ubatches, out_ids);
     sync_parts();  // what the caches evicted to make room
     if (is_fail(swa->get_status())) return std::make_unique<kv_cache_iswa_context>(swa->get_status());
+    if (params_.kv.auto_update) {
+        base_->update();
+        swa_->update();
+    }
     return std::make_unique<kv_cache_iswa_context>(as_kv(std::move(base)), as_kv(std::move(swa)),
                                                    std::move(ubatches), std::move(out_ids));
 }

@@ -574,6 +574,39 @@ TEST(kv_cache, auto_update_applies_pending_shifts_before_a_batch) {
     }
 }
 
+// With auto_update, a batch that does not fit leaves the memory unchanged, the pending shift included:
+// still pending, the K rows unrotated; the next batch that fits applies it (regression: the shift was
+// applied before the placement failed).
+TEST(kv_cache, auto_update_leaves_the_shift_pending_when_a_batch_does_not_fit) {
+    kv_cache_params p = small_params(16);
+    p.auto_update = true;
+    kv_cache c(p), want(small_params(16));
+    std::vector<float> key(8);
+    std::iota(key.begin(), key.end(), 1.0f);
+    const auto src =
+        const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(key.data()), 8);
+    for (kv_cache* k : {&c, &want}) {
+        peer::placed(*k, slot({0}), make_ub({0}, {0}))->get_attn(0)->cpy_k(0, src);
+        k->seq_add(0, -1, -1, 5);
+    }
+    std::vector<float> before(8), got(8), expect(8);
+    c.read_k_row(0, 0, 0, before);
+    std::vector<pos_t> pos(16);
+    std::iota(pos.begin(), pos.end(), 6);
+    auto fail = c.init_ubatches({make_ub(pos, std::vector<seq_id_t>(16, 0))}, {});  // 1 + 16 > 16 cells
+    ASSERT_EQ(fail->get_status(), memory_status::failed_prepare);
+    EXPECT_TRUE(c.get_has_shift());
+    c.read_k_row(0, 0, 0, got);
+    EXPECT_EQ(got, before);
+    auto ctx = c.init_ubatches({make_ub({6}, {0})}, {});
+    ASSERT_EQ(ctx->get_status(), memory_status::success);
+    EXPECT_FALSE(c.get_has_shift());
+    want.update();
+    c.read_k_row(0, 0, 0, got);
+    want.read_k_row(0, 0, 0, expect);
+    EXPECT_EQ(got, expect);
+}
+
 TEST(kv_cache, k_shift_on_an_executor_gives_the_bytes_of_one_thread) {
     for (dtype t : {dtype::f16, dtype::q8_0}) {
         kv_cache_params p;

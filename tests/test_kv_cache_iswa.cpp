@@ -158,6 +158,24 @@ TEST(kv_cache_iswa, the_swa_cache_slides_and_reports_positions) {
     EXPECT_TRUE(kv_cache_iswa(make_params(1024, 8, 1, true)).get_can_shift());
 }
 
+// auto_update: the pair applies both caches' pending shifts once both placed a batch; one that does not
+// fit leaves them pending and the K rows as they were.
+TEST(kv_cache_iswa, auto_update_shifts_both_caches_only_for_a_batch_that_fits) {
+    kv_cache_iswa_params p = make_params(64, 8, 1, true);
+    p.kv.auto_update = true;
+    kv_cache_iswa m(p);
+    ASSERT_EQ(decode(m, {{0, 0, 10}}), memory_status::success);
+    m.seq_add(0, 0, -1, 4);
+    const std::vector<uint8_t> before = whole(m);
+    EXPECT_EQ(decode(m, {{0, 14, 60}}), memory_status::failed_prepare);  // 10 + 60 > 64 cells
+    EXPECT_TRUE(m.get_base().get_has_shift());
+    EXPECT_TRUE(m.get_swa().get_has_shift());
+    EXPECT_EQ(whole(m), before);
+    ASSERT_EQ(decode(m, {{0, 14, 2}}), memory_status::success);
+    EXPECT_FALSE(m.get_base().get_has_shift());
+    EXPECT_FALSE(m.get_swa().get_has_shift());
+}
+
 TEST(kv_cache_iswa, a_batch_goes_to_both_caches_or_neither) {
     kv_cache_iswa m(make_params(1024, 8, 1, false));  // SWA cache: 256 cells
     ASSERT_EQ(decode(m, {{0, 0, 20}}), memory_status::success);

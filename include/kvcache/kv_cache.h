@@ -80,10 +80,10 @@ struct kv_cache_params {
     /// Compaction (design D12): init_update(false) also compacts once the empty cells below the last
     /// used one exceed this fraction of it (0: only when asked with init_update(true)).
     float compact_threshold = 0.0f;
-    /// init_batch / init_ubatches first apply pending K-shifts (what init_update's context runs), as
-    /// llama.cpp's decode does; the shifts change no position a sequence sees, so a batch that then does
-    /// not fit still leaves every sequence as it was. false: the engine runs init_update itself (the
-    /// runtime does), and a batch placed over pending shifts meets unrotated keys.
+    /// init_batch / init_ubatches apply pending K-shifts (what init_update's context runs) once the batch
+    /// is placed, as llama.cpp's decode does; a batch that does not fit (failed_prepare) leaves them
+    /// pending and the memory unchanged. false: the engine runs init_update itself (the runtime does),
+    /// and a batch placed over pending shifts meets unrotated keys.
     bool auto_update = false;
     /// null: host memory, reserved for every cell and committed as cells are used (kv_storage.h); else
     /// the engine's allocator, every byte allocated at creation.

@@ -374,8 +374,9 @@ typedef struct kvc_kv_cache_params {
     kvc_swa_type swa_type;         ///< the SWA rule
     uint32_t n_pos;                ///< positions per token (4 for M-RoPE)
     float compact_threshold;  ///< compact on update once this fraction of cells are holes (0: on request)
-    /// kvc_memory_init_batch() first applies pending K-shifts (what kvc_memory_update() does), as
-    /// llama.cpp's decode does; true by default here (false in the C++ defaults)
+    /// kvc_memory_init_batch() applies pending K-shifts (what kvc_memory_update() does) once the batch is
+    /// placed, as llama.cpp's decode does (a batch that does not fit leaves them pending); true by default
+    /// here (false in the C++ defaults)
     bool auto_update;
     kvc_prefix_cache_params prefix;  ///< the prefix cache (off by default)
     /// the most bytes the K/V of every cell may take: creation refuses more, before allocating anything
