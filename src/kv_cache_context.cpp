@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <new>
 
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
@@ -43,6 +44,16 @@ kv_cache_context::kv_cache_context(kv_cache& cache, std::vector<ubatch> ubatches
 
 bool kv_cache_context::next() {
     if (kind_ != kind::batch || i_cur_ >= ubatches_.size()) return false;
+    // The engine moves past the last ubatch once it computed it: the blocks the batch completed are
+    // reusable now, so that a sequence removed right after its last step leaves them cached (a failed
+    // step is not followed by next(): its blocks go with the cells seq_rm takes back). Not between
+    // ubatches: publishing may share or move cells the later ubatches' slots were planned on. Out of
+    // memory, the blocks stay pending and the next step publishes them: next() itself never fails.
+    if (i_cur_ + 1 == ubatches_.size()) {
+        try {
+            cache_->prefix_publish();
+        } catch (const std::bad_alloc&) {}
+    }
     n_kv_ = 0;  // nothing of the next ubatch is known before its apply()
     rows_.clear();
     return ++i_cur_ < ubatches_.size();

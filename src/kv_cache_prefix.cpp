@@ -721,10 +721,27 @@ void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
             t.cells.push_back(e.second);
         if (t.cells.size() != t.toks.size()) ps.stop(t);  // a position held twice: not a plain prefix
     };
+    // Whole blocks the last step completed and nobody published go with the cells: counted, logged once
+    const auto cut_counting = [&](seq_id_t s) {
+        const prefix_tracker& t = ps.seqs[static_cast<size_t>(s)];
+        const size_t before = t.active ? t.toks.size() / ps.bs() : 0;
+        cut(s);
+        const size_t after = t.active ? t.toks.size() / ps.bs() : 0;
+        if (after >= before) return;
+        ps.stats.dropped_blocks += before - after;
+        if (ps.logged_drop) return;
+        ps.logged_drop = true;
+        log(log_level::warn,
+            fmt::format("prefix cache: seq_rm of seq {} dropped {} completed block(s) before they were "
+                        "published: the engine did not move past the step that computed them (the memory "
+                        "context's next() after its last ubatch, or prefix_publish()); further drops are "
+                        "only counted (prefix_stats::dropped_blocks)",
+                        s, before - after));
+    };
     if (seq_id == seq_all) {
-        for (size_t s = 0; s < ps.seqs.size(); ++s) cut(static_cast<seq_id_t>(s));
+        for (size_t s = 0; s < ps.seqs.size(); ++s) cut_counting(static_cast<seq_id_t>(s));
     } else {
-        cut(seq_id);
+        cut_counting(seq_id);
     }
 }
 

@@ -88,6 +88,39 @@ TEST(prefix_cache, blocks_publish_at_the_next_step_and_lookup_changes_nothing) {
     EXPECT_EQ(e.c.get_prefix_stats().shared_cells, 8u);
 }
 
+// A step the engine moved past (next() after its last ubatch) is published as it ends, so a sequence
+// removed right after it leaves its blocks cached (a prefill-only request). A step it did not finish (a
+// failed compute: no next()) loses its blocks with the cells seq_rm takes: counted, logged once.
+TEST(prefix_cache, a_finished_step_is_published_before_the_sequence_goes) {
+    static std::vector<std::string> logged;
+    logged.clear();
+    set_log_callback([](log_level, const char* m, void*) { logged.emplace_back(m); });
+    engine e(64, 2);
+    const auto prompt = seq_of({1, 2, 3, 4, 5, 6, 7, 8, 9});
+    auto ctx = e.c.init_ubatches({tokens_ub(0, 0, prompt)}, {});
+    ASSERT_EQ(ctx->get_status(), memory_status::success);
+    ctx->apply();
+    EXPECT_FALSE(ctx->next());  // the engine computed the last ubatch
+    EXPECT_EQ(e.c.get_prefix_stats().blocks, 2u);
+    e.c.seq_rm(0, -1, -1);
+    EXPECT_EQ(e.c.prefix_lookup(prompt), 8u);
+    EXPECT_EQ(e.c.get_prefix_stats().dropped_blocks, 0u);
+    EXPECT_TRUE(logged.empty());
+    for (int round = 1; round <= 2; ++round) {  // steps that failed: applied, never finished
+        const auto other = seq_of({20, 21, 22, 23, 24, 25, 26, 27, 28});
+        ctx = e.c.init_ubatches({tokens_ub(1, 0, other)}, {});
+        ASSERT_EQ(ctx->get_status(), memory_status::success);
+        ctx->apply();
+        e.c.seq_rm(1, -1, -1);
+        EXPECT_EQ(e.c.prefix_lookup(other), 0u);
+        EXPECT_EQ(e.c.get_prefix_stats().dropped_blocks, 2u * static_cast<uint64_t>(round));
+    }
+    ASSERT_EQ(logged.size(), 1u);
+    EXPECT_NE(logged[0].find("seq_rm of seq 1 dropped 2 completed block(s)"), std::string::npos) << logged[0];
+    set_log_callback(nullptr);
+    e.check_cells();
+}
+
 TEST(prefix_cache, keys_separate_namespaces) {
     engine e(64, 3);
     const auto prompt = seq_of({1, 2, 3, 4, 5, 6, 7, 8, 9});

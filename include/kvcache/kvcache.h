@@ -729,8 +729,11 @@ KVC_API kvc_status kvc_memory_context_get_status(const kvc_memory_context* ctx,
 /// ubatch already applied or none left; #KVC_ERR_UNSUPPORTED for an update an M-RoPE cache cannot do.
 KVC_API kvc_status kvc_memory_context_apply(kvc_memory_context* ctx) KVC_NOEXCEPT;
 
-/// @brief Moves to the next ubatch. Like `sqlite3_step`, the status says whether the call worked and
-/// `more` whether there is another ubatch, so that a failure is never mistaken for the end:
+/// @brief Moves to the next ubatch once the current one is computed; past the last one the step counts
+/// as computed, and a prefix cache publishes the blocks it completed (a sequence removed right after it
+/// leaves them cached; after a failed compute, do not call it). Like `sqlite3_step`, the status says
+/// whether the call worked and `more` whether there is another ubatch, so that a failure is never
+/// mistaken for the end:
 /// @code
 /// bool more = true;
 /// while (more) {

@@ -38,6 +38,10 @@ typedef struct kvc_prefix_stats {
     uint64_t swa_evicted_blocks;    ///< iSWA: blocks the sliding-window cache evicted
     uint64_t tier_fetched_blocks;   ///< tiers: blocks attaches brought back from a store (kvcache_tiers.h)
     uint64_t tier_written_blocks;   ///< tiers: blocks written to a store (each store counts)
+    /// completed blocks kvc_memory_seq_rm took before they were published: the engine did not move past
+    /// the step that computed them (a failed step; or no kvc_memory_context_next() after the last ubatch
+    /// nor kvc_memory_prefix_publish())
+    uint64_t dropped_blocks;
 } kvc_prefix_stats;
 
 /// @brief How many of the tokens kvc_memory_prefix_attach() would give a sequence now: the longest

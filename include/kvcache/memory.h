@@ -69,7 +69,9 @@ public:
     virtual ~memory_context_i() = default;
 
     // -- iteration --
-    virtual bool next() = 0;  ///< false when every ubatch has been consumed
+    /// Moves to the next ubatch once the engine computed this one; false when every ubatch has been
+    /// consumed. Past the last ubatch the step counts as computed: a prefix cache publishes its blocks.
+    virtual bool next() = 0;
     /// Commits the current ubatch (or runs the update). Throws kvc::error(invalid_state) on a failed
     /// context or a ubatch applied twice; cannot fail otherwise.
     virtual void apply() = 0;

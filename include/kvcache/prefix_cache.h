@@ -99,12 +99,15 @@ struct prefix_cache_params {
 
 /// What the prefix cache did and holds (kv_cache::get_prefix_stats()).
 struct prefix_stats {
-    uint64_t lookups = 0;               ///< prefix_lookup and prefix_attach calls
-    uint64_t tokens_looked_up = 0;      ///< prompt tokens they were given
-    uint64_t hit_tokens = 0;            ///< tokens prefix_attach gave a sequence without recomputation
-    uint64_t published_blocks = 0;      ///< blocks added to the index
-    uint64_t evicted_blocks = 0;        ///< blocks whose cells were freed for new tokens
-    uint64_t unpublished_blocks = 0;    ///< blocks taken out because a sequence edit changed their cells
+    uint64_t lookups = 0;             ///< prefix_lookup and prefix_attach calls
+    uint64_t tokens_looked_up = 0;    ///< prompt tokens they were given
+    uint64_t hit_tokens = 0;          ///< tokens prefix_attach gave a sequence without recomputation
+    uint64_t published_blocks = 0;    ///< blocks added to the index
+    uint64_t evicted_blocks = 0;      ///< blocks whose cells were freed for new tokens
+    uint64_t unpublished_blocks = 0;  ///< blocks taken out because a sequence edit changed their cells
+    /// Completed blocks seq_rm took before they were published: the engine did not move past the step
+    /// that computed them (a failed step; or no next() after the last ubatch nor prefix_publish()).
+    uint64_t dropped_blocks = 0;
     uint64_t bytes_copied = 0;          ///< K/V bytes attaches and edits of shared cells copied
     uint64_t event_errors = 0;          ///< exceptions thrown by on_event (caught)
     uint64_t snapshots_saved = 0;       ///< recurrent: snapshots published (state at a block boundary)

@@ -104,6 +104,7 @@ void bind_reports(py::module_& m) {
         .def_readonly("published_blocks", &prefix_stats::published_blocks)
         .def_readonly("evicted_blocks", &prefix_stats::evicted_blocks)
         .def_readonly("unpublished_blocks", &prefix_stats::unpublished_blocks)
+        .def_readonly("dropped_blocks", &prefix_stats::dropped_blocks)
         .def_readonly("bytes_copied", &prefix_stats::bytes_copied)
         .def_readonly("event_errors", &prefix_stats::event_errors)
         .def_readonly("blocks", &prefix_stats::blocks)

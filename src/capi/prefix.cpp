@@ -93,6 +93,7 @@ kvc_status kvc_memory_get_prefix_stats(const kvc_memory* mem, kvc_prefix_stats* 
                                             .swa_published_blocks = s.swa_published_blocks,
                                             .swa_evicted_blocks = s.swa_evicted_blocks,
                                             .tier_fetched_blocks = s.tier_fetched_blocks,
-                                            .tier_written_blocks = s.tier_written_blocks};
+                                            .tier_written_blocks = s.tier_written_blocks,
+                                            .dropped_blocks = s.dropped_blocks};
     });
 }

@@ -36,6 +36,7 @@ struct kv_cache::prefix_state {
     std::vector<prefix_tracker> seqs;  // [n_seq_max]
     std::vector<seq_id_t> pending;     // sequences that may have full blocks to publish
     prefix_stats stats;
+    bool logged_drop = false;  // the first dropped_blocks is logged, the rest only counted
     std::function<void(const prefix_event&)> on_event;
     bool share_duplicates = false;  // kv_cache::prefix_share_duplicates
     // With a sliding window (design D30): blocks are kept on their own, each near the boundaries it
