@@ -546,15 +546,11 @@ TEST(kv_cache, seq_div_moves_whole_cells_and_keeps_the_head) {
     EXPECT_THROW(c.seq_div(0, -1, -1, 0), error);
 }
 
-// The K-shift's rows split into pieces on an executor (two threads, pieces of 3 rows, out of order)
-// leave exactly the bytes of one thread, for several deltas at once (seq_add and seq_div).
-// auto_update: init_batch runs the pending K-shift first (as llama.cpp's decode), with the bytes of an
-// explicit update; without it the shift stays pending (regression, issue 20).
-TEST(kv_cache, auto_update_applies_pending_shifts_before_a_batch) {
-    for (const bool automatic : {false, true}) {
-        kv_cache_params p = small_params(16);
-        p.auto_update = automatic;
-        kv_cache c(p), want(small_params(16));
+// Two caches whose sequence 0 holds one K row at position 0, shifted by 5 and not yet updated; `c` with
+// auto_update as given, `want` to run the update explicitly.
+struct pending_shift {
+    kv_cache c, want;
+    explicit pending_shift(bool automatic) : c(params(automatic)), want(small_params(16)) {
         std::vector<float> key(8);
         std::iota(key.begin(), key.end(), 1.0f);
         const auto src =
@@ -563,14 +559,31 @@ TEST(kv_cache, auto_update_applies_pending_shifts_before_a_batch) {
             peer::placed(*k, slot({0}), make_ub({0}, {0}))->get_attn(0)->cpy_k(0, src);
             k->seq_add(0, -1, -1, 5);
         }
+    }
+    static kv_cache_params params(bool automatic) {
+        kv_cache_params p = small_params(16);
+        p.auto_update = automatic;
+        return p;
+    }
+    // c's K row 0 has the bytes of want's after its explicit update
+    bool rotated() {
         want.update();
-        auto ctx = c.init_ubatches({make_ub({6}, {0})}, {});
-        ASSERT_EQ(ctx->get_status(), memory_status::success);
-        EXPECT_EQ(c.get_has_shift(), !automatic);
         std::vector<float> got(8), expect(8);
         c.read_k_row(0, 0, 0, got);
         want.read_k_row(0, 0, 0, expect);
-        EXPECT_EQ(got == expect, automatic);
+        return got == expect;
+    }
+};
+
+// auto_update: init_batch runs the pending K-shift (as llama.cpp's decode), with the bytes of an explicit
+// update; without it the shift stays pending (regression, issue 20).
+TEST(kv_cache, auto_update_applies_pending_shifts_before_a_batch) {
+    for (const bool automatic : {false, true}) {
+        pending_shift t(automatic);
+        auto ctx = t.c.init_ubatches({make_ub({6}, {0})}, {});
+        ASSERT_EQ(ctx->get_status(), memory_status::success);
+        EXPECT_EQ(t.c.get_has_shift(), !automatic);
+        EXPECT_EQ(t.rotated(), automatic);
     }
 }
 
@@ -578,35 +591,24 @@ TEST(kv_cache, auto_update_applies_pending_shifts_before_a_batch) {
 // still pending, the K rows unrotated; the next batch that fits applies it (regression: the shift was
 // applied before the placement failed).
 TEST(kv_cache, auto_update_leaves_the_shift_pending_when_a_batch_does_not_fit) {
-    kv_cache_params p = small_params(16);
-    p.auto_update = true;
-    kv_cache c(p), want(small_params(16));
-    std::vector<float> key(8);
-    std::iota(key.begin(), key.end(), 1.0f);
-    const auto src =
-        const_tensor_view::contiguous(dtype::f32, reinterpret_cast<const std::byte*>(key.data()), 8);
-    for (kv_cache* k : {&c, &want}) {
-        peer::placed(*k, slot({0}), make_ub({0}, {0}))->get_attn(0)->cpy_k(0, src);
-        k->seq_add(0, -1, -1, 5);
-    }
-    std::vector<float> before(8), got(8), expect(8);
-    c.read_k_row(0, 0, 0, before);
+    pending_shift t(true);
+    std::vector<float> before(8), got(8);
+    t.c.read_k_row(0, 0, 0, before);
     std::vector<pos_t> pos(16);
     std::iota(pos.begin(), pos.end(), 6);
-    auto fail = c.init_ubatches({make_ub(pos, std::vector<seq_id_t>(16, 0))}, {});  // 1 + 16 > 16 cells
+    auto fail = t.c.init_ubatches({make_ub(pos, std::vector<seq_id_t>(16, 0))}, {});  // 1 + 16 > 16 cells
     ASSERT_EQ(fail->get_status(), memory_status::failed_prepare);
-    EXPECT_TRUE(c.get_has_shift());
-    c.read_k_row(0, 0, 0, got);
+    EXPECT_TRUE(t.c.get_has_shift());
+    t.c.read_k_row(0, 0, 0, got);
     EXPECT_EQ(got, before);
-    auto ctx = c.init_ubatches({make_ub({6}, {0})}, {});
+    auto ctx = t.c.init_ubatches({make_ub({6}, {0})}, {});
     ASSERT_EQ(ctx->get_status(), memory_status::success);
-    EXPECT_FALSE(c.get_has_shift());
-    want.update();
-    c.read_k_row(0, 0, 0, got);
-    want.read_k_row(0, 0, 0, expect);
-    EXPECT_EQ(got, expect);
+    EXPECT_FALSE(t.c.get_has_shift());
+    EXPECT_TRUE(t.rotated());
 }
 
+// The K-shift's rows split into pieces on an executor (two threads, pieces of 3 rows, out of order)
+// leave exactly the bytes of one thread, for several deltas at once (seq_add and seq_div).
 TEST(kv_cache, k_shift_on_an_executor_gives_the_bytes_of_one_thread) {
     for (dtype t : {dtype::f16, dtype::q8_0}) {
         kv_cache_params p;
