@@ -50,7 +50,7 @@ set(KVC_INCLUDE_RANKS
   "2 tensor.h ops.h kv_storage.h kv_storage_engine.h"
   "3 kv_cells.h batch.h"
   "4 memory.h"
-  "5 kv_cache.h memory_recurrent.h recurrent_engine.h kv_cache_iswa.h memory_hybrid.h"
+  "5 kv_cache.h memory_recurrent.h recurrent_engine.h memory_pair.h kv_cache_iswa.h memory_hybrid.h"
   "6 state.h state_summary.h session.h"
   "7 runtime/gguf.h runtime/kv_tensors.h runtime/thread_pool.h runtime/tiny_model.h runtime/runtime.h runtime/reference_recurrent.h redis/redis_store.h"
   "8 kvcache.h kvcache_state.h kvcache_prefix.h kvcache_engine.h kvcache_tiers.h redis/kvcache_redis.h"

@@ -45,7 +45,8 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p) {
 
 // -- construction --
 
-kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(params)) {
+kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params)
+    : memory_pair("iswa", "base", "swa"), params_(std::move(params)) {
     const kv_cache_params& k = params_.kv;
     const auto bad = [](const std::string& msg) {
         throw error(errc::invalid_argument, "kv_cache_iswa: " + msg);
@@ -89,6 +90,7 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params) : params_(std::move(pa
         fmt::format("a base cache of {} cells and an SWA cache of {} cells", base.kv_size, swa.kv_size));
     base_ = std::make_unique<kv_cache>(base);
     swa_ = std::make_unique<kv_cache>(swa);
+    set_parts(*base_, *swa_);
     // a sequence resumed short of the base cache's chain (no window there) recomputes cached blocks: it
     // moves onto them, so that no cached block waits for a child it duplicates
     if (k.prefix.enabled) base_->prefix_share_duplicates(true);
@@ -101,12 +103,6 @@ uint64_t kv_cache_iswa::reserve_bytes(const kv_cache_iswa_params& p) {
 kv_cache* kv_cache_iswa::layer_cache(uint32_t il) {
     if (base_->has_layer(il)) return base_.get();
     return swa_->has_layer(il) ? swa_.get() : nullptr;
-}
-
-memory_breakdown kv_cache_iswa::get_memory_breakdown() const {
-    memory_breakdown b = base_->get_memory_breakdown();
-    b += swa_->get_memory_breakdown();
-    return b;
 }
 
 kv_cache_iswa::~kv_cache_iswa() = default;
@@ -253,41 +249,11 @@ bool kv_cache_iswa::get_can_shift() const {
 // -- sequences: both caches have the same ids and streams, so a call the base accepts the SWA cache
 // accepts too --
 
-void kv_cache_iswa::clear(bool data) {
-    base_->clear(data);
-    swa_->clear(data);
-}
-
 bool kv_cache_iswa::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     prefix_publish();  // the last step's blocks, which a sequence that ends leaves behind
     const bool a = base_->seq_rm(seq_id, p0, p1);
     const bool b = swa_->seq_rm(seq_id, p0, p1);
     return a && b;
-}
-
-void kv_cache_iswa::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
-    prefix_publish();
-    base_->seq_cp(src, dst, p0, p1);
-    swa_->seq_cp(src, dst, p0, p1);
-    sync_parts();  // a copy across streams may evict
-}
-
-void kv_cache_iswa::seq_keep(seq_id_t seq_id) {
-    prefix_publish();
-    base_->seq_keep(seq_id);
-    swa_->seq_keep(seq_id);
-}
-
-void kv_cache_iswa::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
-    prefix_publish();
-    base_->seq_add(seq_id, p0, p1, shift);
-    swa_->seq_add(seq_id, p0, p1, shift);
-}
-
-void kv_cache_iswa::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
-    prefix_publish();
-    base_->seq_div(seq_id, p0, p1, d);
-    swa_->seq_div(seq_id, p0, p1, d);
 }
 
 pos_t kv_cache_iswa::seq_pos_min(seq_id_t seq_id) const {
@@ -300,46 +266,16 @@ pos_t kv_cache_iswa::seq_pos_max(seq_id_t seq_id) const {
 
 // -- state --
 
-struct kv_cache_iswa::staged_state final : state_stage_i {
-    const kv_cache_iswa* owner = nullptr;
-    state_stage_ptr base;  // null with state_seq_flag_partial_only
-    state_stage_ptr swa;
-};
-
-void kv_cache_iswa::state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const {
-    if (!(flags & state_seq_flag_partial_only)) base_->state_write(io, seq_id, flags);
-    swa_->state_write(io, seq_id, flags);
-}
-
-state_stage_ptr kv_cache_iswa::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const {
-    auto st = std::make_unique<staged_state>();
-    st->owner = this;
-    if (!(flags & state_seq_flag_partial_only)) st->base = base_->state_stage(io, seq_id, flags);
-    st->swa = swa_->state_stage(io, seq_id, flags);
-    return st;
-}
-
-bool kv_cache_iswa::state_fits(const state_stage_i& stage) {
-    const auto* st = dynamic_cast<const staged_state*>(&stage);
-    if (st == nullptr || st->owner != this)
-        throw error(errc::invalid_argument, "state_fits: the stage was made by another memory");
-    return (!st->base || base_->state_fits(*st->base)) && swa_->state_fits(*st->swa);
-}
-
-void kv_cache_iswa::state_commit(state_stage_i& stage) {
-    if (!state_fits(stage))  // both or neither
-        throw error(errc::invalid_state,
-                    "state_read: no room for the state's cells in the base or SWA cache");
-    auto& st = static_cast<staged_state&>(stage);
-    if (!st.base) {
-        swa_->state_commit(*st.swa);
+void kv_cache_iswa::commit_parts(state_stage_i* base, state_stage_i& swa) {
+    if (base == nullptr) {
+        swa_->state_commit(swa);
         sync_parts();
         return;
     }
     // both or neither: the base's commit is taken back when the SWA cache's fails (an allocation, issue 21)
-    const auto undo = base_->state_commit_undoable(*st.base);
+    const auto undo = base_->state_commit_undoable(*base);
     try {
-        swa_->state_commit(*st.swa);
+        swa_->state_commit(swa);
     } catch (...) {
         base_->state_undo(*undo);
         throw;
@@ -348,62 +284,29 @@ void kv_cache_iswa::state_commit(state_stage_i& stage) {
     sync_parts();
 }
 
-std::string kv_cache_iswa::state_layout() const {
-    return fmt::format("iswa base={} swa={}", base_->state_layout(), swa_->state_layout());
-}
-
-uint64_t kv_cache_iswa::state_max_bytes() const {
-    return add_sat(base_->state_max_bytes(), swa_->state_max_bytes());  // the two payloads back to back
-}
-
 // -- context --
-
-kv_cache_iswa_context::kv_cache_iswa_context(memory_status status) : status_(status) {}
 
 kv_cache_iswa_context::kv_cache_iswa_context(std::unique_ptr<kv_cache_context> base,
                                              std::unique_ptr<kv_cache_context> swa,
                                              std::vector<ubatch> ubatches, std::vector<int32_t> out_ids)
-    : status_(combine(base->get_status(), swa->get_status())),
-      base_(std::move(base)),
-      swa_(std::move(swa)),
-      ubatches_(std::move(ubatches)),
-      out_ids_(std::move(out_ids)) {}
-
-bool kv_cache_iswa_context::next() {
-    if (!base_) return false;
-    base_->next();
-    swa_->next();
-    if (i_cur_ >= ubatches_.size()) return false;
-    return ++i_cur_ < ubatches_.size();
-}
-
-void kv_cache_iswa_context::apply() {
-    if (is_fail(status_) || !base_)
-        throw error(errc::invalid_state, "memory context: apply() on a failed context");
-    // an update context applies only the children with work
-    for (kv_cache_context* c : {base_.get(), swa_.get()})
-        if (c->get_status() == memory_status::success) c->apply();
-}
-
-const ubatch& kv_cache_iswa_context::get_ubatch() const {
-    if (i_cur_ >= ubatches_.size()) throw error(errc::invalid_state, "memory context: no current ubatch");
-    return ubatches_[i_cur_];
-}
+    : memory_pair_context(std::move(base), std::move(swa), std::move(ubatches), std::move(out_ids)) {}
 
 kv_cache_context& kv_cache_iswa_context::get_base() {
-    if (!base_) throw error(errc::invalid_state, "memory context: a failed context has no children");
-    return *base_;
+    if (first() == nullptr)
+        throw error(errc::invalid_state, "memory context: a failed context has no children");
+    return static_cast<kv_cache_context&>(*first());
 }
 
 kv_cache_context& kv_cache_iswa_context::get_swa() {
-    if (!swa_) throw error(errc::invalid_state, "memory context: a failed context has no children");
-    return *swa_;
+    if (second() == nullptr)
+        throw error(errc::invalid_state, "memory context: a failed context has no children");
+    return static_cast<kv_cache_context&>(*second());
 }
 
 kv_cache_context* kv_cache_iswa_context::get_attn(uint32_t il) {
-    if (is_fail(status_) || !base_) return nullptr;
-    kv_cache_context* c = base_->get_attn(il);
-    return c != nullptr ? c : swa_->get_attn(il);
+    if (first() == nullptr) return nullptr;
+    kv_cache_context* c = first()->get_attn(il);
+    return c != nullptr ? c : second()->get_attn(il);
 }
 
 }  // namespace kvc

@@ -12,7 +12,8 @@
 
 namespace kvc {
 
-memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(params)) {
+memory_hybrid::memory_hybrid(memory_hybrid_params params)
+    : memory_pair("hybrid", "attn", "recr"), params_(std::move(params)) {
     const auto bad = [](const std::string& msg) {
         throw error(errc::invalid_argument, "memory_hybrid: " + msg);
     };
@@ -62,6 +63,7 @@ memory_hybrid::memory_hybrid(memory_hybrid_params params) : params_(std::move(pa
     else
         attn_ = std::make_unique<kv_cache>(params_.attn);
     recr_ = std::make_unique<memory_recurrent>(params_.recr);
+    set_parts(*attn_, *recr_);
     if (params_.prefix.enabled) {
         attn_prefix_ = dynamic_cast<prefix_cache_i*>(attn_.get());
         kv_ = dynamic_cast<kv_cache*>(attn_.get());
@@ -250,12 +252,6 @@ std::vector<prefix_tier_stats> memory_hybrid::get_tier_stats() const {
 
 memory_hybrid::~memory_hybrid() = default;
 
-memory_breakdown memory_hybrid::get_memory_breakdown() const {
-    memory_breakdown b = attn_->get_memory_breakdown();
-    b += recr_->get_memory_breakdown();
-    return b;
-}
-
 // -- batches --
 
 memory_context_ptr memory_hybrid::init_batch(batch_allocr& balloc, uint32_t n_ubatch, bool embd_all) {
@@ -305,39 +301,10 @@ bool memory_hybrid::get_can_shift() const {
 
 // -- sequences --
 
-void memory_hybrid::clear(bool data) {
-    attn_->clear(data);
-    recr_->clear(data);
-}
-
 bool memory_hybrid::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
     prefix_publish();  // the last step's blocks, which a sequence that ends leaves behind
     if (!recr_->seq_rm(seq_id, p0, p1)) return false;  // all or nothing: attention untouched
     return attn_->seq_rm(seq_id, p0, p1);
-}
-
-void memory_hybrid::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
-    prefix_publish();
-    attn_->seq_cp(src, dst, p0, p1);
-    recr_->seq_cp(src, dst, p0, p1);
-}
-
-void memory_hybrid::seq_keep(seq_id_t seq_id) {
-    prefix_publish();
-    attn_->seq_keep(seq_id);
-    recr_->seq_keep(seq_id);
-}
-
-void memory_hybrid::seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) {
-    prefix_publish();
-    attn_->seq_add(seq_id, p0, p1, shift);
-    recr_->seq_add(seq_id, p0, p1, shift);
-}
-
-void memory_hybrid::seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) {
-    prefix_publish();
-    attn_->seq_div(seq_id, p0, p1, d);
-    recr_->seq_div(seq_id, p0, p1, d);
 }
 
 pos_t memory_hybrid::seq_pos_min(seq_id_t seq_id) const {
@@ -350,49 +317,6 @@ pos_t memory_hybrid::seq_pos_max(seq_id_t seq_id) const {
 
 // -- state --
 
-struct memory_hybrid::staged_state final : state_stage_i {
-    const memory_hybrid* owner = nullptr;
-    state_stage_ptr attn;  // null with state_seq_flag_partial_only
-    state_stage_ptr recr;
-};
-
-void memory_hybrid::state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const {
-    if (!(flags & state_seq_flag_partial_only)) attn_->state_write(io, seq_id, flags);
-    recr_->state_write(io, seq_id, flags);
-}
-
-state_stage_ptr memory_hybrid::state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const {
-    auto st = std::make_unique<staged_state>();
-    st->owner = this;
-    if (!(flags & state_seq_flag_partial_only)) st->attn = attn_->state_stage(io, seq_id, flags);
-    st->recr = recr_->state_stage(io, seq_id, flags);
-    return st;
-}
-
-bool memory_hybrid::state_fits(const state_stage_i& stage) {
-    const auto* st = dynamic_cast<const staged_state*>(&stage);
-    if (st == nullptr || st->owner != this)
-        throw error(errc::invalid_argument, "state_fits: the stage was made by another memory");
-    return (!st->attn || attn_->state_fits(*st->attn)) && recr_->state_fits(*st->recr);
-}
-
-void memory_hybrid::state_commit(state_stage_i& stage) {
-    auto* st = dynamic_cast<staged_state*>(&stage);
-    if (st == nullptr || st->owner != this)
-        throw error(errc::invalid_argument, "state_commit: the stage was made by another memory");
-    // the attention part is the only one that can lack room, and then changes nothing: both or neither
-    if (st->attn) attn_->state_commit(*st->attn);
-    recr_->state_commit(*st->recr);
-}
-
-std::string memory_hybrid::state_layout() const {
-    return fmt::format("hybrid attn={} recr={}", attn_->state_layout(), recr_->state_layout());
-}
-
-uint64_t memory_hybrid::state_max_bytes() const {
-    return add_sat(attn_->state_max_bytes(), recr_->state_max_bytes());  // the two payloads back to back
-}
-
 size_t memory_hybrid::size_bytes() const {
     const auto* kv = dynamic_cast<const kv_cache*>(attn_.get());
     const size_t attn = kv ? kv->size_bytes() : dynamic_cast<const kv_cache_iswa&>(*attn_).size_bytes();
@@ -401,43 +325,12 @@ size_t memory_hybrid::size_bytes() const {
 
 // -- context --
 
-memory_hybrid_context::memory_hybrid_context(memory_status status) : status_(status) {}
-
-memory_hybrid_context::memory_hybrid_context(memory_context_ptr attn, memory_context_ptr recr,
-                                             std::vector<ubatch> ubatches, std::vector<int32_t> out_ids)
-    : status_(combine(attn->get_status(), recr->get_status())),
-      attn_(std::move(attn)),
-      recr_(std::move(recr)),
-      ubatches_(std::move(ubatches)),
-      out_ids_(std::move(out_ids)) {}
-
-bool memory_hybrid_context::next() {
-    if (!attn_) return false;
-    attn_->next();
-    recr_->next();
-    if (i_cur_ >= ubatches_.size()) return false;
-    return ++i_cur_ < ubatches_.size();
-}
-
-void memory_hybrid_context::apply() {
-    if (is_fail(status_) || !attn_)
-        throw error(errc::invalid_state, "memory context: apply() on a failed context");
-    // both children run; an update context applies only the one with work
-    if (attn_->get_status() == memory_status::success) attn_->apply();
-    if (recr_->get_status() == memory_status::success) recr_->apply();
-}
-
-const ubatch& memory_hybrid_context::get_ubatch() const {
-    if (i_cur_ >= ubatches_.size()) throw error(errc::invalid_state, "memory context: no current ubatch");
-    return ubatches_[i_cur_];
-}
-
 kv_cache_context* memory_hybrid_context::get_attn(uint32_t il) {
-    return is_fail(status_) || !attn_ ? nullptr : attn_->get_attn(il);
+    return first() == nullptr ? nullptr : first()->get_attn(il);
 }
 
 memory_recurrent_context* memory_hybrid_context::get_recr() {
-    return is_fail(status_) || !recr_ ? nullptr : recr_->get_recr();
+    return second() == nullptr ? nullptr : second()->get_recr();
 }
 
 }  // namespace kvc

@@ -32,6 +32,7 @@
 
 #include <kvcache/kv_cache.h>
 #include <kvcache/memory.h>
+#include <kvcache/memory_pair.h>
 
 namespace kvc {
 
@@ -62,7 +63,7 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p);
 
 /// Two KV caches, one for the full-attention layers and one for the sliding-window layers, driven as one
 /// memory. See the file comment.
-class kv_cache_iswa final : public memory_i, public prefix_cache_i {
+class kv_cache_iswa final : public memory_pair, public prefix_cache_i {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration: what kv_cache refuses, no
     /// full-attention layer or no SWA layer kept (use a plain kv_cache), swa none or n_swa 0.
@@ -84,27 +85,13 @@ public:
     /// Both caches can shift and have the same size (swa_full).
     bool get_can_shift() const override;
 
-    /// The operations below run on the base cache then the SWA cache.
-    void clear(bool data) override;
-    bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;  ///< both results ANDed
-    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
-    void seq_keep(seq_id_t seq_id) override;
-    void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;
-    void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;
-    pos_t seq_pos_min(seq_id_t seq_id) const override;  ///< of the SWA cache (the recent past)
-    pos_t seq_pos_max(seq_id_t seq_id) const override;  ///< of the SWA cache
+    // clear, seq_cp, seq_keep, seq_add, seq_div (memory_pair): the base cache then the SWA cache.
+    bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;  ///< both caches, the results ANDed
+    pos_t seq_pos_min(seq_id_t seq_id) const override;          ///< of the SWA cache (the recent past)
+    pos_t seq_pos_max(seq_id_t seq_id) const override;          ///< of the SWA cache
 
-    /// The base cache's state (unless state_seq_flag_partial_only) then the SWA cache's.
-    void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    /// Parses both parts (the same flag rule) before anything changes.
-    state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    /// Commits both parts, or neither when one has no room.
-    void state_commit(state_stage_i& stage) override;
-    bool state_fits(const state_stage_i& stage) override;
-    /// "iswa base={base layout} swa={SWA layout}".
-    std::string state_layout() const override;
-    uint64_t state_max_bytes() const override;
-    memory_breakdown get_memory_breakdown() const override;  ///< both caches' bytes
+    // State (memory_pair): the base cache's (unless state_seq_flag_partial_only) then the SWA cache's;
+    // layout "iswa base={base layout} swa={SWA layout}".
 
     uint32_t n_seq_max() const override { return params_.kv.n_seq_max; }
     uint32_t n_pos() const override { return params_.kv.n_pos; }
@@ -146,7 +133,10 @@ public:
     size_t size_bytes() const { return base_->size_bytes() + swa_->size_bytes(); }  ///< K/V of both
 
 private:
-    struct staged_state;
+    // The base cache's commit is taken back when the SWA cache's fails (an allocation); then sync_parts.
+    void commit_parts(state_stage_i* base, state_stage_i& swa) override;
+    void before_sequence_op() override { prefix_publish(); }
+    void after_copy() override { sync_parts(); }  // a copy across streams may evict
     // a block one cache removed, for the other (sync_parts)
     struct removed_block {
         bool base = false;
@@ -168,21 +158,14 @@ private:
 /// The context kv_cache_iswa returns: a child context per cache over the same ubatches. Engines build the
 /// full-attention layers with get_base() (or for_layer) and the SWA layers with get_swa(): each has its
 /// own slots, n_kv, mask (the SWA one masks keys outside the window) and views.
-class kv_cache_iswa_context final : public memory_context_i {
+class kv_cache_iswa_context final : public memory_pair_context {
 public:
     /// A failed context (no children).
-    explicit kv_cache_iswa_context(memory_status status);
+    explicit kv_cache_iswa_context(memory_status status) : memory_pair_context(status) {}
     /// A context over two children (a batch context with its ubatches and output ids, or full / update
-    /// contexts with empty ones).
+    /// contexts with empty ones): the base cache's then the SWA cache's.
     kv_cache_iswa_context(std::unique_ptr<kv_cache_context> base, std::unique_ptr<kv_cache_context> swa,
                           std::vector<ubatch> ubatches, std::vector<int32_t> out_ids);
-
-    // -- memory_context_i --
-    bool next() override;   ///< advances both children
-    void apply() override;  ///< applies the base child then the SWA child
-    memory_status get_status() const override { return status_; }
-    const ubatch& get_ubatch() const override;
-    std::span<const int32_t> out_ids() const override { return out_ids_; }
 
     /// The child of the cache that holds model layer il; null when neither does or on a failed context.
     kv_cache_context* get_attn(uint32_t il) override;
@@ -191,14 +174,6 @@ public:
     // -- children --
     kv_cache_context& get_base();  ///< the base cache's context; throws on a failed context
     kv_cache_context& get_swa();   ///< the SWA cache's context; throws on a failed context
-
-private:
-    memory_status status_;
-    std::unique_ptr<kv_cache_context> base_;
-    std::unique_ptr<kv_cache_context> swa_;
-    std::vector<ubatch> ubatches_;
-    std::vector<int32_t> out_ids_;
-    size_t i_cur_ = 0;
 };
 
 }  // namespace kvc

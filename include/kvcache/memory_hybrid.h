@@ -35,6 +35,7 @@
 #include <kvcache/kv_cache.h>
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/memory.h>
+#include <kvcache/memory_pair.h>
 #include <kvcache/memory_recurrent.h>
 
 namespace kvc {
@@ -54,7 +55,7 @@ struct memory_hybrid_params {
 };
 
 /// An attention cache and a recurrent memory as one memory. See the file comment.
-class memory_hybrid final : public memory_i, public prefix_cache_i {
+class memory_hybrid final : public memory_pair, public prefix_cache_i {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration: what either part refuses, or
     /// different n_seq_max.
@@ -75,29 +76,18 @@ public:
     memory_context_ptr init_update(bool optimize) override;
     bool get_can_shift() const override;  ///< the attention part's answer
 
-    void clear(bool data) override;  ///< both parts
+    // clear, seq_keep, seq_add, seq_div (memory_pair): both parts; seq_cp: the attention part then the
+    // recurrent part (which shares the whole state, whatever the range).
     /// The recurrent part first: if it refuses, false and nothing changed; else the attention part's
     /// result. A range before the last position leaves the recurrent state as it is (true) and comes out
     /// of the attention part, as upstream.
     bool seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) override;
-    /// The attention part then the recurrent part (which shares the whole state, whatever the range).
-    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;
-    void seq_keep(seq_id_t seq_id) override;                                  ///< both parts
-    void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;  ///< both parts
-    void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;        ///< both parts
-    pos_t seq_pos_min(seq_id_t seq_id) const override;                        ///< max of the parts' minimums
+    pos_t seq_pos_min(seq_id_t seq_id) const override;  ///< max of the parts' minimums
     pos_t seq_pos_max(seq_id_t seq_id) const override;  ///< min of the parts' maximums (-1 if one is empty)
 
-    /// The attention part's state (unless state_seq_flag_partial_only) then the recurrent part's.
-    void state_write(io_write_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    /// Parses both parts (the same flag rule) before anything changes.
-    state_stage_ptr state_stage(io_read_i& io, seq_id_t seq_id, state_seq_flags flags) const override;
-    void state_commit(state_stage_i& stage) override;  ///< both parts, or neither when one has no room
-    bool state_fits(const state_stage_i& stage) override;
-    /// "hybrid attn={attention layout} recr={recurrent layout}".
-    std::string state_layout() const override;
-    uint64_t state_max_bytes() const override;
-    memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
+    // State (memory_pair): the attention part's (unless state_seq_flag_partial_only) then the recurrent
+    // part's, both or neither (the attention part is the only one that can lack room, and then changes
+    // nothing); layout "hybrid attn={attention layout} recr={recurrent layout}".
 
     uint32_t n_seq_max() const override { return params_.attn.n_seq_max; }
     uint32_t n_pos() const override { return params_.attn.n_pos; }
@@ -143,8 +133,7 @@ public:
     size_t size_bytes() const;                                      ///< K/V and state rows of both parts
 
 private:
-    struct staged_state;
-
+    void before_sequence_op() override { prefix_publish(); }  // the last step's blocks and snapshots
     // A block one part's index let go, which the other part's may no longer need (sync_parts).
     struct removed_block {
         bool attn = false;    // from the attention part
@@ -189,33 +178,19 @@ private:
 
 /// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.
 /// Engines build attention layers with get_attn(il) and recurrent layers with get_recr().
-class memory_hybrid_context final : public memory_context_i {
+class memory_hybrid_context final : public memory_pair_context {
 public:
     /// A failed context (no children).
-    explicit memory_hybrid_context(memory_status status);
+    explicit memory_hybrid_context(memory_status status) : memory_pair_context(status) {}
     /// A context over two children (a batch context with its ubatches and output ids, or full / update
     /// contexts with empty ones): the attention part's context and the recurrent part's.
     memory_hybrid_context(memory_context_ptr attn, memory_context_ptr recr, std::vector<ubatch> ubatches,
-                          std::vector<int32_t> out_ids);
-
-    // -- memory_context_i --
-    bool next() override;   ///< advances both children
-    void apply() override;  ///< applies the attention child then the recurrent child
-    memory_status get_status() const override { return status_; }
-    const ubatch& get_ubatch() const override;
-    std::span<const int32_t> out_ids() const override { return out_ids_; }
+                          std::vector<int32_t> out_ids)
+        : memory_pair_context(std::move(attn), std::move(recr), std::move(ubatches), std::move(out_ids)) {}
     /// The KV cache context of attention layer il (the iSWA child that holds it, with iswa); null for a
     /// layer no attention cache holds and on a failed context.
     kv_cache_context* get_attn(uint32_t il) override;
     memory_recurrent_context* get_recr() override;  ///< the recurrent child; null on a failed context
-
-private:
-    memory_status status_;
-    memory_context_ptr attn_;
-    memory_context_ptr recr_;
-    std::vector<ubatch> ubatches_;
-    std::vector<int32_t> out_ids_;
-    size_t i_cur_ = 0;
 };
 
 }  // namespace kvc
