@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cassert>
 #include <limits>
+#include <utility>
 
 #include <fmt/format.h>
 #include <kvcache/kv_cache.h>
@@ -729,20 +730,16 @@ void kv_cache::prefix_before_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
         const size_t after = t.active ? t.toks.size() / ps.bs() : 0;
         if (after >= before) return;
         ps.stats.dropped_blocks += before - after;
-        if (ps.logged_drop) return;
-        ps.logged_drop = true;
-        log(log_level::warn,
-            fmt::format("prefix cache: seq_rm of seq {} dropped {} completed block(s) before they were "
-                        "published: the engine did not move past the step that computed them (the memory "
-                        "context's next() after its last ubatch, or prefix_publish()); further drops are "
-                        "only counted (prefix_stats::dropped_blocks)",
-                        s, before - after));
+        if (!std::exchange(ps.logged_drop, true))
+            log(log_level::warn, fmt::format("prefix cache: seq_rm of seq {} dropped {} completed block(s) "
+                                             "before they were published: the engine did not move past the "
+                                             "step that computed them (the memory context's next() after "
+                                             "its last ubatch, or prefix_publish()); further drops are only "
+                                             "counted (prefix_stats::dropped_blocks)",
+                                             s, before - after));
     };
-    if (seq_id == seq_all) {
-        for (size_t s = 0; s < ps.seqs.size(); ++s) cut_counting(static_cast<seq_id_t>(s));
-    } else {
-        cut_counting(seq_id);
-    }
+    if (seq_id != seq_all) return cut_counting(seq_id);
+    for (size_t s = 0; s < ps.seqs.size(); ++s) cut_counting(static_cast<seq_id_t>(s));
 }
 
 // A window's tracker backs up to block keep / bs by its hashes; the first keep % bs tokens of that block
