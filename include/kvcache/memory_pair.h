@@ -45,6 +45,7 @@ protected:
     /// kind, first and second name the memory and its parts in state_layout() and in errors.
     memory_pair(const char* kind, const char* first, const char* second)
         : kind_(kind), first_name_(first), second_name_(second) {}
+    /// The parts, once the owner made them.
     void set_parts(memory_i& first, memory_i& second) {
         first_ = &first;
         second_ = &second;
@@ -86,8 +87,9 @@ protected:
     /// contexts with empty ones.
     memory_pair_context(memory_context_ptr first, memory_context_ptr second, std::vector<ubatch> ubatches,
                         std::vector<int32_t> out_ids);
-    /// The children; null on a failed context.
+    /// The first part's child; null on a failed context.
     memory_context_i* first() { return is_fail(status_) ? nullptr : first_.get(); }
+    /// The second part's child; null on a failed context.
     memory_context_i* second() { return is_fail(status_) ? nullptr : second_.get(); }
 
 private:
