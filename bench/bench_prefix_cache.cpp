@@ -61,7 +61,7 @@ struct populated {
         for (uint32_t done = 0; done < cached; done += prompt_len) {
             for (auto& x : t) x = static_cast<token_t>(rng() % 32000);
             place(*c, 0, 0, t);
-            c->prefix_publish();
+            c->prefix_cache()->prefix_publish();
             c->seq_rm(0, -1, -1);
             prompts.push_back(t);
         }
@@ -86,9 +86,9 @@ void bm_hit_request(benchmark::State& state) {
         for (uint32_t i = prompt_len - block; i < prompt_len; ++i)
             prompt[i] = static_cast<token_t>(p.rng() % 32000);
         const auto t0 = clock_type::now();
-        const uint32_t n = p.c->prefix_attach(1, prompt);
+        const uint32_t n = p.c->prefix_cache()->prefix_attach(1, prompt);
         place(*p.c, 1, static_cast<pos_t>(n), std::span(prompt).subspan(n));
-        p.c->prefix_publish();
+        p.c->prefix_cache()->prefix_publish();
         p.c->seq_rm(1, -1, -1);
         state.SetIterationTime(std::chrono::duration<double>(clock_type::now() - t0).count());
         hit += n;
@@ -97,7 +97,7 @@ void bm_hit_request(benchmark::State& state) {
         benchmark::Counter(static_cast<double>(state.iterations()) * prompt_len,
                            benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
     state.counters["hit"] = static_cast<double>(hit) / static_cast<double>(state.iterations()) / prompt_len;
-    const prefix_stats st = p.c->get_prefix_stats();
+    const prefix_stats st = p.c->prefix_cache()->get_prefix_stats();
     const double tokens = static_cast<double>(st.blocks) * block;
     state.counters["index_B_per_token"] = (static_cast<double>(st.index_bytes) - 4.0 * tokens) / tokens;
 }
@@ -116,7 +116,7 @@ void bm_place(benchmark::State& state) {
         for (uint32_t done = 0; done < c.get_size(); done += 512) {
             fresh();
             place(c, 0, 0, t);
-            c.prefix_publish();
+            c.prefix_cache()->prefix_publish();
             c.seq_rm(0, -1, -1);
         }
     for (auto _ : state) {
@@ -124,14 +124,15 @@ void bm_place(benchmark::State& state) {
         const auto t0 = clock_type::now();
         place(c, 1, 0, t);
         state.SetIterationTime(std::chrono::duration<double>(clock_type::now() - t0).count());
-        if (evict) c.prefix_publish();  // stays full of cached blocks
+        if (evict) c.prefix_cache()->prefix_publish();  // stays full of cached blocks
         c.seq_rm(1, -1, -1);
     }
     state.counters["ns_per_token"] =
         benchmark::Counter(static_cast<double>(state.iterations()) * 512,
                            benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
     state.counters["evicted_per_iter"] =
-        static_cast<double>(c.get_prefix_stats().evicted_blocks) / static_cast<double>(state.iterations());
+        static_cast<double>(c.prefix_cache()->get_prefix_stats().evicted_blocks) /
+        static_cast<double>(state.iterations());
 }
 BENCHMARK(bm_place)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
@@ -142,12 +143,12 @@ void bm_shared_rows(benchmark::State& state) {
     std::mt19937 rng(5);
     for (auto& x : t) x = static_cast<token_t>(rng() % 32000);
     place(c, 0, 0, t);
-    c.prefix_publish();
+    c.prefix_cache()->prefix_publish();
     for (auto _ : state) {
-        for (seq_id_t s = 1; s <= 64; ++s) benchmark::DoNotOptimize(c.prefix_attach(s, t));
+        for (seq_id_t s = 1; s <= 64; ++s) benchmark::DoNotOptimize(c.prefix_cache()->prefix_attach(s, t));
         for (seq_id_t s = 1; s <= 64; ++s) c.seq_rm(s, -1, -1);
     }
-    for (seq_id_t s = 1; s <= 64; ++s) c.prefix_attach(s, t);
+    for (seq_id_t s = 1; s <= 64; ++s) c.prefix_cache()->prefix_attach(s, t);
     // rows stored: every used cell; the prefix alone would be prompt_len of them
     state.counters["rows_per_prefix_row"] = static_cast<double>(c.cells(0).get_used()) / prompt_len;
 }

@@ -12,6 +12,8 @@
 
 #include "detail/kv_cache_layer.h"
 #include "detail/kv_cache_prefix.h"
+#include "detail/kv_prefix_part.h"
+#include "prefix/prefix_coordinator.h"
 
 namespace kvc {
 

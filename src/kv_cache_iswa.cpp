@@ -7,6 +7,9 @@
 #include <kvcache/kv_cache_iswa.h>
 #include <kvcache/memory_budget.h>
 
+#include "detail/kv_prefix_part.h"
+#include "prefix/prefix_coordinator.h"
+
 namespace kvc {
 
 namespace {
@@ -65,35 +68,17 @@ kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params)
                         any_full ? "sliding-window" : "full-attention"));
     // both caches' bytes against the one budget, before either allocates
     kv_cache_params base = half(params_, false), swa = half(params_, true);
-    if (k.prefix.enabled) {  // the user hears both caches' blocks; both parts' removals reach the other
-        const auto queue = [this](bool is_base, const prefix_event& e) {
-            if (e.type != prefix_event::kind::removed) return;
-            removed_block& r = removed_.emplace_back();
-            r.base = is_base;
-            r.e = e;
-            r.tokens.assign(e.tokens.begin(), e.tokens.end());
-        };
-        base.prefix.on_event = [queue, user = k.prefix.on_event](const prefix_event& e) {
-            queue(true, e);
-            if (user) user(e);
-        };
-        swa.prefix.on_event = [queue, user = k.prefix.on_event](const prefix_event& e) {
-            queue(false, e);
-            if (!user) return;
-            prefix_event tagged = e;
-            tagged.part = prefix_part::swa;
-            user(tagged);
-        };
-    }
     check_memory_budget(
         "kv_cache_iswa", reserve_bytes(params_), k.memory_budget,
         fmt::format("a base cache of {} cells and an SWA cache of {} cells", base.kv_size, swa.kv_size));
     base_ = std::make_unique<kv_cache>(base);
     swa_ = std::make_unique<kv_cache>(swa);
     set_parts(*base_, *swa_);
-    // a sequence resumed short of the base cache's chain (no window there) recomputes cached blocks: it
-    // moves onto them, so that no cached block waits for a child it duplicates
-    if (k.prefix.enabled) base_->prefix_share_duplicates(true);
+    if (k.prefix.enabled) {  // one prefix cache over both caches' blocks
+        detail::prefix_coordinator& prefix = make_prefix(k.prefix, k.n_seq_max);
+        prefix.adopt(detail::kv_prefix_part::of(*base_));
+        prefix.adopt(detail::kv_prefix_part::of(*swa_));
+    }
 }
 
 uint64_t kv_cache_iswa::reserve_bytes(const kv_cache_iswa_params& p) {
@@ -106,80 +91,6 @@ kv_cache* kv_cache_iswa::layer_cache(uint32_t il) {
 }
 
 kv_cache_iswa::~kv_cache_iswa() = default;
-
-// -- prefix cache --
-
-uint32_t kv_cache_iswa::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
-    const uint32_t n_base = base_->prefix_lookup(tokens, key);  // checks the tokens
-    ++stats_.lookups;
-    stats_.tokens_looked_up += tokens.size();
-    return swa_->prefix_lookup(tokens.first(std::min<size_t>(tokens.size(), uint64_t{n_base} + 1)), key);
-}
-
-uint32_t kv_cache_iswa::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
-                                      uint8_t priority, uint32_t max_tokens) {
-    if (!prefix_enabled()) throw error(errc::unsupported, "prefix_attach: the cache has no prefix cache");
-    check_seq(seq_id, "prefix_attach");
-    if (base_->seq_pos_min(seq_id) >= 0 || swa_->seq_pos_min(seq_id) >= 0)
-        throw error(errc::invalid_argument, fmt::format("prefix_attach: seq {} is not empty", seq_id));
-    check_prefix_priority(priority, "prefix_attach");
-    // the deepest boundary with both parts; the base cache attaches up to it (fewer when copies across
-    // streams find no room), the SWA cache the deepest window at or before where that stopped
-    const uint32_t n_both =
-        std::min(prefix_lookup(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key),
-                 max_tokens);
-    const uint32_t n_base = base_->prefix_attach(seq_id, tokens, key, priority, n_both);
-    const uint32_t n = swa_->prefix_attach(seq_id, tokens, key, priority, n_base);
-    if (n < n_base) base_->seq_rm(seq_id, static_cast<pos_t>(n), -1);
-    sync_parts();  // what copies across streams evicted
-    stats_.hit_tokens += n;
-    return n;
-}
-
-void kv_cache_iswa::prefix_publish() {
-    if (!prefix_enabled()) return;
-    base_->prefix_publish();
-    swa_->prefix_publish();
-    sync_parts();
-}
-
-void kv_cache_iswa::sync_parts() {
-    const auto has_window = [this](const prefix_event& b) { return swa_->prefix_has_window(b); };
-    while (!removed_.empty()) {
-        std::vector<removed_block> now;
-        now.swap(removed_);  // what these calls remove is queued again
-        for (removed_block& r : now) {
-            r.e.tokens = r.tokens;
-            if (r.base)
-                swa_->prefix_trim(r.e, {});  // no hit reaches past the base cache's blocks
-            else
-                base_->prefix_trim(r.e, has_window);
-        }
-    }
-}
-
-uint32_t kv_cache_iswa::prefix_trim(const prefix_event& e,
-                                    const std::function<bool(const prefix_event&)>& keep) {
-    const uint32_t n = base_->prefix_trim(e, keep);
-    sync_parts();  // the SWA blocks of what went
-    return n;
-}
-
-prefix_stats kv_cache_iswa::get_prefix_stats() const {
-    if (!prefix_enabled()) return {};
-    prefix_stats s = base_->get_prefix_stats();
-    const prefix_stats w = swa_->get_prefix_stats();
-    s.lookups = stats_.lookups;
-    s.tokens_looked_up = stats_.tokens_looked_up;
-    s.hit_tokens = stats_.hit_tokens;
-    s.swa_blocks = w.blocks;
-    s.swa_published_blocks = w.published_blocks;
-    s.swa_evicted_blocks = w.evicted_blocks;
-    s.bytes_copied += w.bytes_copied;
-    s.event_errors += w.event_errors;
-    s.index_bytes += w.index_bytes;
-    return s;
-}
 
 void kv_cache_iswa::check_seq(seq_id_t s, const char* what) const {
     if (s < 0 || static_cast<uint32_t>(s) >= params_.kv.n_seq_max)
@@ -221,7 +132,7 @@ memory_context_ptr kv_cache_iswa::init_ubatches(std::vector<ubatch> ubatches, st
     memory_context_ptr base = base_->init_ubatches(ubatches, out_ids);
     if (is_fail(base->get_status())) return std::make_unique<kv_cache_iswa_context>(base->get_status());
     memory_context_ptr swa = swa_->init_ubatches(ubatches, out_ids);
-    sync_parts();  // what the caches evicted to make room
+    sync_prefix();  // what the caches evicted to make room
     if (is_fail(swa->get_status())) return std::make_unique<kv_cache_iswa_context>(swa->get_status());
     if (params_.kv.auto_update) {
         base_->update();
@@ -250,7 +161,7 @@ bool kv_cache_iswa::get_can_shift() const {
 // accepts too --
 
 bool kv_cache_iswa::seq_rm(seq_id_t seq_id, pos_t p0, pos_t p1) {
-    prefix_publish();  // the last step's blocks, which a sequence that ends leaves behind
+    before_sequence_op();  // the last step's blocks, which a sequence that ends leaves behind
     const bool a = base_->seq_rm(seq_id, p0, p1);
     const bool b = swa_->seq_rm(seq_id, p0, p1);
     return a && b;
@@ -269,7 +180,7 @@ pos_t kv_cache_iswa::seq_pos_max(seq_id_t seq_id) const {
 void kv_cache_iswa::commit_parts(state_stage_i* base, state_stage_i& swa) {
     if (base == nullptr) {
         swa_->state_commit(swa);
-        sync_parts();
+        sync_prefix();
         return;
     }
     // both or neither: the base's commit is taken back when the SWA cache's fails (an allocation, issue 21)
@@ -281,7 +192,7 @@ void kv_cache_iswa::commit_parts(state_stage_i* base, state_stage_i& swa) {
         throw;
     }
     base_->fit_storage_of(seq_all);  // an undoable commit gives no memory back until it stands
-    sync_parts();
+    sync_prefix();
 }
 
 // -- context --

@@ -11,6 +11,8 @@
 #include <kvcache/kv_cache.h>
 
 #include "detail/kv_cache_prefix.h"
+#include "detail/kv_prefix_part.h"
+#include "prefix/prefix_coordinator.h"
 
 namespace kvc {
 
@@ -47,11 +49,13 @@ void kv_cache::prefix_init() {
                                              params_.swa, params_.n_swa);
     const prefix_tier_params& t = params_.prefix.tiers;
     if (!t.stores.empty()) prefix_->tiers.init(t, prefix_block_layout(t.model_id));
+    part_ = std::make_unique<detail::kv_prefix_part>(*this);
+    coord_ = std::make_unique<detail::prefix_coordinator>(params_.prefix, params_.n_seq_max);
+    coord_->adopt(*part_);  // its events go to the user through the coordinator
 }
 
-void kv_cache::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
-    if (!prefix_) throw error(errc::unsupported, fmt::format("{}: the cache has no prefix cache", what));
-    detail::check_prompt_tokens(tokens, params_.prefix.n_vocab, what);
+prefix_cache_i* kv_cache::prefix_cache() {
+    return coord_.get();
 }
 
 namespace {
@@ -109,8 +113,6 @@ struct found_blocks {
 // -- the API --
 
 uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
-    check_prefix_tokens(tokens, "prefix_lookup");
-    prefix_publish();
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
@@ -119,15 +121,8 @@ uint32_t kv_cache::prefix_lookup(std::span<const token_t> tokens, uint64_t key) 
 
 uint32_t kv_cache::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
                                  uint8_t priority, uint32_t max_tokens) {
-    check_prefix_tokens(tokens, "prefix_attach");
-    check_seq(seq_id, "prefix_attach");
-    check_prefix_priority(priority, "prefix_attach");
     const uint32_t st = seq_to_stream(seq_id);
     kv_cells& cells = streams_[st];
-    if (cells.seq_pos_min(seq_id) >= 0)
-        throw error(errc::invalid_argument,
-                    fmt::format("prefix_attach: seq {} is not empty (it holds positions {} to {})", seq_id,
-                                cells.seq_pos_min(seq_id), cells.seq_pos_max(seq_id)));
     prefix_publish();
     tier_fetch(tokens, key, st, max_tokens);  // what memory lacks, from the tiers
     prefix_state& ps = *prefix_;
@@ -237,7 +232,6 @@ static std::vector<uint32_t> whole_blocks(const kv_cache::prefix_state& ps, std:
 }
 
 uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
-    check_prefix_tokens(tokens, "prefix_pin");
     if (prefix_->windowed())  // which blocks a pin holds would move with every window
         throw error(errc::unsupported, "prefix_pin: a cache with a sliding window does not pin prefixes");
     prefix_publish();
@@ -264,7 +258,6 @@ uint32_t kv_cache::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
 }
 
 uint32_t kv_cache::prefix_unpin(std::span<const token_t> tokens, uint64_t key) {
-    check_prefix_tokens(tokens, "prefix_unpin");
     if (prefix_->windowed())
         throw error(errc::unsupported, "prefix_unpin: a cache with a sliding window does not pin prefixes");
     prefix_publish();
@@ -279,8 +272,6 @@ uint32_t kv_cache::prefix_unpin(std::span<const token_t> tokens, uint64_t key) {
 }
 
 uint32_t kv_cache::prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority) {
-    check_prefix_tokens(tokens, "prefix_set_priority");
-    check_prefix_priority(priority, "prefix_set_priority");
     prefix_publish();
     prefix_state& ps = *prefix_;
     const std::vector<uint32_t> chain = whole_blocks(ps, tokens, key);
@@ -418,10 +409,6 @@ uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(c
     }
     if (n > 0) tier_flush();
     return n;
-}
-
-void kv_cache::prefix_share_duplicates(bool on) {
-    if (prefix_) prefix_->share_duplicates = on;
 }
 
 // seq computed the tokens of cached block id again in its own cells `mine`: it holds the block's cells

@@ -76,7 +76,6 @@ std::vector<uint8_t> kv_cache::tier_encode(uint32_t id, const block_layout& layo
 
 uint32_t kv_cache::prefix_store_blocks(block_store_i& store, uint64_t model_id,
                                        std::span<const token_t> tokens, uint64_t key) {
-    check_prefix_tokens(tokens, "prefix_store_blocks");
     prefix_publish();
     const prefix_state& ps = *prefix_;
     const block_layout layout = prefix_block_layout(model_id);
@@ -102,7 +101,6 @@ uint32_t kv_cache::prefix_store_blocks(block_store_i& store, uint64_t model_id,
 
 uint32_t kv_cache::prefix_fetch_blocks(block_store_i& store, uint64_t model_id,
                                        std::span<const token_t> tokens, uint64_t key, uint32_t stream) {
-    check_prefix_tokens(tokens, "prefix_fetch_blocks");
     if (stream >= streams_.size())
         throw error(errc::out_of_range, fmt::format("prefix_fetch_blocks: stream {} of a cache with {}",
                                                     stream, streams_.size()));
@@ -253,8 +251,6 @@ void kv_cache::tier_flush() {
 
 void kv_cache::prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
                             uint32_t max_tokens) {
-    check_prefix_tokens(tokens, "prefix_fetch");
-    check_seq(seq_id, "prefix_fetch");
     prefix_publish();
     tier_fetch(tokens, key, seq_to_stream(seq_id), max_tokens);
 }

@@ -2,7 +2,33 @@
 #include <kvcache/memory_budget.h>
 #include <kvcache/memory_pair.h>
 
+#include "prefix/prefix_coordinator.h"
+
 namespace kvc {
+
+memory_pair::memory_pair(const char* kind, const char* first, const char* second)
+    : kind_(kind), first_name_(first), second_name_(second) {}
+
+memory_pair::~memory_pair() = default;
+
+// -- prefix cache --
+
+prefix_cache_i* memory_pair::prefix_cache() {
+    return prefix_.get();
+}
+
+detail::prefix_coordinator& memory_pair::make_prefix(const prefix_cache_params& p, uint32_t n_seq_max) {
+    prefix_ = std::make_unique<detail::prefix_coordinator>(p, n_seq_max);
+    return *prefix_;
+}
+
+void memory_pair::before_sequence_op() {
+    if (prefix_) prefix_->prefix_publish();
+}
+
+void memory_pair::sync_prefix() {
+    if (prefix_) prefix_->sync();
+}
 
 // -- sequences --
 
@@ -15,7 +41,7 @@ void memory_pair::seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) {
     before_sequence_op();
     first_->seq_cp(src, dst, p0, p1);
     second_->seq_cp(src, dst, p0, p1);
-    after_copy();
+    sync_prefix();  // a copy across streams may evict
 }
 
 void memory_pair::seq_keep(seq_id_t seq_id) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <limits>
+#include <new>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -12,6 +13,8 @@
 
 #include "detail/memory_recurrent_impl.h"
 #include "detail/recurrent_prefix.h"
+#include "detail/recurrent_prefix_part.h"
+#include "prefix/prefix_coordinator.h"
 
 namespace kvc {
 
@@ -87,15 +90,7 @@ memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(
     check_memory_budget("memory_recurrent", need, p.memory_budget,
                         fmt::format("{} layers x ({} cells x {} planes + {} snapshots)", layers_.size(),
                                     size_, planes, n_snap_));
-    if (p.prefix.enabled) {
-        if (params_.prefix.on_event)  // its blocks are the chains of snapshots: the events say so
-            params_.prefix.on_event = [user = std::move(params_.prefix.on_event)](const prefix_event& e) {
-                prefix_event tagged = e;
-                tagged.part = prefix_part::snapshot;
-                user(tagged);
-            };
-        prefix_init();
-    }
+    if (p.prefix.enabled) prefix_init();
     for (layer& l : layers_) {  // zeros: a fresh state reads zeros, and so do never-written planes
         if (l.row_r) l.r = state_rows(l.row_r * rows, p.allocator);
         if (l.row_s) l.s = state_rows(l.row_s * rows, p.allocator);
@@ -733,6 +728,13 @@ memory_recurrent_context::memory_recurrent_context(memory_recurrent& mem, std::v
 
 bool memory_recurrent_context::next() {
     if (kind_ != kind::batch || i_cur_ >= ubatches_.size()) return false;
+    // past the last ubatch the step is computed: its snapshots are published (as a kv_cache_context's
+    // blocks are, for the same reasons); out of memory they stay pending for the next step
+    if (i_cur_ + 1 == ubatches_.size()) {
+        try {
+            mem_->prefix_publish();
+        } catch (const std::bad_alloc&) {}
+    }
     slot_.reset();
     return ++i_cur_ < ubatches_.size();
 }

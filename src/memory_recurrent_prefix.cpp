@@ -13,6 +13,8 @@
 
 #include "detail/memory_recurrent_impl.h"
 #include "detail/recurrent_prefix.h"
+#include "detail/recurrent_prefix_part.h"
+#include "prefix/prefix_coordinator.h"
 
 namespace kvc {
 
@@ -254,9 +256,16 @@ void memory_recurrent::prefix_init() {
     if (q.n_vocab < 0) bad(fmt::format("prefix n_vocab {} must not be negative", q.n_vocab));
     detail::tier_set::check(q.tiers, "memory_recurrent");
     prefix_ = std::make_unique<prefix_state>(q, size_, n_snap_);
+    part_ = std::make_unique<detail::recurrent_prefix_part>(*this);
+    coord_ = std::make_unique<detail::prefix_coordinator>(q, params_.n_seq_max);
+    coord_->adopt(*part_);  // its events go to the user through the coordinator
     if (q.tiers.stores.empty()) return;
     prefix_->tiers.init(q.tiers, prefix_block_layout(q.tiers.model_id));
     prefix_->before_evict = [this](uint32_t id) { tier_evicting(id); };
+}
+
+prefix_cache_i* memory_recurrent::prefix_cache() {
+    return coord_.get();
 }
 
 uint32_t memory_recurrent::get_snapshots_used() const {
@@ -271,11 +280,6 @@ size_t memory_recurrent::snapshot_bytes() const {
 
 // -- checks --
 
-void memory_recurrent::check_prefix_tokens(std::span<const token_t> tokens, const char* what) const {
-    if (!prefix_) throw error(errc::unsupported, fmt::format("{}: the memory has no prefix cache", what));
-    detail::check_prompt_tokens(tokens, params_.prefix.n_vocab, what);
-}
-
 int64_t memory_recurrent::prefix_state::deepest(std::span<const token_t> tokens, uint64_t key,
                                                 std::vector<uint32_t>& chain, size_t limit) const {
     index.match(key, tokens, chain);
@@ -289,8 +293,6 @@ int64_t memory_recurrent::prefix_state::deepest(std::span<const token_t> tokens,
 // -- the API --
 
 uint32_t memory_recurrent::prefix_lookup(std::span<const token_t> tokens, uint64_t key) {
-    check_prefix_tokens(tokens, "prefix_lookup");
-    prefix_publish();
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;
     ps.stats.tokens_looked_up += tokens.size();
@@ -301,13 +303,6 @@ uint32_t memory_recurrent::prefix_lookup(std::span<const token_t> tokens, uint64
 
 uint32_t memory_recurrent::prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
                                          uint8_t priority, uint32_t max_tokens) {
-    check_prefix_tokens(tokens, "prefix_attach");
-    check_seq(seq_id, "prefix_attach");
-    check_prefix_priority(priority, "prefix_attach");
-    if (tail_[static_cast<size_t>(seq_id)] >= 0)
-        throw error(errc::invalid_argument,
-                    fmt::format("prefix_attach: seq {} is not empty (its state is at position {})", seq_id,
-                                seq_pos_max(seq_id)));
     prefix_publish();
     prefix_state& ps = *prefix_;
     ++ps.stats.lookups;

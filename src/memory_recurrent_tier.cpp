@@ -31,7 +31,6 @@ block_layout memory_recurrent::prefix_block_layout(uint64_t model_id) const {
 }
 
 void memory_recurrent::prefix_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens) {
-    check_prefix_tokens(tokens, "prefix_fetch");
     prefix_publish();
     tier_fetch(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key);
 }

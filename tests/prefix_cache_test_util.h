@@ -71,7 +71,9 @@ struct engine {
 
     // Decodes toks after what s holds; false (nothing changed) when they do not fit. With as_embd, the
     // ubatch carries embeddings (the engine's image or audio features) instead of the token ids.
-    bool decode(seq_id_t s, std::span<const token_t> toks, bool as_embd = false) {
+    // A step applied and written but not moved past (the engine has not finished computing it); null if
+    // it did not fit.
+    memory_context_ptr start(seq_id_t s, std::span<const token_t> toks, bool as_embd = false) {
         auto& h = seqs[static_cast<size_t>(s)];
         const auto p0 = static_cast<pos_t>(h.size());
         ubatch ub = tokens_ub(s, p0, toks);
@@ -81,7 +83,7 @@ struct engine {
             ub.token.clear();
         }
         auto ctx = c.init_ubatches({ub}, {});
-        if (ctx->get_status() != memory_status::success) return false;
+        if (ctx->get_status() != memory_status::success) return nullptr;
         ctx->apply();
         std::vector<float> rows;
         for (token_t t : toks) {
@@ -93,10 +95,16 @@ struct engine {
             dtype::f32, reinterpret_cast<const std::byte*>(rows.data()), 4, toks.size());
         ctx->get_attn(0)->cpy_k(0, view);
         ctx->get_attn(0)->cpy_v(0, view);
+        return ctx;
+    }
+    bool decode(seq_id_t s, std::span<const token_t> toks, bool as_embd = false) {
+        memory_context_ptr ctx = start(s, toks, as_embd);
+        if (!ctx) return false;
+        ctx->next();  // past the last ubatch: the step is computed, its blocks are published
         return true;
     }
     uint32_t attach(seq_id_t s, const std::vector<token_t>& prompt) {
-        const uint32_t n = c.prefix_attach(s, prompt);
+        const uint32_t n = c.prefix_cache()->prefix_attach(s, prompt);
         seqs[static_cast<size_t>(s)].assign(prompt.begin(), prompt.begin() + n);
         return n;
     }
@@ -131,7 +139,7 @@ struct engine {
                 cached += cells.seq_count(i) == 0;
             }
         }
-        const prefix_stats st = c.get_prefix_stats();
+        const prefix_stats st = c.prefix_cache()->get_prefix_stats();
         ASSERT_EQ(st.cached_cells, cached);
         ASSERT_EQ(st.free_cells + with_seqs + cached, total);
     }

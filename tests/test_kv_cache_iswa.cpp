@@ -345,13 +345,13 @@ TEST(kv_cache_iswa, prefix_events_name_the_cache_of_each_block) {
     for (int k = 0; k < 12; ++k) {  // 480 tokens: the SWA cache evicts the oldest windows
         std::vector<token_t> t(40);
         for (size_t j = 0; j < t.size(); ++j) t[j] = static_cast<token_t>(1000 * k + static_cast<int>(j));
-        ASSERT_EQ(m.prefix_attach(0, t), 0u);
+        ASSERT_EQ(m.prefix_cache()->prefix_attach(0, t), 0u);
         decode_prompt(m, 0, t);
         ASSERT_TRUE(m.seq_rm(0, -1, -1));
         prompts.push_back(t);
     }
-    m.prefix_publish();
-    const prefix_stats st = m.get_prefix_stats();
+    m.prefix_cache()->prefix_publish();
+    const prefix_stats st = m.prefix_cache()->get_prefix_stats();
     ASSERT_GT(st.swa_evicted_blocks, 0u);
     EXPECT_EQ(seen[1][0], st.swa_published_blocks);
     EXPECT_EQ(seen[1][1], st.swa_evicted_blocks);

@@ -138,15 +138,15 @@ TEST(memory_breakdown, counts_sequences_cached_and_pinned_cells) {
     const uint64_t cell = 64;
     const std::vector<token_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9};
     decode(c, 0, prompt);  // 9 cells of seq 0; blocks [0,4) and [4,8) published
-    c.prefix_publish();
-    EXPECT_EQ(c.prefix_attach(1, prompt), 8u);  // seq 1 shares 8 cells
+    c.prefix_cache()->prefix_publish();
+    EXPECT_EQ(c.prefix_cache()->prefix_attach(1, prompt), 8u);  // seq 1 shares 8 cells
     memory_breakdown b = c.get_memory_breakdown();
     EXPECT_EQ(b.used, 9 * cell);
     EXPECT_EQ(b.cached, 0u);
     EXPECT_EQ(b.seq, (std::vector<uint64_t>{9 * cell, 8 * cell, 0}));
-    EXPECT_EQ(c.prefix_pin(prompt), 8u);
+    EXPECT_EQ(c.prefix_cache()->prefix_pin(prompt), 8u);
     EXPECT_EQ(c.get_memory_breakdown().pinned, 8 * cell);
-    c.prefix_unpin(prompt);
+    c.prefix_cache()->prefix_unpin(prompt);
     c.seq_rm(0, -1, -1);
     c.seq_rm(1, -1, -1);  // the blocks stay cached, the 9th cell is freed
     b = c.get_memory_breakdown();

@@ -450,24 +450,25 @@ TEST(memory_hybrid, prefix_evictions_keep_the_parts_together) {
             .enabled = true, .block_size = 4, .snapshot_interval = 0, .max_snapshots = small_pool ? 2u : 16u};
         memory_hybrid m(p);
         for (int i = 0; i < 10; ++i) {
-            const uint32_t n = m.prefix_attach(0, prompt_of(i));
+            const uint32_t n = m.prefix_cache()->prefix_attach(0, prompt_of(i));
             EXPECT_EQ(n, 0u);
             decode_prompt(m, 0, prompt_of(i));
             ASSERT_TRUE(m.seq_rm(0, -1, -1));
         }
-        m.prefix_publish();
-        const prefix_stats st = m.get_prefix_stats();
+        m.prefix_cache()->prefix_publish();
+        const prefix_stats st = m.prefix_cache()->get_prefix_stats();
         const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
         // every cached K/V block leads to a snapshot and every snapshot has its K/V: whole chains
-        EXPECT_EQ(kv.get_prefix_stats().blocks, 3 * st.snapshots) << "small pool " << small_pool;
+        EXPECT_EQ(kv.prefix_cache()->get_prefix_stats().blocks, 3 * st.snapshots)
+            << "small pool " << small_pool;
         EXPECT_LE(st.snapshots, 2u);
         EXPECT_GT(st.snapshots, 0u);
         std::vector<token_t> again = prompt_of(9);
         again.push_back(7);
-        EXPECT_EQ(m.prefix_lookup(again), 12u);
+        EXPECT_EQ(m.prefix_cache()->prefix_lookup(again), 12u);
         again = prompt_of(0);
         again.push_back(7);
-        EXPECT_EQ(m.prefix_lookup(again), 0u);
+        EXPECT_EQ(m.prefix_cache()->prefix_lookup(again), 0u);
     }
 }
 
@@ -486,16 +487,16 @@ TEST(memory_hybrid, a_sequence_recomputing_cached_blocks_moves_onto_them) {
     for (pos_t q = 13; q < 20; ++q) decode_prompt(m, 0, {t[static_cast<size_t>(q)]}, q);
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     const auto& kv = dynamic_cast<const kv_cache&>(m.get_attn());
-    EXPECT_EQ(kv.get_prefix_stats().cached_cells, 20u);
+    EXPECT_EQ(kv.prefix_cache()->get_prefix_stats().cached_cells, 20u);
     // seq 1 leaves the chain at 16: it resumes at 12 and recomputes block 3 (positions 12-15) before its
     // own two tokens
     std::vector<token_t> prompt(t.begin(), t.begin() + 16);
     prompt.insert(prompt.end(), {900, 901});
-    ASSERT_EQ(m.prefix_attach(1, prompt), 12u);
+    ASSERT_EQ(m.prefix_cache()->prefix_attach(1, prompt), 12u);
     decode_prompt(m, 1, {prompt.begin() + 12, prompt.end()}, 12);
-    m.prefix_publish();
+    m.prefix_cache()->prefix_publish();
     EXPECT_EQ(kv.cells(0).get_used(), 22u);  // the 5 cached blocks and positions 16-17 (not 26)
-    const prefix_stats st = kv.get_prefix_stats();
+    const prefix_stats st = kv.prefix_cache()->get_prefix_stats();
     EXPECT_EQ(st.shared_cells, 16u);
     EXPECT_EQ(st.cached_cells, 4u);   // block 4 (positions 16-19), which leads to the snapshot at 20
     EXPECT_EQ(kv.seq_pos_min(1), 0);  // its K/V positions are all there, cached cells included
@@ -522,13 +523,13 @@ TEST(memory_hybrid, prefix_events_name_the_part_of_each_block) {
         };
         memory_hybrid m(p);
         for (int i = 0; i < 6; ++i) {
-            ASSERT_EQ(m.prefix_attach(0, prompt_of(i)), 0u);
+            ASSERT_EQ(m.prefix_cache()->prefix_attach(0, prompt_of(i)), 0u);
             decode_prompt(m, 0, prompt_of(i));
             ASSERT_TRUE(m.seq_rm(0, -1, -1));
         }
-        m.prefix_publish();
-        const prefix_stats r = m.get_recr().get_prefix_stats();
-        const prefix_stats st = m.get_prefix_stats();
+        m.prefix_cache()->prefix_publish();
+        const prefix_stats r = m.get_recr().prefix_cache()->get_prefix_stats();
+        const prefix_stats st = m.prefix_cache()->get_prefix_stats();
         EXPECT_GT(r.snapshots_dropped, 0u) << "a pool of 2 for 6 prompts";
         EXPECT_EQ(seen[2][0], r.published_blocks) << "iswa " << iswa;
         EXPECT_GT(seen[2][1], 0u) << "iswa " << iswa;
@@ -573,32 +574,33 @@ TEST(memory_hybrid, iswa_prefix_evictions_keep_the_three_parts_together) {
     const auto& is = dynamic_cast<const kv_cache_iswa&>(m.get_attn());
     ASSERT_EQ(is.get_swa().get_size(), 256u);
     for (int i = 0; i < 12; ++i) {
-        ASSERT_EQ(m.prefix_attach(0, long_prompt(i)), 0u);
+        ASSERT_EQ(m.prefix_cache()->prefix_attach(0, long_prompt(i)), 0u);
         decode_prompt(m, 0, long_prompt(i));
         ASSERT_TRUE(m.seq_rm(0, -1, -1));
         std::vector<token_t> next = long_prompt(i);
         next.push_back(7);
-        EXPECT_EQ(m.prefix_lookup(next), 40u) << "the newest prompt resumes at its end, " << i;
+        EXPECT_EQ(m.prefix_cache()->prefix_lookup(next), 40u)
+            << "the newest prompt resumes at its end, " << i;
     }
-    m.prefix_publish();
-    const prefix_stats st = m.get_prefix_stats();
+    m.prefix_cache()->prefix_publish();
+    const prefix_stats st = m.prefix_cache()->get_prefix_stats();
     EXPECT_GT(st.swa_evicted_blocks, 0u);
     EXPECT_GT(st.snapshots_dropped, 0u) << "the snapshots of windows that went";
     uint32_t hits = 0;
     for (int i = 0; i < 12; ++i) {
         std::vector<token_t> next = long_prompt(i);
         next.push_back(7);
-        const uint32_t n = m.prefix_lookup(next);
+        const uint32_t n = m.prefix_cache()->prefix_lookup(next);
         EXPECT_TRUE(n == 0 || n == 40) << i;
         hits += n == 40 ? 1 : 0;
     }
     EXPECT_LT(hits, 12u);
     EXPECT_EQ(st.snapshots, hits);
-    EXPECT_EQ(is.get_base().get_prefix_stats().blocks, 10 * hits);
+    EXPECT_EQ(is.get_base().prefix_cache()->get_prefix_stats().blocks, 10 * hits);
     // an attach takes all three: the base chain, the window (positions 32-39 and no older) and the state
     std::vector<token_t> next = long_prompt(11);
     next.push_back(7);
-    ASSERT_EQ(m.prefix_attach(1, next), 40u);
+    ASSERT_EQ(m.prefix_cache()->prefix_attach(1, next), 40u);
     EXPECT_EQ(is.get_base().seq_pos_min(1), 0);
     EXPECT_LE(is.get_swa().seq_pos_min(1), 33);
     EXPECT_EQ(m.seq_pos_max(1), 39);
@@ -619,13 +621,13 @@ TEST(memory_hybrid, iswa_prefix_drops_every_snapshot_whose_window_lost_a_block) 
             {t.begin() + static_cast<std::ptrdiff_t>(i), t.begin() + static_cast<std::ptrdiff_t>(i + 20)},
             static_cast<pos_t>(i));
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
-    const prefix_stats st = m.get_prefix_stats();
+    const prefix_stats st = m.prefix_cache()->get_prefix_stats();
     ASSERT_GT(st.swa_evicted_blocks, 0u);
     uint32_t whole = 0;
     for (size_t n = 4; n <= t.size(); n += 4) {
         std::vector<token_t> q(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n));
         q.push_back(1);
-        whole += m.prefix_lookup(q) == n ? 1 : 0;
+        whole += m.prefix_cache()->prefix_lookup(q) == n ? 1 : 0;
     }
     EXPECT_GT(whole, 0u);
     EXPECT_EQ(st.snapshots, whole) << "a snapshot is kept only with its whole window";
@@ -656,20 +658,21 @@ TEST(memory_hybrid, a_window_before_a_shallower_snapshot_is_checked) {
     decode_prompt(m, 0, {t.begin() + 5, t.begin() + 17}, 5);
     decode_prompt(m, 0, {t.begin() + 17, t.end()}, 17);
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
-    ASSERT_EQ(m.prefix_lookup(upto(24)), 24u);
+    ASSERT_EQ(m.prefix_cache()->prefix_lookup(upto(24)), 24u);
     // the eviction order, set through the attention part alone: every block but block 2 is hit again
     // (the windows of 24, 20 and 8), so block 2 goes first
     for (const size_t n : {24u, 20u, 8u}) {
-        ASSERT_EQ(kv.prefix_attach(1, upto(n)), n);
+        ASSERT_EQ(kv.prefix_cache()->prefix_attach(1, upto(n)), n);
         ASSERT_TRUE(kv.seq_rm(1, -1, -1));
     }
     std::vector<token_t> other(9, 500);  // 8 free cells: one block is evicted
     decode_prompt(m, 2, other);
     ASSERT_TRUE(m.seq_rm(2, -1, -1));
-    EXPECT_EQ(m.prefix_lookup(upto(24)), 24u);
-    EXPECT_EQ(m.prefix_lookup(upto(16)), 4u) << "the snapshot at 16 lost half of its window";
-    EXPECT_EQ(m.prefix_lookup(upto(21)), 4u) << "the K/V at 20 has no snapshot, the one at 16 no window";
-    ASSERT_EQ(m.prefix_attach(1, upto(21)), 4u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(upto(24)), 24u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(upto(16)), 4u) << "the snapshot at 16 lost half of its window";
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(upto(21)), 4u)
+        << "the K/V at 20 has no snapshot, the one at 16 no window";
+    ASSERT_EQ(m.prefix_cache()->prefix_attach(1, upto(21)), 4u);
     EXPECT_EQ(kv.seq_pos_min(1), 0) << "the window before 4";
     EXPECT_EQ(m.seq_pos_max(1), 3);
     EXPECT_EQ(m.get_recr().seq_pos_max(1), 3);

@@ -149,7 +149,7 @@ void run_random(const config& cf, uint32_t seed, int n_ops, std::map<std::string
                 prompt.resize(std::min<size_t>(prompt.size(), rnd(static_cast<uint32_t>(prompt.size()) + 8)));
             }
             for (uint32_t i = 1 + rnd(9); i > 0; --i) prompt.push_back(tok());
-            const uint32_t n = m.prefix_attach(s, prompt);
+            const uint32_t n = m.prefix_cache()->prefix_attach(s, prompt);
             ASSERT_EQ(n % bs, 0u);
             ASSERT_LT(n, prompt.size());
             // the deepest promise this prompt starts with
@@ -224,12 +224,12 @@ void run_random(const config& cf, uint32_t seed, int n_ops, std::map<std::string
             if (seqs[static_cast<size_t>(x)].live) {
                 ASSERT_TRUE(state_is(m, x, seqs[static_cast<size_t>(x)].toks)) << "op " << op;
             }
-        const prefix_stats st = m.get_prefix_stats();
+        const prefix_stats st = m.prefix_cache()->get_prefix_stats();
         ASSERT_LE(st.snapshots, m.get_n_snapshots());
         m.validate();
     }
-    counts["snapshots saved"] += static_cast<int>(m.get_prefix_stats().snapshots_saved);
-    counts["snapshots dropped"] += static_cast<int>(m.get_prefix_stats().snapshots_dropped);
+    counts["snapshots saved"] += static_cast<int>(m.prefix_cache()->get_prefix_stats().snapshots_saved);
+    counts["snapshots dropped"] += static_cast<int>(m.prefix_cache()->get_prefix_stats().snapshots_dropped);
 }
 
 TEST(memory_recurrent_prefix, random_operations_resume_where_the_rules_promise_and_states_are_exact) {
@@ -254,23 +254,19 @@ TEST(memory_recurrent_prefix, bad_calls_are_refused_and_change_nothing) {
     ASSERT_TRUE(decode(m, {{0, 0, 1}, {0, 1, 2}, {0, 2, 3}, {0, 3, 4}, {0, 4, 5}}, 512));
     const auto before = state_seq_get_data(m, seq_all);
     const std::vector<token_t> prompt{1, 2, 3, 4, 5, 6};
-    EXPECT_THROW(m.prefix_attach(0, prompt), error);  // not empty
-    EXPECT_THROW(m.prefix_attach(7, prompt), error);  // no such sequence
-    EXPECT_THROW(m.prefix_attach(1, std::vector<token_t>{1, -2}), error);
-    EXPECT_THROW(m.prefix_attach(1, prompt, 0, 101), error);
+    EXPECT_THROW(m.prefix_cache()->prefix_attach(0, prompt), error);  // not empty
+    EXPECT_THROW(m.prefix_cache()->prefix_attach(7, prompt), error);  // no such sequence
+    EXPECT_THROW(m.prefix_cache()->prefix_attach(1, std::vector<token_t>{1, -2}), error);
+    EXPECT_THROW(m.prefix_cache()->prefix_attach(1, prompt, 0, 101), error);
     EXPECT_EQ(state_seq_get_data(m, seq_all), before);
-    EXPECT_EQ(m.prefix_lookup(prompt), 4u);                            // the prompt batch's newest boundary
-    EXPECT_EQ(m.prefix_lookup(std::vector<token_t>{1, 2, 3, 4}), 0u);  // resumes before the last token
-    EXPECT_EQ(m.prefix_lookup(prompt, 9), 0u);                         // another key
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(prompt), 4u);  // the prompt batch's newest boundary
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(std::vector<token_t>{1, 2, 3, 4}),
+              0u);                                              // resumes before the last token
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(prompt, 9), 0u);  // another key
     recurrent_params q = make_params(0, 0, 0);
     q.prefix.enabled = false;
     memory_recurrent plain(q);
-    try {
-        plain.prefix_lookup(prompt);
-        FAIL() << "no prefix cache";
-    } catch (const error& e) {
-        EXPECT_EQ(e.code(), errc::unsupported);
-    }
+    EXPECT_EQ(plain.prefix_cache(), nullptr);  // made without one
     recurrent_params p = make_params(0, 0, 0);
     p.prefix.block_size = 0;
     EXPECT_THROW(memory_recurrent{p}, error);
@@ -292,14 +288,14 @@ TEST(memory_recurrent_prefix, snapshots_are_counted_and_clear_empties_the_pool) 
     EXPECT_EQ(m.get_n_snapshots(), 16u);
     EXPECT_EQ(m.size_bytes(), m.snapshot_bytes() * (4 * 2 + 16));
     ASSERT_TRUE(decode(m, {{0, 0, 1}, {0, 1, 2}, {0, 2, 3}, {0, 3, 4}, {0, 4, 5}}, 512));
-    m.prefix_publish();
-    EXPECT_EQ(m.get_prefix_stats().snapshots, 1u);
+    m.prefix_cache()->prefix_publish();
+    EXPECT_EQ(m.prefix_cache()->get_prefix_stats().snapshots, 1u);
     const memory_breakdown b = m.get_memory_breakdown();
     EXPECT_EQ(b.cached, m.snapshot_bytes());
     EXPECT_EQ(b.committed, b.used + b.cached + b.free);
     m.clear(true);
-    EXPECT_EQ(m.get_prefix_stats().snapshots, 0u);
-    EXPECT_EQ(m.get_prefix_stats().blocks, 0u);
+    EXPECT_EQ(m.prefix_cache()->get_prefix_stats().snapshots, 0u);
+    EXPECT_EQ(m.prefix_cache()->get_prefix_stats().blocks, 0u);
     EXPECT_EQ(m.get_memory_breakdown().cached, 0u);
 }
 
@@ -310,7 +306,7 @@ void feed(memory_recurrent& m, seq_id_t s, pos_t p0, const std::vector<token_t>&
     std::vector<std::tuple<seq_id_t, pos_t, token_t>> b;
     for (size_t i = 0; i < toks.size(); ++i) b.emplace_back(s, p0 + static_cast<pos_t>(i), toks[i]);
     ASSERT_TRUE(decode(m, b, 512));
-    m.prefix_publish();
+    m.prefix_cache()->prefix_publish();
 }
 
 std::vector<token_t> cat(std::vector<token_t> a, const std::vector<token_t>& b) {
@@ -328,9 +324,9 @@ TEST(memory_recurrent_prefix, snapshots_under_live_sequences_give_way_to_new_one
     feed(m, 0, 13, c);  // 16 takes the row of 8
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     const std::vector<token_t> abc = cat(cat(a, b), c);
-    EXPECT_EQ(m.prefix_lookup(cat(abc, {99})), 16u);
-    EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 0u);
-    EXPECT_EQ(m.prefix_attach(1, cat(abc, {99})), 16u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(abc, {99})), 16u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(a, {99})), 0u);
+    EXPECT_EQ(m.prefix_cache()->prefix_attach(1, cat(abc, {99})), 16u);
     EXPECT_TRUE(state_is(m, 1, std::span(abc).first(16)));
     m.validate();
 }
@@ -346,13 +342,14 @@ TEST(memory_recurrent_prefix, snapshots_follow_slru_under_the_adaptive_policy) {
         memory_recurrent m(p);
         feed(m, 0, 0, a);  // 4
         EXPECT_TRUE(m.seq_rm(0, -1, -1));
-        EXPECT_EQ(m.prefix_attach(1, cat(a, {99})), 4u);  // resumed from: a hit
+        EXPECT_EQ(m.prefix_cache()->prefix_attach(1, cat(a, {99})), 4u);  // resumed from: a hit
         EXPECT_TRUE(m.seq_rm(1, -1, -1));
         feed(m, 2, 0, q1);  // 8
         EXPECT_TRUE(m.seq_rm(2, -1, -1));
         feed(m, 3, 0, q2);  // 8: the pool of 2 is full, one of the others goes
         EXPECT_TRUE(m.seq_rm(3, -1, -1));
-        return std::vector<uint32_t>{m.prefix_lookup(cat(a, {99})), m.prefix_lookup(cat(q1, {99}))};
+        return std::vector<uint32_t>{m.prefix_cache()->prefix_lookup(cat(a, {99})),
+                                     m.prefix_cache()->prefix_lookup(cat(q1, {99}))};
     };
     const auto slru = run(evict_policy::slru);
     EXPECT_NE(run(evict_policy::lru), slru) << "the scenario must tell the policies apart";
@@ -369,16 +366,16 @@ TEST(memory_recurrent_prefix, rolling_snapshots_go_before_kept_ones) {
     feed(m, 1, 0, q);  // 8: kept, in the rolling snapshot's row
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     ASSERT_TRUE(m.seq_rm(1, -1, -1));
-    EXPECT_EQ(m.prefix_lookup(cat(ab, {99})), 4u);
-    EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 8u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(ab, {99})), 4u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(q, {99})), 8u);
     // once its sequence ends, a rolling snapshot is kept like the others
     memory_recurrent n(make_params(0, 0, 2));
     feed(n, 0, 0, a);
     for (size_t i = 0; i < b.size(); ++i) feed(n, 0, static_cast<pos_t>(5 + i), {b[i]});
     ASSERT_TRUE(n.seq_rm(0, -1, -1));
     feed(n, 1, 0, q);  // takes the row of 4, the oldest
-    EXPECT_EQ(n.prefix_lookup(cat(ab, {99})), 8u);
-    EXPECT_EQ(n.prefix_attach(2, cat(ab, {99})), 8u);
+    EXPECT_EQ(n.prefix_cache()->prefix_lookup(cat(ab, {99})), 8u);
+    EXPECT_EQ(n.prefix_cache()->prefix_attach(2, cat(ab, {99})), 8u);
     EXPECT_TRUE(state_is(n, 2, ab));
 }
 
@@ -394,7 +391,7 @@ TEST(memory_recurrent_prefix, snapshots_a_prompt_went_past_go_first_unless_they_
         feed(m, 0, 0, a);  // 4
         const std::vector<token_t> ax = cat(cat(a, x), {99});
         if (branch) {  // seq 3 decodes another continuation of a: the block of 4 has two children
-            ASSERT_EQ(m.prefix_attach(3, ax), 4u);
+            ASSERT_EQ(m.prefix_cache()->prefix_attach(3, ax), 4u);
             for (size_t i = 4; i < ax.size(); ++i) feed(m, 3, static_cast<pos_t>(i), {ax[i]});
             ASSERT_TRUE(m.seq_rm(3, -1, -1));
         }
@@ -403,15 +400,15 @@ TEST(memory_recurrent_prefix, snapshots_a_prompt_went_past_go_first_unless_they_
         feed(m, 2, 0, z);  // the pool is full: one goes
         ASSERT_TRUE(m.seq_rm(2, -1, -1));
         if (!branch) {
-            EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 0u) << "the snapshot seq 0 went past";
-            EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 4u) << "older, but nobody went past it";
+            EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(a, {99})), 0u) << "the snapshot seq 0 went past";
+            EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(q, {99})), 4u) << "older, but nobody went past it";
         } else {
-            EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 4u) << "a branch point";
-            EXPECT_EQ(m.prefix_lookup(cat(q, {99})), 0u) << "the least recently used";
-            EXPECT_EQ(m.prefix_lookup(cat(ax, {99})), 8u);
+            EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(a, {99})), 4u) << "a branch point";
+            EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(q, {99})), 0u) << "the least recently used";
+            EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(ax, {99})), 8u);
         }
-        EXPECT_EQ(m.prefix_lookup(cat(cat(a, b), {99})), 8u);
-        EXPECT_EQ(m.prefix_lookup(cat(z, {99})), 4u);
+        EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(cat(a, b), {99})), 8u);
+        EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(z, {99})), 4u);
         m.validate();
     }
 }
@@ -425,9 +422,9 @@ TEST(memory_recurrent_prefix, the_same_prompt_sent_again_resumes_at_its_end) {
     feed(m, 1, 0, r);
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
     ASSERT_TRUE(m.seq_rm(1, -1, -1));
-    EXPECT_EQ(m.prefix_attach(2, p), 4u);
+    EXPECT_EQ(m.prefix_cache()->prefix_attach(2, p), 4u);
     EXPECT_TRUE(state_is(m, 2, std::span(p).first(4)));
-    EXPECT_EQ(m.prefix_attach(3, r), 8u);
+    EXPECT_EQ(m.prefix_cache()->prefix_attach(3, r), 8u);
     EXPECT_TRUE(state_is(m, 3, std::span(r).first(8)));
 }
 
@@ -441,14 +438,14 @@ TEST(memory_recurrent_prefix, a_kind_of_snapshot_never_resumed_from_goes_first) 
     const auto ask = [&](const std::vector<token_t>& doc) {
         std::vector<token_t> prompt = doc;
         for (int i = 0; i < 5; ++i) prompt.push_back(next++);
-        const uint32_t n = m.prefix_attach(0, prompt);
+        const uint32_t n = m.prefix_cache()->prefix_attach(0, prompt);
         feed(m, 0, static_cast<pos_t>(n), {prompt.begin() + n, prompt.end()});
         ASSERT_TRUE(m.seq_rm(0, -1, -1));
     };
     for (int i = 0; i < 40; ++i) ask(a);  // the interval snapshot at 8 is used, the prompt ends at 12 never
     for (int i = 0; i < 4; ++i) ask(b);   // b's document and prompt ends: a's document stays
-    EXPECT_EQ(m.prefix_lookup(cat(a, {99})), 8u);
-    EXPECT_EQ(m.prefix_lookup(cat(b, {99})), 8u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(a, {99})), 8u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(b, {99})), 8u);
     m.validate();
 }
 
@@ -468,7 +465,7 @@ TEST(memory_recurrent_prefix, rolling_snapshots_take_no_kept_rows_while_sequence
         feed(m, 0, 0, x);
         for (pos_t p = 9; p < 13; ++p) feed(m, 0, p, {next++});
         ASSERT_TRUE(m.seq_rm(0, -1, -1));
-        ASSERT_EQ(m.prefix_attach(1, cat(x, {7})), 8u);
+        ASSERT_EQ(m.prefix_cache()->prefix_attach(1, cat(x, {7})), 8u);
         ASSERT_TRUE(m.seq_rm(1, -1, -1));
     }
     const std::vector<token_t> a = unique(9), b = unique(9);
@@ -476,8 +473,8 @@ TEST(memory_recurrent_prefix, rolling_snapshots_take_no_kept_rows_while_sequence
     feed(m, 1, 0, b);  // the pool holds both prompt ends
     feed(m, 2, 0, unique(3));
     for (pos_t p = 3; p < 13; ++p) feed(m, 2, p, {next++});  // boundaries 4, 8 and 12: no rows for them
-    EXPECT_EQ(m.prefix_lookup(cat(a, {7})), 8u);
-    EXPECT_EQ(m.prefix_lookup(cat(b, {7})), 8u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(a, {7})), 8u);
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(b, {7})), 8u);
     ASSERT_TRUE(m.seq_rm(2, -1, -1));
     // one ubatch: seq 2 passes 4 in the middle of its prompt (a rolling snapshot), seq 3's prompt ends at 4;
     // the row made for seq 3's end is not taken by seq 2 before it
@@ -486,8 +483,8 @@ TEST(memory_recurrent_prefix, rolling_snapshots_take_no_kept_rows_while_sequence
     for (size_t i = 0; i < c.size(); ++i) both.emplace_back(2, static_cast<pos_t>(i), c[i]);
     for (size_t i = 0; i < d.size(); ++i) both.emplace_back(3, static_cast<pos_t>(i), d[i]);
     ASSERT_TRUE(decode(m, both, 10));
-    m.prefix_publish();
-    EXPECT_EQ(m.prefix_lookup(cat(d, {7})), 4u);
+    m.prefix_cache()->prefix_publish();
+    EXPECT_EQ(m.prefix_cache()->prefix_lookup(cat(d, {7})), 4u);
     m.validate();
 }
 
@@ -508,12 +505,12 @@ TEST(memory_recurrent_prefix, rolling_snapshots_are_not_written_to_tiers) {
     feed(m, 3, 0, {22, 23});
     for (pos_t q = 2; q < 13; ++q) {
         ASSERT_TRUE(decode(m, {{2, q, 30 + q}, {3, q, 60 + q}}, 512));
-        m.prefix_publish();
+        m.prefix_cache()->prefix_publish();
     }
     feed(m, 0, 0, {1, 2, 3, 4, 5});   // its end at 4 evicts a rolling snapshot
     feed(m, 1, 0, {6, 7, 8, 9, 10});  // and the other
     EXPECT_EQ(store->stats().puts, 0u);
-    m.prefix_tier_drain();
+    m.prefix_cache()->prefix_tier_drain();
     ASSERT_TRUE(m.seq_rm(2, -1, -1));
     ASSERT_TRUE(m.seq_rm(3, -1, -1));
     feed(m, 2, 0, {40, 41, 42, 43, 44});  // evicts a kept snapshot: it goes to the tier
@@ -532,7 +529,7 @@ TEST(memory_recurrent_prefix, chats_learn_to_resume_where_the_previous_turn_ende
     for (int turn = 0; turn < 120; ++turn) {
         std::vector<token_t>& h = history[static_cast<size_t>(turn % 3)];
         for (int i = 0; i < 5; ++i) h.push_back(next++);
-        const uint32_t n = m.prefix_attach(0, h);
+        const uint32_t n = m.prefix_cache()->prefix_attach(0, h);
         if (turn >= 100 && h.size() > 5)
             late_short += h.size() - 5 - std::min<uint64_t>(n + bs, h.size() - 5);
         feed(m, 0, static_cast<pos_t>(n), {h.begin() + n, h.end()});
@@ -561,10 +558,10 @@ TEST(memory_recurrent_prefix, a_prompt_leaving_a_chain_takes_a_snapshot_where_it
     const std::vector<token_t> a = conversation(100), b = conversation(200), c = conversation(300);
     feed(m, 0, 0, a);  // its end at 28: nothing at 20
     ASSERT_TRUE(m.seq_rm(0, -1, -1));
-    EXPECT_EQ(m.prefix_attach(1, b), 0u);
+    EXPECT_EQ(m.prefix_cache()->prefix_attach(1, b), 0u);
     feed(m, 1, 0, b);  // leaves a's chain at 20
     ASSERT_TRUE(m.seq_rm(1, -1, -1));
-    EXPECT_EQ(m.prefix_attach(2, c), 20u);
+    EXPECT_EQ(m.prefix_cache()->prefix_attach(2, c), 20u);
     EXPECT_TRUE(state_is(m, 2, system));
     m.validate();
 }

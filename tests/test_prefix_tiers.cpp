@@ -79,7 +79,7 @@ kv_cache_params tier_params(std::vector<std::shared_ptr<block_store_i>> stores,
 // Decodes `toks` in s and ends it: its whole blocks stay cached.
 void decode_and_end(engine& e, seq_id_t s, std::span<const token_t> toks) {
     ASSERT_TRUE(e.decode(s, toks));
-    e.c.prefix_publish();
+    e.c.prefix_cache()->prefix_publish();
     e.c.seq_rm(s, -1, -1);
     e.seqs[static_cast<size_t>(s)].clear();
 }
@@ -95,7 +95,7 @@ std::vector<token_t> filler() {
 void decode_then_evict(engine& e, std::span<const token_t> a) {
     ASSERT_NO_FATAL_FAILURE(decode_and_end(e, 0, a));
     ASSERT_NO_FATAL_FAILURE(decode_and_end(e, 1, filler()));
-    ASSERT_EQ(e.c.prefix_lookup(a), 0u);
+    ASSERT_EQ(e.c.prefix_cache()->prefix_lookup(a), 0u);
 }
 
 // Evicted blocks go to every tier; an attach brings them back from the first that has them and writes
@@ -107,27 +107,27 @@ TEST(prefix_tiers, evictions_write_each_tier_once_and_attaches_fetch_in_order) {
         engine e(tier_params({t1}));
         ASSERT_NO_FATAL_FAILURE(decode_then_evict(e, a));
         EXPECT_EQ(t1->values.size(), 3u);  // a's blocks, evicted by the filler's
-        EXPECT_EQ(e.c.get_prefix_stats().tier_written_blocks, 3u);
+        EXPECT_EQ(e.c.prefix_cache()->get_prefix_stats().tier_written_blocks, 3u);
     }
     engine e(tier_params({t0, t1}));
     EXPECT_EQ(e.attach(0, a), 12u);  // t0 misses, t1 has the chain
     ASSERT_NO_FATAL_FAILURE(e.check(0));
-    std::vector<prefix_tier_stats> ts = e.c.get_tier_stats();
+    std::vector<prefix_tier_stats> ts = e.c.prefix_cache()->get_tier_stats();
     EXPECT_EQ(ts[0].fetches, 1u);
     EXPECT_EQ(ts[0].fetched_blocks, 0u);
     EXPECT_EQ(ts[1].fetched_blocks, 3u);
-    EXPECT_EQ(e.c.get_prefix_stats().tier_fetched_blocks, 3u);
+    EXPECT_EQ(e.c.prefix_cache()->get_prefix_stats().tier_fetched_blocks, 3u);
     e.c.seq_rm(0, -1, -1);
     e.seqs[0].clear();
     ASSERT_NO_FATAL_FAILURE(decode_and_end(e, 1, filler()));
-    ts = e.c.get_tier_stats();
+    ts = e.c.prefix_cache()->get_tier_stats();
     EXPECT_EQ(ts[0].written_blocks, 3u);  // a's blocks left memory again: to t0 only, they came from t1
     EXPECT_EQ(ts[1].written_blocks, 0u);
     // a third cache finds a in t0 and does not ask t1
     engine f(tier_params({t0, t1}));
     EXPECT_EQ(f.attach(0, a), 12u);
     ASSERT_NO_FATAL_FAILURE(f.check(0));
-    ts = f.c.get_tier_stats();
+    ts = f.c.prefix_cache()->get_tier_stats();
     EXPECT_EQ(ts[0].fetched_blocks, 3u);
     EXPECT_EQ(ts[1].fetches, 0u);
     ASSERT_NO_FATAL_FAILURE(f.check_cells());
@@ -139,14 +139,15 @@ TEST(prefix_tiers, write_policies) {
         auto t = std::make_shared<test_store>();
         engine e(tier_params({t}, w));
         ASSERT_TRUE(e.decode(0, a));
-        e.c.prefix_publish();
+        e.c.prefix_cache()->prefix_publish();
         EXPECT_EQ(t->values.size(), w == tier_write::through ? 2u : 0u);  // written when published
         e.c.seq_rm(0, -1, -1);
         e.seqs[0].clear();
         ASSERT_NO_FATAL_FAILURE(decode_and_end(e, 1, filler()));
         // through: the churn's blocks too, each once; never: nothing
         EXPECT_EQ(t->values.size(), w == tier_write::through ? 2u + 8u : 0u);
-        EXPECT_EQ(e.c.get_tier_stats()[0].written_blocks, w == tier_write::through ? 10u : 0u);
+        EXPECT_EQ(e.c.prefix_cache()->get_tier_stats()[0].written_blocks,
+                  w == tier_write::through ? 10u : 0u);
     }
     // fetch off: the tier is never asked
     auto t = std::make_shared<test_store>();
@@ -170,11 +171,11 @@ TEST(prefix_tiers, a_store_slower_than_prefill_is_not_asked) {
     engine e(p);
     ASSERT_NO_FATAL_FAILURE(decode_then_evict(e, a));
     for (int i = 0; i < 7; ++i) {  // asked at the first (no estimate yet), then every third
-        EXPECT_EQ(e.c.prefix_attach(0, a), i == 0 || i == 3 || i == 6 ? 12u : 0u) << i;
+        EXPECT_EQ(e.c.prefix_cache()->prefix_attach(0, a), i == 0 || i == 3 || i == 6 ? 12u : 0u) << i;
         e.c.seq_rm(0, -1, -1);
         e.c.clear(false);
     }
-    prefix_tier_stats s = e.c.get_tier_stats()[0];
+    prefix_tier_stats s = e.c.prefix_cache()->get_tier_stats()[0];
     EXPECT_EQ(s.fetches, 3u);
     EXPECT_EQ(s.declined, 4u);
     EXPECT_GT(s.est_latency_ns + s.est_ns_per_byte * 1000, 1e6);
@@ -184,11 +185,11 @@ TEST(prefix_tiers, a_store_slower_than_prefill_is_not_asked) {
     p.prefix.tiers.prefill_ns_per_token = 1e6;
     engine f(p);
     for (int i = 0; i < 4; ++i) {
-        EXPECT_EQ(f.c.prefix_attach(0, a), 12u) << i;
+        EXPECT_EQ(f.c.prefix_cache()->prefix_attach(0, a), 12u) << i;
         f.c.seq_rm(0, -1, -1);
         f.c.clear(false);
     }
-    EXPECT_EQ(f.c.get_tier_stats()[0].declined, 0u);
+    EXPECT_EQ(f.c.prefix_cache()->get_tier_stats()[0].declined, 0u);
 }
 
 // A store that throws, or returns damaged values, is a miss: attaches and evictions go on, the cache
@@ -202,19 +203,19 @@ TEST(prefix_tiers, failing_and_damaged_stores_are_misses) {
     EXPECT_EQ(e.attach(0, a), 0u);
     ASSERT_TRUE(e.decode(0, a));  // the engine computes it
     ASSERT_NO_FATAL_FAILURE(e.check(0));
-    prefix_tier_stats s = e.c.get_tier_stats()[0];
+    prefix_tier_stats s = e.c.prefix_cache()->get_tier_stats()[0];
     EXPECT_EQ(s.errors, 3u);  // writes when the filler evicted a and a evicted the filler; the attach's read
     EXPECT_EQ(s.written_blocks, 0u);
     ASSERT_NO_FATAL_FAILURE(e.check_cells());
     // now it answers, with damaged values: refused, the chain ends, nothing attached
     t->fail = false;
-    e.c.prefix_publish();
+    e.c.prefix_cache()->prefix_publish();
     e.c.seq_rm(0, -1, -1);
     e.seqs[0].clear();
     ASSERT_NO_FATAL_FAILURE(decode_and_end(e, 1, filler()));  // a's blocks are written now
     t->garbage = true;
     EXPECT_EQ(e.attach(0, a), 0u);
-    EXPECT_EQ(e.c.get_tier_stats()[0].refused_blocks, 1u);
+    EXPECT_EQ(e.c.prefix_cache()->get_tier_stats()[0].refused_blocks, 1u);
     ASSERT_NO_FATAL_FAILURE(e.check_cells());
     // and whole again: a hit
     t->garbage = false;
@@ -280,12 +281,12 @@ TEST(prefix_tiers, async_writes_never_hold_up_a_step) {
         engine e(p);
         ASSERT_NO_FATAL_FAILURE(decode_then_evict(e, a));  // returns with the write still held at the gate
         EXPECT_EQ(gate->size(), 0u);
-        EXPECT_EQ(e.c.get_tier_stats()[0].written_blocks, 0u);
+        EXPECT_EQ(e.c.prefix_cache()->get_tier_stats()[0].written_blocks, 0u);
         gate->open();
-        e.c.prefix_tier_drain();
+        e.c.prefix_cache()->prefix_tier_drain();
         EXPECT_EQ(gate->size(), 3u);
-        EXPECT_EQ(e.c.get_tier_stats()[0].written_blocks, 3u);
-        EXPECT_EQ(e.c.get_prefix_stats().tier_written_blocks, 3u);
+        EXPECT_EQ(e.c.prefix_cache()->get_tier_stats()[0].written_blocks, 3u);
+        EXPECT_EQ(e.c.prefix_cache()->get_prefix_stats().tier_written_blocks, 3u);
         EXPECT_FALSE(gate->timed_out()) << "the step waited for the store";
         engine f(p);
         EXPECT_EQ(f.attach(0, a), 12u);
@@ -297,10 +298,10 @@ TEST(prefix_tiers, async_writes_never_hold_up_a_step) {
     p.prefix.tiers.max_queued_bytes = 100;  // less than one record
     engine e(p);
     ASSERT_NO_FATAL_FAILURE(decode_then_evict(e, a));
-    e.c.prefix_tier_drain();
+    e.c.prefix_cache()->prefix_tier_drain();
     EXPECT_TRUE(t->values.empty());
-    EXPECT_EQ(e.c.get_tier_stats()[0].dropped_blocks, 3u);
-    EXPECT_EQ(e.c.get_tier_stats()[0].written_blocks, 0u);
+    EXPECT_EQ(e.c.prefix_cache()->get_tier_stats()[0].dropped_blocks, 3u);
+    EXPECT_EQ(e.c.prefix_cache()->get_tier_stats()[0].written_blocks, 0u);
 }
 
 TEST(prefix_tiers, parameters_are_checked) {

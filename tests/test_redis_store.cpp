@@ -302,7 +302,8 @@ TEST(redis_store, a_second_process_hits_what_the_first_published) {
         auto cache = make_cache(true);
         (void)decode(*cache, std::span(prompt).first(20), 0);
         redis_block_store s(store_params());
-        const uint32_t n = cache->prefix_store_blocks(s, model_id, std::span(prompt).first(20));
+        const uint32_t n =
+            cache->prefix_cache()->prefix_store_blocks(s, model_id, std::span(prompt).first(20));
         ::_exit(n == 5 && s.stats().errors == 0 ? 0 : 1);
     }
     int status = -1;
@@ -312,9 +313,9 @@ TEST(redis_store, a_second_process_hits_what_the_first_published) {
     // the second process (this one): a fresh cache hits 20 tokens of the 22-token prompt
     auto cache = make_cache(true);
     redis_block_store s(store_params());
-    EXPECT_EQ(cache->prefix_fetch_blocks(s, model_id, prompt), 20u);
+    EXPECT_EQ(cache->prefix_cache()->prefix_fetch_blocks(s, model_id, prompt), 20u);
     EXPECT_EQ(s.stats().round_trips, 1u);
-    EXPECT_EQ(cache->prefix_attach(0, prompt), 20u);
+    EXPECT_EQ(cache->prefix_cache()->prefix_attach(0, prompt), 20u);
     const std::vector<float> hit = decode(*cache, std::span(prompt).subspan(20), 20);
     auto plain = make_cache(false);
     const std::vector<float> recompute = decode(*plain, prompt, 0);
@@ -327,7 +328,7 @@ TEST(redis_store, a_second_process_hits_what_the_first_published) {
     EXPECT_LT(worst, 1e-4);
     // another model's fetch finds nothing there
     auto other = make_cache(true);
-    EXPECT_EQ(other->prefix_fetch_blocks(s, model_id + 1, prompt), 0u);
+    EXPECT_EQ(other->prefix_cache()->prefix_fetch_blocks(s, model_id + 1, prompt), 0u);
 }
 
 }  // namespace

@@ -111,10 +111,10 @@ TEST(redis_tier, faults_never_make_a_wrong_hit) {
     double worst = 0;
     uint64_t requests = 0;
     const auto serve = [&](instance& in, const std::vector<token_t>& prompt) {
-        const uint32_t n = in.cache->prefix_attach(0, prompt);
+        const uint32_t n = in.cache->prefix_cache()->prefix_attach(0, prompt);
         const std::vector<float> got =
             last_logits(*in.rt, std::span(prompt).subspan(n), static_cast<pos_t>(n));
-        in.cache->prefix_publish();
+        in.cache->prefix_cache()->prefix_publish();
         in.cache->seq_rm(0, -1, -1);
         plain.clear(true);
         const std::vector<float> want = last_logits(plain_rt, prompt, 0);
@@ -142,7 +142,7 @@ TEST(redis_tier, faults_never_make_a_wrong_hit) {
 
     uint64_t fetched = 0, refused = 0, errors = 0, store_damaged = 0;
     for (const instance* in : {&engines[0], &engines[1], &fresh}) {
-        const prefix_tier_stats s = in->cache->get_tier_stats()[0];
+        const prefix_tier_stats s = in->cache->prefix_cache()->get_tier_stats()[0];
         fetched += s.fetched_blocks;
         refused += s.refused_blocks;
         errors += s.errors + s.store.errors;

@@ -110,7 +110,7 @@ public:
     // The cache attaches the cached prefix of `prompt` to seq; the reference decodes those tokens (their
     // logits are not compared). Returns how many.
     uint32_t attach(seq_id_t seq, const std::vector<token_t>& prompt) {
-        const uint32_t n = cache_->prefix_attach(seq, prompt);
+        const uint32_t n = cache_->prefix_cache()->prefix_attach(seq, prompt);
         if (n > 0) {
             batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
             const seq_id_t ids[1] = {seq};
@@ -341,11 +341,11 @@ TEST_P(prefix_equals_recompute, hits_from_live_and_ended_sequences) {
         c.seq_rm(0, -1, -1);
         f.seq_rm(0, -1, -1);
     });
-    EXPECT_GT(r.cache().get_prefix_stats().cached_cells, 0u);
+    EXPECT_GT(r.cache().prefix_cache()->get_prefix_stats().cached_cells, 0u);
     EXPECT_EQ(r.attach(2, sys), 12u);  // whole blocks only: sys's last 2 tokens share one with the answer
     r.decode({{{2}, 12, {sys.begin() + 12, sys.end()}}, {{1}, -1, r.tokens(2)}});
     for (int i = 0; i < 4; ++i) r.decode({{{2}, -1, r.tokens(1)}, {{1}, -1, r.tokens(1)}});
-    const prefix_stats st = r.cache().get_prefix_stats();
+    const prefix_stats st = r.cache().prefix_cache()->get_prefix_stats();
     EXPECT_EQ(st.hit_tokens, 24u);
     EXPECT_GT(st.published_blocks, 3u);
     if (GetParam().engine && !GetParam().unified) {
@@ -369,10 +369,10 @@ TEST_P(prefix_equals_recompute, evictions_under_a_small_cache) {
             f.seq_rm(s, -1, -1);
         });
     }
-    EXPECT_GT(r.cache().get_prefix_stats().evicted_blocks, 0u);
+    EXPECT_GT(r.cache().prefix_cache()->get_prefix_stats().evicted_blocks, 0u);
     // the latest conversation is still cached; the first was evicted
-    EXPECT_EQ(r.cache().prefix_lookup(prompts[5]), 19u);
-    EXPECT_EQ(r.cache().prefix_lookup(prompts[0]), 0u);
+    EXPECT_EQ(r.cache().prefix_cache()->prefix_lookup(prompts[5]), 19u);
+    EXPECT_EQ(r.cache().prefix_cache()->prefix_lookup(prompts[0]), 0u);
     EXPECT_EQ(r.attach(1, prompts[5]), 19u);
     r.decode({{{1}, 19, {prompts[5].back()}}});
     EXPECT_CLOSE(r);
@@ -397,10 +397,11 @@ TEST_P(prefix_equals_recompute, adaptive_policy_keeps_a_prompt_that_came_back) {
     const auto conv = r.tokens(20);  // 5 blocks
     serve(conv);
     for (int k = 0; k < 4; ++k) serve(r.tokens(20));
-    ASSERT_LT(r.cache().prefix_lookup(conv), 16u) << "the burst must evict it";
+    ASSERT_LT(r.cache().prefix_cache()->prefix_lookup(conv), 16u) << "the burst must evict it";
     serve(conv);
     for (int k = 0; k < 4; ++k) serve(r.tokens(20));
-    EXPECT_EQ(r.cache().prefix_lookup(conv), 19u);  // all but the last token, which attach leaves to decode
+    EXPECT_EQ(r.cache().prefix_cache()->prefix_lookup(conv),
+              19u);  // all but the last token, which attach leaves to decode
     EXPECT_EQ(r.attach(1, conv), 19u);
     r.decode({{{1}, 19, {conv.back()}}});
     EXPECT_CLOSE(r);
@@ -452,8 +453,8 @@ TEST_P(prefix_equals_recompute, a_pinned_prefix_survives_churn) {
     pair_run r(GetParam(), 4, 64);
     const auto sys = r.tokens(17);
     r.decode({{{0}, 0, sys}});
-    r.cache().prefix_publish();
-    ASSERT_EQ(r.cache().prefix_pin(sys), 16u);
+    r.cache().prefix_cache()->prefix_publish();
+    ASSERT_EQ(r.cache().prefix_cache()->prefix_pin(sys), 16u);
     r.both([](auto& c, auto& f) {
         c.seq_rm(0, -1, -1);
         f.seq_rm(0, -1, -1);
@@ -463,19 +464,19 @@ TEST_P(prefix_equals_recompute, a_pinned_prefix_survives_churn) {
     for (int k = 0; k < 5; ++k) {
         const seq_id_t s = 0;
         const auto p = r.tokens(24);
-        ASSERT_EQ(r.cache().prefix_attach(s, p, 0, 90), 0u);
+        ASSERT_EQ(r.cache().prefix_cache()->prefix_attach(s, p, 0, 90), 0u);
         r.decode({{{s}, 0, p}});
-        r.cache().prefix_publish();
+        r.cache().prefix_cache()->prefix_publish();
         r.both([s](auto& c, auto& f) {
             c.seq_rm(s, -1, -1);
             f.seq_rm(s, -1, -1);
         });
     }
-    EXPECT_GT(r.cache().get_prefix_stats().evicted_blocks, 0u);
+    EXPECT_GT(r.cache().prefix_cache()->get_prefix_stats().evicted_blocks, 0u);
     EXPECT_EQ(r.attach(1, sys), 16u);  // shared, or copied from seq 0's stream
     r.decode({{{1}, 16, {sys.back()}}});
     r.decode({{{1}, -1, r.tokens(2)}});
-    EXPECT_EQ(r.cache().prefix_unpin(sys), 16u);
+    EXPECT_EQ(r.cache().prefix_cache()->prefix_unpin(sys), 16u);
     EXPECT_CLOSE(r);
 }
 
@@ -501,36 +502,36 @@ TEST_P(prefix_equals_recompute, blocks_through_a_disk_tier) {
     a.decode({{{0}, -1, a.tokens(1)}});
     {
         disk_block_store store(dp);
-        EXPECT_EQ(a.cache().prefix_store_blocks(store, 7, sys), 3u);
-        EXPECT_EQ(a.cache().prefix_store_blocks(store, 7, sys), 0u);  // stored already
+        EXPECT_EQ(a.cache().prefix_cache()->prefix_store_blocks(store, 7, sys), 3u);
+        EXPECT_EQ(a.cache().prefix_cache()->prefix_store_blocks(store, 7, sys), 0u);  // stored already
         EXPECT_EQ(store.stats().puts, 3u);
     }
     disk_block_store store(dp);  // reopened, as a new process would
     pair_run b(GetParam());
     auto q = sys;
     for (const token_t t : b.tokens(3)) q.push_back(t);
-    EXPECT_EQ(b.cache().prefix_fetch_blocks(store, 7, q), 12u);
+    EXPECT_EQ(b.cache().prefix_cache()->prefix_fetch_blocks(store, 7, q), 12u);
     EXPECT_EQ(store.stats().calls, 1u);  // one read for the whole chain
     EXPECT_EQ(b.attach(1, q), 12u);
     b.decode({{{1}, 12, {q.begin() + 12, q.end()}}});
     for (int i = 0; i < 3; ++i) b.decode({{{1}, -1, b.tokens(1)}});
     EXPECT_CLOSE(b);
     // q's fourth block is cached in memory now too (seq 1 published it): nothing is read
-    EXPECT_EQ(b.cache().prefix_fetch_blocks(store, 7, q), 16u);
+    EXPECT_EQ(b.cache().prefix_cache()->prefix_fetch_blocks(store, 7, q), 16u);
     EXPECT_EQ(store.stats().calls, 1u);
     // another model's layout finds nothing; a damaged second block ends the chain after the first
     pair_run c(GetParam());
-    EXPECT_EQ(c.cache().prefix_fetch_blocks(store, 8, q), 0u);
+    EXPECT_EQ(c.cache().prefix_cache()->prefix_fetch_blocks(store, 8, q), 0u);
     const uint64_t h0 = block_chain_hash(0, std::span(sys).first(4));
     const uint64_t h1 = block_chain_hash(h0, std::span(sys).subspan(4, 4));
     {
-        std::fstream f(dir / block_key(c.cache().prefix_block_layout(7).fingerprint(), 0, h1),
+        std::fstream f(dir / block_key(c.cache().prefix_cache()->prefix_block_layout(7).fingerprint(), 0, h1),
                        std::ios::binary | std::ios::in | std::ios::out);
         f.seekp(100);
         f.put('\x5a');
     }
     disk_block_store damaged(dp);
-    EXPECT_EQ(c.cache().prefix_fetch_blocks(damaged, 7, q), 4u);
+    EXPECT_EQ(c.cache().prefix_cache()->prefix_fetch_blocks(damaged, 7, q), 4u);
     EXPECT_EQ(c.attach(2, q), 4u);
     c.decode({{{2}, 4, {q.begin() + 4, q.end()}}});
     EXPECT_CLOSE(c);
@@ -571,9 +572,10 @@ TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
                 f.seq_rm(s, -1, -1);
             });
         }
-        EXPECT_EQ(r.cache().prefix_lookup(prompts[0]), 0u);  // not in memory: lookups do not ask tiers
-        r.cache().prefix_tier_drain();                       // async: what the thread still has to write
-        const uint64_t written = r.cache().get_prefix_stats().tier_written_blocks;
+        EXPECT_EQ(r.cache().prefix_cache()->prefix_lookup(prompts[0]),
+                  0u);                                  // not in memory: lookups do not ask tiers
+        r.cache().prefix_cache()->prefix_tier_drain();  // async: what the thread still has to write
+        const uint64_t written = r.cache().prefix_cache()->get_prefix_stats().tier_written_blocks;
         EXPECT_GT(written, 0u);
         // the first conversation comes back from the tier: 4 blocks (the prompt's last token is computed)
         const seq_id_t s1 = 1;
@@ -581,13 +583,13 @@ TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
         r.decode({{{s1}, 16, {prompts[0].begin() + 16, prompts[0].end()}}});
         r.decode({{{s1}, -1, r.tokens(2)}});
         EXPECT_CLOSE(r);
-        std::vector<prefix_tier_stats> ts = r.cache().get_tier_stats();
+        std::vector<prefix_tier_stats> ts = r.cache().prefix_cache()->get_tier_stats();
         ASSERT_EQ(ts.size(), 1u);
         EXPECT_EQ(ts[0].fetched_blocks, 4u);
         EXPECT_EQ(ts[0].fetches, 7u);  // every attach asked: six misses, then the hit
         EXPECT_EQ(ts[0].errors, 0u);
         EXPECT_EQ(ts[0].where, "disk:" + dir.string());
-        EXPECT_EQ(r.cache().get_prefix_stats().tier_fetched_blocks, 4u);
+        EXPECT_EQ(r.cache().prefix_cache()->get_prefix_stats().tier_fetched_blocks, 4u);
         // a fresh cache (another engine, or this one restarted) sharing the store hits every conversation
         // its blocks reached (with write-through, all of them; on eviction, those evicted)
         pair_run b(GetParam(), 4, 64, tiers);
@@ -608,8 +610,9 @@ TEST_P(prefix_equals_recompute, evicted_blocks_come_back_from_a_tier) {
         EXPECT_CLOSE(b);
         // write-through writes what b published itself (each conversation's fifth block; the store has it
         // already and skips it), never a block it fetched
-        b.cache().prefix_tier_drain();
-        EXPECT_EQ(b.cache().get_tier_stats()[0].written_blocks, write == tier_write::through ? 2u : 0u);
+        b.cache().prefix_cache()->prefix_tier_drain();
+        EXPECT_EQ(b.cache().prefix_cache()->get_tier_stats()[0].written_blocks,
+                  write == tier_write::through ? 2u : 0u);
         std::filesystem::remove_all(dir);
     }
 }
@@ -729,7 +732,7 @@ TEST(prefix_equals_recompute_swa, a_window_cache_resumes_prefixes_and_keeps_slid
                 r.decode({{{2}, static_cast<pos_t>(n), {q.begin() + n, q.end()}}, {{1}, -1, r.tokens(1)}});
                 end(1);
                 end(2);
-                EXPECT_GT(r.cache().get_prefix_stats().evicted_blocks, 0u) << s.name();
+                EXPECT_GT(r.cache().prefix_cache()->get_prefix_stats().evicted_blocks, 0u) << s.name();
                 EXPECT_LE(r.worst(), r.limit()) << s.name();
             }
 }
@@ -790,7 +793,7 @@ TEST(prefix_equals_recompute_iswa, hits_need_the_base_prefix_and_the_window_befo
                     auto prompt = sys;
                     for (token_t x : tokens(40)) prompt.push_back(x);
                     const seq_id_t s = unified ? k % 4 : 0;  // a stream each: all in one
-                    const uint32_t n = mem.prefix_attach(s, prompt);
+                    const uint32_t n = mem.prefix_cache()->prefix_attach(s, prompt);
                     EXPECT_GE(n, k == 0 ? 0u : 16u) << name << " the system prompt's window is cached";
                     decode(s, 0, std::span(prompt).first(n), false);  // the reference recomputes it
                     decode(s, static_cast<pos_t>(n), std::span(prompt).subspan(n), true);
@@ -798,17 +801,17 @@ TEST(prefix_equals_recompute_iswa, hits_need_the_base_prefix_and_the_window_befo
                     end(s);
                     prompts.push_back(prompt);
                 }
-                const prefix_stats st = mem.get_prefix_stats();
+                const prefix_stats st = mem.prefix_cache()->get_prefix_stats();
                 EXPECT_GT(st.swa_evicted_blocks, 0u) << name;
                 EXPECT_GT(st.evicted_blocks, 0u) << name << ": chain ends without a window were let go";
                 EXPECT_LT(st.blocks, 12u * 63 / 4) << name;
                 // the newest conversation resumes at its end, the oldest at most at the system prompt
-                EXPECT_EQ(mem.prefix_lookup(prompts[11]), 59u) << name;
-                EXPECT_LE(mem.prefix_lookup(prompts[0]), 20u) << name;
+                EXPECT_EQ(mem.prefix_cache()->prefix_lookup(prompts[11]), 59u) << name;
+                EXPECT_LE(mem.prefix_cache()->prefix_lookup(prompts[0]), 20u) << name;
                 for (const int k : {11, 0}) {
                     auto q = prompts[static_cast<size_t>(k)];
                     for (token_t x : tokens(3)) q.push_back(x);
-                    const uint32_t n = mem.prefix_attach(1, q);
+                    const uint32_t n = mem.prefix_cache()->prefix_attach(1, q);
                     decode(1, 0, std::span(q).first(n), false);
                     decode(1, static_cast<pos_t>(n), std::span(q).subspan(n), true);
                     end(1);

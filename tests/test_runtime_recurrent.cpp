@@ -173,9 +173,11 @@ public:
         // what a lookup promises is what an attach gives (less only when copies across streams lack room;
         // more when the tiers, which lookups do not ask, bring blocks back)
         const uint32_t promised =
-            hyb ? hyb->prefix_lookup(prompt) : dynamic_cast<memory_recurrent&>(*mem_).prefix_lookup(prompt);
-        const uint32_t n = hyb ? hyb->prefix_attach(seq, prompt)
-                               : dynamic_cast<memory_recurrent&>(*mem_).prefix_attach(seq, prompt);
+            hyb ? hyb->prefix_cache()->prefix_lookup(prompt)
+                : dynamic_cast<memory_recurrent&>(*mem_).prefix_cache()->prefix_lookup(prompt);
+        const uint32_t n =
+            hyb ? hyb->prefix_cache()->prefix_attach(seq, prompt)
+                : dynamic_cast<memory_recurrent&>(*mem_).prefix_cache()->prefix_attach(seq, prompt);
         if (!s_.tiers.stores.empty()) {
             EXPECT_GE(n, promised) << "seq " << seq;
         } else if (s_.unified) {
@@ -372,12 +374,12 @@ class recurrent_prefix_equals_recompute : public ::testing::TestWithParam<setup>
 struct prefix_of {
     pair_run& r;
     prefix_stats stats() const {
-        if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->get_prefix_stats();
-        return dynamic_cast<memory_recurrent&>(r.mem()).get_prefix_stats();
+        if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->prefix_cache()->get_prefix_stats();
+        return dynamic_cast<memory_recurrent&>(r.mem()).prefix_cache()->get_prefix_stats();
     }
     uint32_t lookup(std::span<const token_t> t) const {
-        if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->prefix_lookup(t);
-        return dynamic_cast<memory_recurrent&>(r.mem()).prefix_lookup(t);
+        if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->prefix_cache()->prefix_lookup(t);
+        return dynamic_cast<memory_recurrent&>(r.mem()).prefix_cache()->prefix_lookup(t);
     }
 };
 
@@ -542,15 +544,16 @@ TEST_P(recurrent_prefix_tiers_equal_recompute, snapshots_come_back_from_a_tier) 
             r.ref().seq_rm(0, -1, -1);
         }
         const auto tiers = [&] {
-            if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) return h->get_tier_stats().at(0);
-            return dynamic_cast<memory_recurrent&>(r.mem()).get_tier_stats().at(0);
+            if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem()))
+                return h->prefix_cache()->get_tier_stats().at(0);
+            return dynamic_cast<memory_recurrent&>(r.mem()).prefix_cache()->get_tier_stats().at(0);
         };
         EXPECT_GT(tiers().written_blocks, 0u);
         if (write == tier_write::through) r.renew();  // a restart: memory is empty, the tier is not
         if (auto* h = dynamic_cast<memory_hybrid*>(&r.mem())) {  // refused before the tiers are asked
             const uint64_t asked = tiers().fetches;
-            EXPECT_THROW(h->prefix_attach(1, prompts[0], 0, 101), error);
-            EXPECT_THROW(h->prefix_attach(1, concat(prompts[0], {-1})), error);
+            EXPECT_THROW(h->prefix_cache()->prefix_attach(1, prompts[0], 0, 101), error);
+            EXPECT_THROW(h->prefix_cache()->prefix_attach(1, concat(prompts[0], {-1})), error);
             EXPECT_EQ(tiers().fetches, asked);
         }
         for (size_t i = 0; i < 2; ++i) {

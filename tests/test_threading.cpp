@@ -225,12 +225,12 @@ TEST(threading, caches_sharing_a_store_write_it_from_their_writer_threads) {
             auto ctx = c.init_ubatches({ub}, {});
             ASSERT_EQ(ctx->get_status(), memory_status::success);
             ctx->apply();
-            c.prefix_publish();
+            c.prefix_cache()->prefix_publish();
             c.seq_rm(0, -1, -1);
-            (void)c.get_tier_stats();  // while the writer thread writes
+            (void)c.prefix_cache()->get_tier_stats();  // while the writer thread writes
         }
-        c.prefix_tier_drain();
-        written[static_cast<size_t>(t)] = c.get_tier_stats()[0].written_blocks;
+        c.prefix_cache()->prefix_tier_drain();
+        written[static_cast<size_t>(t)] = c.prefix_cache()->get_tier_stats()[0].written_blocks;
     };
     std::vector<std::thread> threads;
     for (int t = 0; t < n_threads; ++t) threads.emplace_back([&, t] { run(t); });

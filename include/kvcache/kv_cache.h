@@ -123,11 +123,15 @@ struct kq_mask_options {
 };
 
 struct prefix_tracker;  // internal: what a sequence decoded in order (src/detail/kv_cache_prefix.h)
+namespace detail {
+class kv_prefix_part;      // internal: the cache as a part of its prefix cache (src/detail/kv_prefix_part.h)
+class prefix_coordinator;  // internal: the prefix cache (src/prefix/prefix_coordinator.h)
+}  // namespace detail
 
 /// The attention KV cache (llama_kv_cache): K/V rows of every own layer, placed in cells of one or
 /// several streams. Implements memory_i. Engines reach the per-ubatch operations (K/V rows, views,
 /// masks) only through the kv_cache_context that init_batch returns.
-class kv_cache final : public memory_i, public prefix_cache_i {
+class kv_cache final : public memory_i {
 public:
     explicit kv_cache(kv_cache_params params);  ///< throws kvc::error on an invalid configuration
     ~kv_cache() override;                       ///< frees the storage
@@ -163,7 +167,8 @@ public:
     kv_cache* layer_cache(uint32_t il) override { return has_layer(il) ? this : nullptr; }
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return nullptr; }
-    prefix_cache_i* prefix_cache() override { return prefix_ != nullptr ? this : nullptr; }
+    /// The prefix cache (params().prefix.enabled; docs/prefix-cache.md), or null.
+    prefix_cache_i* prefix_cache() override;
     using memory_i::prefix_cache;
 
     /// K/V bytes a cache made from p would reserve (every cell of every stream), saturating at UINT64_MAX;
@@ -202,86 +207,6 @@ public:
     /// that re-rotates keys itself.
     void set_input_k_shift(std::span<int32_t> dst) const;
 
-    // -- prefix cache (params().prefix.enabled; docs/prefix-cache.md) --
-    bool prefix_enabled() const override { return prefix_ != nullptr; }
-    /// Tokens of `tokens` that prefix_attach would give a sequence now: the longest cached prefix in
-    /// whole blocks, at most tokens.size() - 1 (the engine still computes the last token's logits). With
-    /// one stream per sequence, an attach gets less when its stream has no room for the copies.
-    /// Changes no sequence and no cell (it counts a lookup, and publishes the blocks the previous step
-    /// computed). `key` separates namespaces (model revision, adapter, tenant): only blocks published
-    /// under the same key match. Throws kvc::error(unsupported) without a prefix cache.
-    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
-    /// Makes the empty sequence seq_id hold the cells of the longest cached prefix of `tokens` (shared,
-    /// not copied) at positions [0, n), as if it had decoded them, and returns n (what prefix_lookup
-    /// returns). With a sliding window, n is the deepest boundary whose window is cached and the sequence
-    /// holds only that window (and position n - 1: docs/prefix-cache.md, "Sliding-window models"). The engine
-    /// then decodes tokens[n:] from position n; the blocks that decoding completes are published under `key`
-    /// with `priority` (0-100: lower priorities are evicted first), and the blocks it reuses are raised to
-    /// it. Throws kvc::error, changing nothing, for a bad seq_id, a sequence that holds cells, a token
-    /// outside the vocabulary, a priority above 100, or no prefix cache. At most max_tokens are attached
-    /// (memory_hybrid stops where its recurrent part has a snapshot).
-    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority,
-                           uint32_t max_tokens = UINT32_MAX) override;
-    /// Pins the blocks of the longest cached prefix of `tokens` (in whole blocks, the whole prompt
-    /// included) and returns the tokens pinned: no eviction takes them until as many prefix_unpin calls.
-    /// Throws kvc::error, changing nothing, when the pinned cells would exceed
-    /// prefix.max_pinned_fraction of the cache, or (unsupported) in a cache with a sliding window.
-    uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key = 0) override;
-    bool prefix_can_pin() const override { return true; }  ///< pins and priorities are a KV cache's
-    /// Undoes one prefix_pin of the same prefix: unpins the pinned blocks of the longest cached prefix of
-    /// `tokens` and returns their tokens.
-    uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key = 0) override;
-    /// Sets the priority (0-100) of the blocks of the longest cached prefix of `tokens`; returns their
-    /// tokens. A cached block moves to the newest end of its new priority's queue.
-    uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority) override;
-    /// Publishes now the blocks completed by the ubatches applied so far (the next init_batch,
-    /// init_ubatches, prefix_lookup or prefix_attach does it anyway); call it after computing them.
-    void prefix_publish() override;
-    /// For memories built of parts (memory_hybrid): evicts the cached block named by e (its chain hash,
-    /// parent hash and tokens) and then its ancestors, as long as each is evictable (no sequence, pin or
-    /// cached child holds it) and keep(block) is false. Returns the blocks evicted.
-    uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
-    /// For kv_cache_iswa, on a cache with a sliding window: whether the blocks a sequence resumed at the
-    /// end of block e needs (its window) are all cached.
-    bool prefix_has_window(const prefix_event& e) const;
-    /// For memory_hybrid: a sequence that decoded the tokens of a cached block again (it resumed at an
-    /// earlier snapshot) moves to the block's cells when it publishes, and its own copies go free.
-    void prefix_share_duplicates(bool on);
-    /// What the prefix cache did and holds (zeros without one). It counts the cells of every stream: for
-    /// reports, not for every step.
-    prefix_stats get_prefix_stats() const override;
-
-    // -- tiers: cached blocks to and from a block store (src/kv_cache_tier.cpp; docs/tiers.md) --
-    /// The layout of this cache's blocks in a store: its K/V types, V layout, block size and own layers
-    /// (model index, K and V widths); model_id names the model (block_layout::model_id). Throws
-    /// kvc::error(unsupported) without a prefix cache.
-    block_layout prefix_block_layout(uint64_t model_id) const;
-    /// Writes to `store` the cached blocks of the longest cached prefix of `tokens` (whole blocks, the
-    /// whole prompt included) that it does not hold yet (one contains_many, one put_many), as block records
-    /// of prefix_block_layout(model_id). Returns the blocks written. Store failures are the store's to
-    /// count (a store made with throw_errors throws them). Changes no cell.
-    uint32_t prefix_store_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
-                                 uint64_t key = 0);
-    /// Fetches from `store`, in one read_many, the blocks of `tokens` after its longest cached prefix, as
-    /// far as they follow each other: each verified (layout, key, chain hash, parent, depth, the tokens
-    /// themselves), its rows written into free cells of `stream` (evicting cached blocks of lower
-    /// standing, as placement does; never the chain it extends) and published as a cached block under
-    /// `key`. A miss, a value the store or the record check refuses, or no room ends the chain. Returns the
-    /// tokens of `tokens` cached now, in whole blocks (a prefix_attach then gets them). Throws
-    /// kvc::error for bad tokens, a bad stream, or no prefix cache; nothing changes then.
-    uint32_t prefix_fetch_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
-                                 uint64_t key = 0, uint32_t stream = 0);
-    /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
-    std::vector<prefix_tier_stats> get_tier_stats() const override;
-    /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
-    /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
-    void prefix_tier_drain() override;
-    /// For memories built of parts (memory_hybrid): brings back from the tiers what memory lacks of the
-    /// first max_tokens of `tokens` (whole blocks, the last token excluded), into seq_id's stream, as
-    /// prefix_attach does first. Nothing without tiers. Throws as prefix_attach for bad tokens or ids.
-    void prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
-
     // -- maintenance (what init_update's context runs) --
     /// Re-rotates every pending shift into the stored keys (any K type), then forgets the shifts.
     /// Returns false when there was nothing to do.
@@ -298,6 +223,7 @@ public:
 
 private:
     friend class kv_cache_context;
+    friend class detail::kv_prefix_part;
     // tests only: places ubatches at chosen cells, as the design notes' examples draw them
     friend struct kv_cache_test_access;
     friend class kv_cache_iswa;  // commits the states of its two caches all or nothing (state_undo)
@@ -337,10 +263,32 @@ private:
     void fit_storage_of(seq_id_t seq_id);                    // the streams seq_id (seq_all: any) lives in
     void remove(seq_id_t seq_id, pos_t p0, pos_t p1);        // seq_rm without giving memory back
 
+    // -- the prefix cache's operations (src/kv_cache_prefix.cpp; the part kv_prefix_part drives) --
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key);
+    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint8_t priority,
+                           uint32_t max_tokens);
+    uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key);
+    uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key);
+    uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority);
+    void prefix_publish();
+    // evicts the cached block e and then its ancestors while each is evictable and keep(block) is false
+    uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
+    // with a window: whether the blocks a sequence resumed at the end of block e needs are all cached
+    bool prefix_has_window(const prefix_event& e) const;
+    prefix_stats get_prefix_stats() const;
+    block_layout prefix_block_layout(uint64_t model_id) const;
+    uint32_t prefix_store_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
+                                 uint64_t key);
+    uint32_t prefix_fetch_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
+                                 uint64_t key, uint32_t stream);
+    std::vector<prefix_tier_stats> get_tier_stats() const;
+    void prefix_tier_drain();
+    // brings back from the tiers what memory lacks of the first max_tokens of `tokens`, into seq_id's stream
+    void prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
+
     // -- prefix cache hooks (no-ops without one) --
     static void check_prefix_params(const kv_cache_params& p, uint32_t n_stream);
-    void prefix_init();  // params_.prefix checked
-    void check_prefix_tokens(std::span<const token_t> tokens, const char* what) const;
+    void prefix_init();         // params_.prefix checked
     size_t cell_bytes() const;  // K and V bytes of one cell over every layer
     void prefix_record(const slot_info& sinfo, const ubatch& ub);  // tokens a real apply placed
     // >= n empty cells, evicting cached blocks other than `keep` (sorted ids)
@@ -385,12 +333,14 @@ private:
     std::vector<layer> layers_;       // own layers, ascending model index
     std::vector<int32_t> layer_map_;  // [model layers] index into layers_, or -1
     std::vector<uint32_t> layer_ids_;
-    std::unique_ptr<kv_storage> storage_;   // every K/V byte
-    std::vector<kv_cells> streams_;         // [n_stream]
-    std::vector<uint32_t> heads_;           // [n_stream] where the next search starts
-    std::vector<uint32_t> committed_;       // [n_stream] cells below the commit mark
-    uint32_t granule_ = 0;                  // the storage's commit granule (0: all committed)
-    std::unique_ptr<prefix_state> prefix_;  // null without a prefix cache
+    std::unique_ptr<kv_storage> storage_;                // every K/V byte
+    std::vector<kv_cells> streams_;                      // [n_stream]
+    std::vector<uint32_t> heads_;                        // [n_stream] where the next search starts
+    std::vector<uint32_t> committed_;                    // [n_stream] cells below the commit mark
+    uint32_t granule_ = 0;                               // the storage's commit granule (0: all committed)
+    std::unique_ptr<prefix_state> prefix_;               // null without a prefix cache
+    std::unique_ptr<detail::kv_prefix_part> part_;       // the cache as its prefix cache sees it
+    std::unique_ptr<detail::prefix_coordinator> coord_;  // its prefix cache (prefix_cache())
 };
 
 /// The context kv_cache returns from init_batch, init_full and init_update: an engine's way to the

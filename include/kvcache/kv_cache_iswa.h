@@ -63,7 +63,7 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p);
 
 /// Two KV caches, one for the full-attention layers and one for the sliding-window layers, driven as one
 /// memory. See the file comment.
-class kv_cache_iswa final : public memory_pair, public prefix_cache_i {
+class kv_cache_iswa final : public memory_pair {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration: what kv_cache refuses, no
     /// full-attention layer or no SWA layer kept (use a plain kv_cache), swa none or n_swa 0.
@@ -99,30 +99,10 @@ public:
     kv_cache* layer_cache(uint32_t il) override;  ///< the base or the SWA cache
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return nullptr; }
-    prefix_cache_i* prefix_cache() override { return prefix_enabled() ? this : nullptr; }
-    using memory_i::prefix_cache;
+    // prefix_cache() (memory_pair): over both caches (kv.prefix.enabled; see the file comment)
 
     /// K/V bytes both caches made from p would reserve, saturating; p need not be valid.
     static uint64_t reserve_bytes(const kv_cache_iswa_params& p);
-
-    // -- prefix cache (kv.prefix.enabled; see the file comment) --
-    bool prefix_enabled() const override { return params_.kv.prefix.enabled; }
-    /// Tokens prefix_attach would resume now: the deepest n < tokens.size() with the base cache's blocks
-    /// for [0, n) and the SWA cache's for the window before n.
-    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
-    /// Gives the empty sequence seq_id both parts of the deepest such prefix (at most max_tokens) and
-    /// returns its length; the engine decodes the rest. Throws as kv_cache::prefix_attach does.
-    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority,
-                           uint32_t max_tokens = UINT32_MAX) override;
-    /// Publishes what the last step computed in both caches (sequence operations do it first too).
-    void prefix_publish() override;
-    /// The base cache's counters with this memory's lookups and hits and the SWA cache's blocks.
-    prefix_stats get_prefix_stats() const override;
-    /// For memories built of parts (memory_hybrid): kv_cache::prefix_trim on the base cache (the cached
-    /// chain end e and its ancestors while evictable and keep is false), then the SWA blocks that served
-    /// only them. Returns the base blocks evicted.
-    uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
 
     // -- parts --
     kv_cache& get_base() { return *base_; }                         ///< the full-attention layers' cache
@@ -133,26 +113,13 @@ public:
     size_t size_bytes() const { return base_->size_bytes() + swa_->size_bytes(); }  ///< K/V of both
 
 private:
-    // The base cache's commit is taken back when the SWA cache's fails (an allocation); then sync_parts.
+    // The base cache's commit is taken back when the SWA cache's fails (an allocation).
     void commit_parts(state_stage_i* base, state_stage_i& swa) override;
-    void before_sequence_op() override { prefix_publish(); }
-    void after_copy() override { sync_parts(); }  // a copy across streams may evict
-    // a block one cache removed, for the other (sync_parts)
-    struct removed_block {
-        bool base = false;
-        prefix_event e;  // tokens point into `tokens`
-        std::vector<token_t> tokens;
-    };
     void check_seq(seq_id_t s, const char* what) const;
-    // Each cache drops what the other's removals left useless: the SWA cache a block the base cache no
-    // longer has, the base cache a cached chain end whose window the SWA cache no longer has.
-    void sync_parts();
 
     kv_cache_iswa_params params_;
     std::unique_ptr<kv_cache> base_;
     std::unique_ptr<kv_cache> swa_;
-    prefix_stats stats_;  // lookups and hits
-    std::vector<removed_block> removed_;
 };
 
 /// The context kv_cache_iswa returns: a child context per cache over the same ubatches. Engines build the

@@ -29,7 +29,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include <kvcache/kv_cache.h>
@@ -55,7 +54,7 @@ struct memory_hybrid_params {
 };
 
 /// An attention cache and a recurrent memory as one memory. See the file comment.
-class memory_hybrid final : public memory_pair, public prefix_cache_i {
+class memory_hybrid final : public memory_pair {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration: what either part refuses, or
     /// different n_seq_max.
@@ -95,34 +94,7 @@ public:
     kv_cache* layer_cache(uint32_t il) override { return attn_->layer_cache(il); }
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return recr_.get(); }
-    prefix_cache_i* prefix_cache() override { return prefix_enabled() ? this : nullptr; }
-    using memory_i::prefix_cache;
-
-    // -- prefix cache (params().prefix.enabled; see the file comment) --
-    bool prefix_enabled() const override { return attn_prefix_ != nullptr; }
-    /// Tokens prefix_attach would resume now: the deepest block boundary n < tokens.size() with the
-    /// attention part's K/V for [0, n) (iswa: the base cache's, and the SWA cache's window before n) and
-    /// a recurrent snapshot at n. Throws what the parts throw.
-    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
-    /// Gives the empty sequence seq_id the K/V of [0, n) (shared) and the snapshot at n (copied), and
-    /// returns n (what prefix_lookup returns, or less when one stream per sequence lacks room for the
-    /// K/V copies; at most max_tokens). Throws, nothing changed, for a sequence that is not empty, a bad
-    /// token or priority.
-    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority,
-                           uint32_t max_tokens = UINT32_MAX) override;
-    /// Publishes the last step's blocks and snapshots in both parts.
-    void prefix_publish() override;
-    /// The attention part's counters and cells (iswa: its base cache's, and the SWA cache's in swa_*),
-    /// the recurrent part's snapshot counters; lookups and hits are the hybrid's own.
-    prefix_stats get_prefix_stats() const override;
-    /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without): the
-    /// attention part's blocks and the recurrent part's snapshots through the same stores, counted together
-    /// (est_* and store: the attention part's).
-    std::vector<prefix_tier_stats> get_tier_stats() const override;
-    /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
-    /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
-    void prefix_tier_drain() override;
+    // prefix_cache() (memory_pair): over both parts (params().prefix.enabled; see the file comment)
 
     // -- parts --
     memory_i& get_attn() { return *attn_; }              ///< the attention part (kv_cache or kv_cache_iswa)
@@ -133,47 +105,9 @@ public:
     size_t size_bytes() const;                                      ///< K/V and state rows of both parts
 
 private:
-    void before_sequence_op() override { prefix_publish(); }  // the last step's blocks and snapshots
-    // A block one part's index let go, which the other part's may no longer need (sync_parts).
-    struct removed_block {
-        bool attn = false;    // from the attention part
-        bool window = false;  // from its cache with a window (the SWA cache, or a kv_cache with a window)
-        uint64_t hash = 0;
-        uint64_t parent_hash = 0;
-        uint32_t depth = 0;
-        std::vector<token_t> tokens;
-    };
-    // A block of the attention part's cache with a window, filed under its parent's hash (window_children_)
-    struct window_block {
-        uint64_t hash = 0;
-        uint32_t depth = 0;
-        std::vector<token_t> tokens;
-    };
-    // Keeps the parts' caches from holding halves of hits: a snapshot whose blocks' K/V went (a base
-    // block, or any block of its window) is dropped, and cached K/V blocks that lead to no snapshot any
-    // more are evicted. Run between the parts' operations (never inside one: the removals are queued by
-    // their events).
-    void sync_parts();
-    // Follows the attention part's events of its cache with a window (window_children_).
-    void track_window(const prefix_event& e);
-    // Drops the snapshots after window block r whose windows held it (those at the ends of the blocks
-    // that follow it, as far as the window reaches back).
-    void drop_window_followers(const removed_block& r);
-    // The deepest boundary n < tokens.size() both parts can resume at (prefix_lookup without counting).
-    uint32_t lookup_both(std::span<const token_t> tokens, uint64_t key);
-
     memory_hybrid_params params_;
     std::unique_ptr<memory_i> attn_;  // kv_cache or kv_cache_iswa
     std::unique_ptr<memory_recurrent> recr_;
-    prefix_cache_i* attn_prefix_ = nullptr;  // attn_ when the memory has a prefix cache (borrowed from attn_)
-    kv_cache* kv_ = nullptr;                 // attn_ when it is a kv_cache with a prefix cache
-    kv_cache_iswa* iswa_ = nullptr;          // attn_ when it is a kv_cache_iswa with a prefix cache
-    bool windowed_ = false;  // the attention part has a sliding window: a hit there implies no shallower one
-    prefix_stats stats_;     // lookups and hits
-    std::vector<removed_block> removed_;
-    // The blocks of the attention part's cache with a window, by parent hash: a window block that goes
-    // finds the blocks after it, whose snapshots' windows it was part of (one entry per such block)
-    std::unordered_multimap<uint64_t, window_block> window_children_;
 };
 
 /// The context memory_hybrid returns: an attention child and a recurrent child over the same ubatches.

@@ -3,28 +3,37 @@
 /// cache) and memory_hybrid (an attention and a recurrent part). What is the same for both is here once:
 /// the state (the first part's, unless state_seq_flag_partial_only, then the second's; both parsed before
 /// anything changes, committed both or neither), the sequence operations that go to both parts alike, the
-/// memory breakdown, and the context over a child context of each part. What differs stays with the owner:
+/// memory breakdown, the prefix cache over both parts' caches (one coordinator: design/prefix-cache.md,
+/// "The wing"), and the context over a child context of each part. What differs stays with the owner:
 /// which part holds a layer, how a batch is split, what removing a range and positions mean across the
 /// parts.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include <kvcache/batch.h>
 #include <kvcache/memory.h>
+#include <kvcache/prefix_cache.h>
 
 namespace kvc {
+
+namespace detail {
+class prefix_coordinator;  // internal: the prefix cache (src/prefix/prefix_coordinator.h)
+}  // namespace detail
 
 /// Two memories as one (see the file comment). The owner makes the parts and hands them over with
 /// set_parts(); they live as long as it does.
 class memory_pair : public memory_i {
 public:
+    ~memory_pair() override;
     void clear(bool data) override;  ///< both parts
-    /// These run before_sequence_op(), then the first part's operation, then the second's.
-    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;  ///< then after_copy()
+    /// These publish the last step (before_sequence_op), then run the first part's operation, then the
+    /// second's.
+    void seq_cp(seq_id_t src, seq_id_t dst, pos_t p0, pos_t p1) override;  ///< then sync_prefix()
     void seq_keep(seq_id_t seq_id) override;
     void seq_add(seq_id_t seq_id, pos_t p0, pos_t p1, pos_t shift) override;
     void seq_div(seq_id_t seq_id, pos_t p0, pos_t p1, int d) override;
@@ -40,11 +49,13 @@ public:
     std::string state_layout() const override;
     uint64_t state_max_bytes() const override;               ///< the two payloads back to back
     memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
+    /// The prefix cache over both parts' caches, or null (made without one).
+    prefix_cache_i* prefix_cache() override;
+    using memory_i::prefix_cache;
 
 protected:
     /// kind, first and second name the memory and its parts in state_layout() and in errors.
-    memory_pair(const char* kind, const char* first, const char* second)
-        : kind_(kind), first_name_(first), second_name_(second) {}
+    memory_pair(const char* kind, const char* first, const char* second);
     /// The parts, once the owner made them.
     void set_parts(memory_i& first, memory_i& second) {
         first_ = &first;
@@ -54,10 +65,14 @@ protected:
     /// state_seq_flag_partial_only). The default commits the first then the second, for a first part
     /// that changes nothing when it fails and a second that does not fail.
     virtual void commit_parts(state_stage_i* first, state_stage_i& second);
-    /// Before a sequence operation (a prefix cache publishes the last step first). Default: nothing.
-    virtual void before_sequence_op() {}
-    /// After a copy, which may have evicted in a part (a prefix cache couples the parts). Default: nothing.
-    virtual void after_copy() {}
+    /// Makes the pair's prefix cache (p: its parameters), into which the owner adopts the parts of its
+    /// caches; each cache was made with a prefix cache of the same parameters.
+    detail::prefix_coordinator& make_prefix(const prefix_cache_params& p, uint32_t n_seq_max);
+    /// Before a sequence operation: the prefix cache publishes the last step first.
+    void before_sequence_op();
+    /// After what may have evicted in a part (a copy, a placement, a state commit): the prefix cache lets
+    /// the other part go of it.
+    void sync_prefix();
 
 private:
     struct staged;
@@ -68,6 +83,7 @@ private:
     const char* second_name_;
     memory_i* first_ = nullptr;
     memory_i* second_ = nullptr;
+    std::unique_ptr<detail::prefix_coordinator> prefix_;  // null without a prefix cache
 };
 
 /// The context of a memory_pair: a child context of each part over the same ubatches. The owner's

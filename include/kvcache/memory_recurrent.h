@@ -125,9 +125,13 @@ struct rs_slot {
 
 class memory_recurrent_context;
 struct memory_recurrent_test_access;  // tests/memory_recurrent_test_access.h
+namespace detail {
+class recurrent_prefix_part;  // internal: the memory as a part of its prefix cache
+class prefix_coordinator;     // internal: the prefix cache (src/prefix/prefix_coordinator.h)
+}  // namespace detail
 
 /// The recurrent state memory. See the file comment for cells, the engine contract and rollback.
-class memory_recurrent final : public memory_i, public prefix_cache_i {
+class memory_recurrent final : public memory_i {
 public:
     /// Throws kvc::error(invalid_argument) on an invalid configuration (no layer kept, n_seq_max 0,
     /// a type other than f32, f16 or bf16, buffers whose size overflows).
@@ -203,60 +207,21 @@ public:
     kv_cache* layer_cache(uint32_t /*il*/) override { return nullptr; }
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return this; }
-    prefix_cache_i* prefix_cache() override { return prefix_enabled() ? this : nullptr; }
+    /// The prefix cache (params().prefix.enabled; see the file comment), or null.
+    prefix_cache_i* prefix_cache() override;
     using memory_i::prefix_cache;
 
     /// State bytes a memory made from p would hold (every row of every plane), saturating at UINT64_MAX;
     /// p need not be valid. What creation checks against p.memory_budget.
     static uint64_t reserve_bytes(const recurrent_params& p);
 
-    // -- prefix cache (params().prefix.enabled; see the file comment) --
-    bool prefix_enabled() const override { return prefix_ != nullptr; }
-    /// Tokens of `tokens` that prefix_attach would resume now: the deepest block boundary n <
-    /// tokens.size() that has a snapshot and whose tokens [0, n) were decoded under the same key; 0 if
-    /// none. Throws kvc::error(unsupported) without a prefix cache, (invalid_argument) for a negative
-    /// token or one outside [0, prefix.n_vocab).
-    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) override;
-    /// Gives the empty sequence seq_id the state of the deepest snapshot of `tokens` (copied into a cell
-    /// of its own) at position n - 1, as if it had decoded tokens [0, n), and returns n (what
-    /// prefix_lookup returns; 0: nothing changed). The blocks the sequence publishes get `priority`.
-    /// Throws, nothing changed, for a sequence holding a state, an id out of range, a bad token or a
-    /// priority above 100. It resumes at most at max_tokens (memory_hybrid: where its attention part
-    /// has the K/V).
-    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
-                           uint8_t priority = prefix_default_priority,
-                           uint32_t max_tokens = UINT32_MAX) override;
-    /// Publishes the snapshots the last step wrote (every batch, lookup, attach and sequence operation
-    /// does it first; call it after computing the last step when none follows).
-    void prefix_publish() override;
-    /// What the prefix cache did and holds (zeros without one); the cell counts are 0 (a recurrent memory
-    /// caches snapshots, not cells).
-    prefix_stats get_prefix_stats() const override;
-    /// For memories built of parts (memory_hybrid): drops the snapshot of the block named by e (its chain
-    /// hash, parent hash and tokens), if there is one; true if it did.
-    bool prefix_drop(const prefix_event& e);
-    /// Whether the index has the block named by e: a block leads to a snapshot, or a sequence is
-    /// decoding past it.
-    bool prefix_has(const prefix_event& e) const;
+    // -- prefix cache snapshots (params().prefix.enabled; see the file comment) --
     /// Snapshot rows in every tensor (prefix.max_snapshots resolved; 0 without a prefix cache).
     uint32_t get_n_snapshots() const { return n_snap_; }
     /// Snapshot rows in use now (published or being written); O(1).
     uint32_t get_snapshots_used() const;
     /// Bytes of one snapshot: one row of every tensor.
     size_t snapshot_bytes() const;
-    /// The layout of this memory's snapshot records in a tier (docs/tiers.md): block_layout::per_block,
-    /// types type_r / type_s, per own layer its r and s widths; model_id names the model. Throws
-    /// kvc::error(unsupported) without a prefix cache.
-    block_layout prefix_block_layout(uint64_t model_id) const;
-    /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
-    std::vector<prefix_tier_stats> get_tier_stats() const override;
-    /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
-    /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
-    void prefix_tier_drain() override;
-    /// For memories built of parts (memory_hybrid): brings back from the tiers a snapshot deeper than
-    /// memory's for the first max_tokens + 1 of `tokens`, as prefix_attach does first. Nothing without
-    /// tiers. Throws as prefix_attach for bad tokens.
-    void prefix_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
 
     // -- shape --
     /// The parameters the memory was built with.
@@ -317,6 +282,7 @@ public:
 
 private:
     friend class memory_recurrent_context;
+    friend class detail::recurrent_prefix_part;
     friend struct memory_recurrent_test_access;
     struct cell_rec;
     struct layer;
@@ -347,10 +313,23 @@ private:
     std::vector<seq_id_t> members(uint32_t c) const;
     struct staged_state;
 
-    // -- prefix cache (src/memory_recurrent_prefix.cpp; no-ops without one) --
+    // -- the prefix cache's operations (src/memory_recurrent_prefix.cpp; the part recurrent_prefix_part
+    // drives) --
     struct prefix_state;
+    uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key);
+    uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint8_t priority,
+                           uint32_t max_tokens);
+    void prefix_publish();
+    prefix_stats get_prefix_stats() const;         // the cell counts are 0 (it caches snapshots, not cells)
+    bool prefix_drop(const prefix_event& e);       // the snapshot of block e, if any; true if it did
+    bool prefix_has(const prefix_event& e) const;  // block e is in the index
+    block_layout prefix_block_layout(uint64_t model_id) const;  // of the snapshot records in a tier
+    std::vector<prefix_tier_stats> get_tier_stats() const;
+    void prefix_tier_drain();
+    // brings back from the tiers a snapshot deeper than memory's for the first max_tokens + 1 of `tokens`
+    void prefix_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
+    // -- prefix cache hooks (no-ops without one) --
     void prefix_init();
-    void check_prefix_tokens(std::span<const token_t> tokens, const char* what) const;
     // Before placing ub (the context's apply): which snapshots the ubatch's sequences get, making room
     // in the pool. `prompts`: the sequences with several tokens in the batch, each with its tokens in the
     // batch's later ubatches (the newest boundary a prompt reaches is kept).
@@ -386,8 +365,10 @@ private:
     uint32_t mark_ = 0;    // rows of cells [0, mark_) may hold memory: those above went back (fit_rows)
     uint32_t n_snap_ = 0;  // snapshot rows after the planes
     std::unique_ptr<prefix_state> prefix_;
-    std::vector<uint32_t> refs_;         // scratch: sources referencing each row
-    std::vector<cell_rec> saved_cells_;  // scratch of prepare: the cells before the dry run
+    std::unique_ptr<detail::recurrent_prefix_part> part_;  // the memory as its prefix cache sees it
+    std::unique_ptr<detail::prefix_coordinator> coord_;    // its prefix cache (prefix_cache())
+    std::vector<uint32_t> refs_;                           // scratch: sources referencing each row
+    std::vector<cell_rec> saved_cells_;                    // scratch of prepare: the cells before the dry run
     std::vector<int32_t> saved_tail_;
     std::vector<seq_id_t> saved_next_;
 };

@@ -3,8 +3,8 @@
 ///
 /// With `kv_cache_params::prefix.enabled`, every full block of `block_size` tokens that a sequence decodes
 /// from position 0 in order is published (at the engine's next step, once its rows are computed) under a
-/// hash chained over the tokens before it. kv_cache::prefix_attach gives a new sequence the cells of the
-/// longest cached prefix of its prompt (shared, no copy), so the engine decodes only the rest. When a
+/// hash chained over the tokens before it. prefix_cache_i::prefix_attach gives a new sequence the cells of
+/// the longest cached prefix of its prompt (shared, no copy), so the engine decodes only the rest. When a
 /// sequence leaves its cells, published ones stay as cached cells that belong to no sequence: invisible
 /// to every mask, evicted in policy order (deepest blocks of a chain first) only when a batch finds no
 /// free cell. docs/prefix-cache.md has the guarantees and the engine loop.
@@ -16,6 +16,8 @@
 #include <span>
 #include <vector>
 
+#include <kvcache/block_record.h>
+#include <kvcache/block_store.h>
 #include <kvcache/prefix_tiers.h>
 #include <kvcache/types.h>
 
@@ -33,7 +35,7 @@ enum class evict_policy : uint8_t {
     adaptive,
 };
 
-/// Highest priority of a prefix (kv_cache::prefix_attach, prefix_set_priority); 0 is evicted first.
+/// Highest priority of a prefix (prefix_cache_i::prefix_attach, prefix_set_priority); 0 is evicted first.
 inline constexpr uint8_t prefix_max_priority = 100;
 /// Priority of blocks published by a sequence attached without one.
 inline constexpr uint8_t prefix_default_priority = 50;
@@ -79,7 +81,7 @@ struct prefix_cache_params {
     evict_policy policy = evict_policy::lru;  ///< the order of blocks of one priority
     /// SLRU: the protected segment holds at most this fraction of a stream's blocks.
     float protected_fraction = 0.8f;
-    /// Pins may hold at most this fraction of a stream's cells (kv_cache::prefix_pin).
+    /// Pins may hold at most this fraction of a stream's cells (prefix_cache_i::prefix_pin).
     float max_pinned_fraction = 0.5f;
     int32_t n_vocab = 0;  ///< > 0: prompt tokens must be in [0, n_vocab); 0: only non-negative
     /// Recurrent memories: besides the end of every prompt and of every sequence, keep a snapshot every
@@ -97,7 +99,7 @@ struct prefix_cache_params {
     prefix_tier_params tiers{};
 };
 
-/// What the prefix cache did and holds (kv_cache::get_prefix_stats()).
+/// What the prefix cache did and holds (prefix_cache_i::get_prefix_stats()).
 struct prefix_stats {
     uint64_t lookups = 0;             ///< prefix_lookup and prefix_attach calls
     uint64_t tokens_looked_up = 0;    ///< prompt tokens they were given
@@ -128,42 +130,80 @@ struct prefix_stats {
     size_t index_bytes = 0;
 };
 
-/// The prefix cache of any memory (kv_cache, kv_cache_iswa, memory_recurrent, memory_hybrid), for code
-/// that serves any of them (the C API, Python, `kvcache replay`, `kvcache sim`): memory_i::prefix_cache()
-/// gives it when the memory has one. Each class documents its own rules; without a prefix cache the calls
-/// throw kvc::error(unsupported), except prefix_enabled, prefix_publish (nothing to do) and
-/// get_prefix_stats (zeros).
+/// The prefix cache of a memory (kv_cache, kv_cache_iswa, memory_recurrent, memory_hybrid):
+/// memory_i::prefix_cache() gives it when the memory was made with one (null otherwise). One coordinator
+/// serves every kind of memory over its parts (design/prefix-cache.md, "The wing"): a hit needs every
+/// part's blocks, and what one part evicts the others let go too. docs/prefix-cache.md has the rules.
 class prefix_cache_i {
 public:
     virtual ~prefix_cache_i() = default;
-    /// Whether the memory was made with a prefix cache.
-    virtual bool prefix_enabled() const = 0;
-    /// Tokens of `tokens` that prefix_attach would give a sequence now.
-    virtual uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key) = 0;
-    /// Gives the empty sequence seq_id the longest cached prefix of `tokens` (at most max_tokens) and
-    /// returns its length; the engine decodes the rest.
-    virtual uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
-                                   uint8_t priority, uint32_t max_tokens) = 0;
-    /// Publishes what the last step computed.
+    /// Tokens of `tokens` that prefix_attach would give a sequence now: the longest cached prefix in
+    /// whole blocks, at most tokens.size() - 1 (the engine still computes the last token's logits). With
+    /// one stream per sequence, an attach gets less when its stream has no room for the copies. Changes
+    /// nothing but the lookup counters. `key` separates namespaces (model revision, adapter, tenant):
+    /// only blocks published under the same key match. Throws kvc::error for a token outside the
+    /// vocabulary.
+    virtual uint32_t prefix_lookup(std::span<const token_t> tokens, uint64_t key = 0) = 0;
+    /// Makes the empty sequence seq_id hold the cells of the longest cached prefix of `tokens` (shared,
+    /// not copied) at positions [0, n), as if it had decoded them, and returns n (what prefix_lookup
+    /// returns; with tiers, what they bring back first counts too). With a sliding window the sequence
+    /// holds only the window of n (and position n - 1); a recurrent memory resumes from a snapshot of its
+    /// state at n. The engine then decodes tokens[n:] from position n; the blocks that decoding completes
+    /// are published under `key` with `priority` (0-100: lower priorities are evicted first), and the
+    /// blocks it reuses are raised to it. At most max_tokens are attached. Throws kvc::error, changing
+    /// nothing, for a bad seq_id, a sequence that holds cells, a token outside the vocabulary or a
+    /// priority above 100.
+    virtual uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key = 0,
+                                   uint8_t priority = prefix_default_priority,
+                                   uint32_t max_tokens = UINT32_MAX) = 0;
+    /// Publishes now the blocks completed by the ubatches applied so far. A context's next() past its
+    /// last ubatch does it, as do sequence operations and attaches.
     virtual void prefix_publish() = 0;
-    /// What the prefix cache did and holds.
+    /// What the prefix cache did and holds, over every part. It counts the cells of every stream: for
+    /// reports, not for every step.
     virtual prefix_stats get_prefix_stats() const = 0;
-    /// Whether the memory pins prefixes and sets their priorities (a kv_cache; its prefix_pin may still
-    /// refuse, e.g. with a sliding window).
-    virtual bool prefix_can_pin() const { return false; }
-    /// Pins the blocks of the longest cached prefix of `tokens`; returns the tokens pinned (kv_cache).
-    /// Memories that cannot pin throw kvc::error(unsupported): a cache with a sliding window, recurrent
-    /// snapshots.
-    virtual uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key);
-    /// Undoes one prefix_pin of the same prefix; returns the tokens unpinned (kv_cache; see prefix_pin).
-    virtual uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key);
-    /// Sets the priority of the blocks of the longest cached prefix of `tokens`; returns their tokens
-    /// (kv_cache; see prefix_pin).
-    virtual uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority);
+
+    /// Whether prefix_pin, prefix_unpin and prefix_set_priority are served: they are a plain kv_cache's.
+    virtual bool prefix_can_pin() const = 0;
+    /// Pins the blocks of the longest cached prefix of `tokens` (in whole blocks, the whole prompt
+    /// included) and returns the tokens pinned: no eviction takes them until as many prefix_unpin calls.
+    /// Throws kvc::error, changing nothing, when the pinned cells would exceed
+    /// prefix.max_pinned_fraction of the cache, or (unsupported) without prefix_can_pin() or with a
+    /// sliding window.
+    virtual uint32_t prefix_pin(std::span<const token_t> tokens, uint64_t key = 0) = 0;
+    /// Undoes one prefix_pin of the same prefix: unpins the pinned blocks of the longest cached prefix of
+    /// `tokens` and returns their tokens.
+    virtual uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key = 0) = 0;
+    /// Sets the priority (0-100) of the blocks of the longest cached prefix of `tokens`; returns their
+    /// tokens. A cached block moves to the newest end of its new priority's queue.
+    virtual uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority) = 0;
+
     /// What the prefix cache did with each of its tiers (prefix.tiers.stores, in order; empty without).
-    virtual std::vector<prefix_tier_stats> get_tier_stats() const { return {}; }
-    /// With prefix.tiers.async_writes: returns when every write queued so far is done. Nothing otherwise.
-    virtual void prefix_tier_drain() {}
+    /// A memory of parts counts both parts' use of each store.
+    virtual std::vector<prefix_tier_stats> get_tier_stats() const = 0;
+    /// With prefix.tiers.async_writes: returns when every write queued so far is done (before reading
+    /// the stores from elsewhere, or counters that must include them). Nothing otherwise.
+    virtual void prefix_tier_drain() = 0;
+    /// The layout of a plain kv_cache's blocks in a store: its K/V types, V layout, block size and own
+    /// layers (model index, K and V widths); model_id names the model (block_layout::model_id). Throws
+    /// kvc::error(unsupported) for other memories.
+    virtual block_layout prefix_block_layout(uint64_t model_id) const = 0;
+    /// Writes to `store` the cached blocks of the longest cached prefix of `tokens` (whole blocks, the
+    /// whole prompt included) that it does not hold yet (one contains_many, one put_many), as block records
+    /// of prefix_block_layout(model_id). Returns the blocks written. Store failures are the store's to
+    /// count (a store made with throw_errors throws them). Changes no cell. A plain kv_cache's.
+    virtual uint32_t prefix_store_blocks(block_store_i& store, uint64_t model_id,
+                                         std::span<const token_t> tokens, uint64_t key = 0) = 0;
+    /// Fetches from `store`, in one read_many, the blocks of `tokens` after its longest cached prefix, as
+    /// far as they follow each other: each verified (layout, key, chain hash, parent, depth, the tokens
+    /// themselves), its rows written into free cells of `stream` (evicting cached blocks of lower
+    /// standing, as placement does; never the chain it extends) and published as a cached block under
+    /// `key`. A miss, a value the store or the record check refuses, or no room ends the chain. Returns the
+    /// tokens of `tokens` cached now, in whole blocks (a prefix_attach then gets them). Throws
+    /// kvc::error for bad tokens or a bad stream; nothing changes then. A plain kv_cache's.
+    virtual uint32_t prefix_fetch_blocks(block_store_i& store, uint64_t model_id,
+                                         std::span<const token_t> tokens, uint64_t key = 0,
+                                         uint32_t stream = 0) = 0;
 };
 
 }  // namespace kvc

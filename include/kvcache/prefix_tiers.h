@@ -5,8 +5,8 @@
 ///
 /// With `prefix_cache_params::tiers.stores` set, a block leaving memory (write_policy::on_evict) or every
 /// block as it is published (write_policy::through) is written to each store that does not hold it yet,
-/// and kv_cache::prefix_attach asks the stores, in order, for the blocks of the prompt after what memory
-/// holds, before it attaches: what they return goes into free cells of the sequence's stream as cached
+/// and prefix_cache_i::prefix_attach asks the stores, in order, for the blocks of the prompt after what
+/// memory holds, before it attaches: what they return goes into free cells of the sequence's stream as cached
 /// blocks, verified on layout, position in the chain and tokens. A store is asked only when its measured
 /// cost (prefix_tier_stats::est_latency_ns, est_ns_per_byte) is below the engine's cost of computing the
 /// tokens it would return (prefill_ns_per_token). A failing store is a miss: the engine recomputes.

@@ -45,7 +45,7 @@ int main() {
     std::vector<kvc::token_t> prompt(40);
     std::iota(prompt.begin(), prompt.end(), 1);
     rt.decode(kvc::batch::get_one(prompt));  // sequence 0
-    cache.prefix_publish();
+    cache.prefix_cache()->prefix_publish();
     check(attach(cache, 1, prompt) == 32, "capabilities: attach gives sequence 1 two cached blocks");
     kvc::kv_cache plain(m.cache_params(256, 2));
     check(attach(plain, 0, prompt) == 0, "capabilities: a memory without a prefix cache gives nothing");

@@ -21,13 +21,13 @@ int main() {
 
     // "The engine loop"
     // SNIPPET
-    check(n == 0 && cache.get_prefix_stats().blocks == 2,
+    check(n == 0 && prefix.get_prefix_stats().blocks == 2,
           "the first request computes its prompt, 2 blocks stay");
     // the pin
     // SNIPPET
-    check(cache.get_prefix_stats().pinned_cells == 32, "the system prompt's cells are pinned");
+    check(prefix.get_prefix_stats().pinned_cells == 32, "the system prompt's cells are pinned");
     tokens.back() = 200;  // another request, another question
-    check(cache.prefix_attach(0, tokens) == 32, "the next request starts after the system prompt");
+    check(prefix.prefix_attach(0, tokens) == 32, "the next request starts after the system prompt");
 
     return doc::failures == 0 ? 0 : 1;
 }

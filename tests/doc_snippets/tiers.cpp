@@ -33,7 +33,8 @@ std::vector<token_t> prompt_of(size_t n) {
 void with_tiers() {
     const std::vector<token_t> prompt = prompt_of(8);
     // SNIPPET
-    check(n == 0 && cache.get_tier_stats().size() == 2, "a cache with tiers: two tiers, nothing cached yet");
+    check(n == 0 && cache.prefix_cache()->get_tier_stats().size() == 2,
+          "a cache with tiers: two tiers, nothing cached yet");
 }
 
 // "Writing and fetching by hand"
@@ -43,7 +44,7 @@ void by_hand() {
     p.prefix.enabled = true;
     kv_cache cache(p);
     decode(cache, 0, prompt, 0);  // sequence 0 decoded the prompt
-    cache.prefix_publish();
+    cache.prefix_cache()->prefix_publish();
     // SNIPPET
     check(disk.entries() == 2 && n == 32, "by hand: two blocks in the store, 32 tokens attached");
 }

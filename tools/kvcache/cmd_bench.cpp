@@ -372,10 +372,10 @@ private:
             for (auto& t : convs) {
                 for (auto& x : t) x = static_cast<token_t>(rng() % 32000);
                 place(c, 0, 0, t);
-                c.prefix_publish();
+                c.prefix_cache()->prefix_publish();
                 c.seq_rm(0, -1, -1);
             }
-            const prefix_stats st = c.get_prefix_stats();
+            const prefix_stats st = c.prefix_cache()->get_prefix_stats();
             const double tokens = 16.0 * st.blocks;
             // the requests: a random conversation's first 1,008 tokens and 16 new ones
             const int calls = o_.quick ? 200 : 2000;
@@ -387,9 +387,9 @@ private:
             }
             const double s = best_of(reps_, [&] {
                 for (const auto& prompt : prompts) {
-                    const uint32_t n = c.prefix_attach(1, prompt);
+                    const uint32_t n = c.prefix_cache()->prefix_attach(1, prompt);
                     place(c, 1, static_cast<pos_t>(n), std::span(prompt).subspan(n));
-                    c.prefix_publish();
+                    c.prefix_cache()->prefix_publish();
                     c.seq_rm(1, -1, -1);
                 }
             });
@@ -413,7 +413,7 @@ private:
             for (uint32_t done = 0; full && done < c.get_size(); done += 512) {
                 fresh();
                 place(c, 0, 0, t);
-                c.prefix_publish();
+                c.prefix_cache()->prefix_publish();
                 c.seq_rm(0, -1, -1);
             }
             const int calls = o_.quick ? 20 : 100;
@@ -422,7 +422,7 @@ private:
                                for (int i = 0; i < calls; ++i) {
                                    fresh();
                                    place(c, 1, 0, t);
-                                   c.prefix_publish();
+                                   c.prefix_cache()->prefix_publish();
                                    c.seq_rm(1, -1, -1);
                                }
                            }) /
@@ -513,7 +513,7 @@ private:
             kv_cache first(p);
             runtime rt(m, first, runtime_params{.n_threads = o_.threads});
             decode(rt, prompt, 0);
-            first.prefix_publish();
+            first.prefix_cache()->prefix_publish();
         }
         // Each run: an empty cache attaches the prompt (fetching its blocks) and computes the rest.
         const auto ttft = [&](const std::shared_ptr<block_store_i>& store, double cost_ns) {
@@ -523,7 +523,7 @@ private:
             kv_cache c(p);
             runtime rt(m, c, runtime_params{.n_threads = o_.threads});
             const auto run = [&] {
-                const uint32_t hit = c.prefix_attach(0, prompt);
+                const uint32_t hit = c.prefix_cache()->prefix_attach(0, prompt);
                 decode(rt, std::span(prompt).subspan(hit), static_cast<pos_t>(hit));
             };
             run();  // the cost model's first measurement

@@ -245,7 +245,7 @@ private:
                 }
                 // the requests end; what they computed stays cached (published first: the last step
                 // completed blocks that no later step would publish)
-                cache_->prefix_publish();
+                cache_->prefix_cache()->prefix_publish();
                 for (const auto& [s, toks] : rest) {
                     mem_->seq_rm(s, -1, -1);
                     ref_.seq_rm(s, -1, -1);
@@ -286,7 +286,7 @@ private:
     // The cache attaches the cached prefix of prompt to s (the reference decodes it, unchecked); returns
     // the rest of the prompt.
     std::vector<token_t> attach(seq_id_t s, const std::vector<token_t>& prompt) {
-        const uint32_t n = cache_->prefix_attach(s, prompt);
+        const uint32_t n = cache_->prefix_cache()->prefix_attach(s, prompt);
         if (n > 0) {
             batch_storage b = batch::init(static_cast<int32_t>(n), 0, 1);
             const seq_id_t ids[1] = {s};
@@ -298,10 +298,10 @@ private:
 
     template <class F>
     void chat_phase(const char* name, F&& body) {
-        const prefix_stats a = cache_->get_prefix_stats();
+        const prefix_stats a = cache_->prefix_cache()->get_prefix_stats();
         phase(name, [&] {
             body();
-            const prefix_stats b = cache_->get_prefix_stats();
+            const prefix_stats b = cache_->prefix_cache()->get_prefix_stats();
             const uint64_t looked = b.tokens_looked_up - a.tokens_looked_up,
                            hit = b.hit_tokens - a.hit_tokens;
             return fmt::format(

@@ -108,7 +108,7 @@ public:
         a.init(b.view(), positions_of(*mem_), {.n_seq_max = mem_->n_seq_max()});
         auto ctx = mem_->init_batch(a, n_ubatch_, /*embd_all=*/false);
         if (ctx->get_status() != memory_status::success) {
-            const prefix_stats st = kv_ ? kv_->get_prefix_stats() : prefix_stats{};
+            const prefix_stats st = kv_ ? kv_->prefix_cache()->get_prefix_stats() : prefix_stats{};
             throw error(
                 errc::invalid_state,
                 fmt::format("sim: a step of {} tokens found no room ({} cells held by live requests; "
@@ -149,7 +149,7 @@ public:
         r.swa_cells = swa_cells_;
         r.tier_hit_tokens = tier_hits_;
         if (tiers_)
-            for (const prefix_tier_stats& t : kv_->get_tier_stats())
+            for (const prefix_tier_stats& t : kv_->prefix_cache()->get_tier_stats())
                 r.tiers.push_back({.where = t.where,
                                    .fetches = t.fetches,
                                    .fetched_blocks = t.fetched_blocks,
@@ -194,7 +194,7 @@ private:
     }
     uint64_t tier_fetched() const {
         uint64_t n = 0;
-        for (const prefix_tier_stats& t : kv_->get_tier_stats()) n += t.fetched_blocks;
+        for (const prefix_tier_stats& t : kv_->prefix_cache()->get_tier_stats()) n += t.fetched_blocks;
         return n;
     }
     bool prefix_;
