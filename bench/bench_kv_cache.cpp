@@ -250,7 +250,7 @@ void bm_k_shift(benchmark::State& state) {
     p.kv_size = 32768;
     kv_cache c(p);
     fill(c, 1, 32768);
-    const size_t bytes = c.size_k_bytes();
+    const size_t bytes = c.size_bytes(kv_part::k);
     std::vector<std::byte> a(bytes / 32), b(bytes / 32);  // memcpy yardstick, one layer at a time
     double memcpy_s = 1e300;
     for (int rep = 0; rep < 3; ++rep) {

@@ -269,41 +269,26 @@ void kv_cache::check_seq(seq_id_t s, const char* what) const {
                     fmt::format("{}: seq_id {} not in [0, {})", what, s, params_.n_seq_max));
 }
 
-size_t kv_cache::size_k_bytes() const {
+size_t kv_cache::size_bytes(kv_part part) const {
     size_t n = 0;
-    for (uint32_t li = 0; li < layers_.size(); ++li) n += storage_->bytes(kv_part::k, li);
+    for (uint32_t li = 0; li < layers_.size(); ++li) n += storage_->bytes(part, li);
     return n;
 }
 
-size_t kv_cache::size_v_bytes() const {
-    size_t n = 0;
-    for (uint32_t li = 0; li < layers_.size(); ++li) n += storage_->bytes(kv_part::v, li);
-    return n;
+size_t kv_cache::layer_bytes(kv_part part, uint32_t il) const {
+    return storage_->bytes(part, own_layer(il));
 }
 
-size_t kv_cache::layer_k_bytes(uint32_t il) const {
-    return storage_->bytes(kv_part::k, own_layer(il));
-}
-size_t kv_cache::layer_v_bytes(uint32_t il) const {
-    return storage_->bytes(kv_part::v, own_layer(il));
-}
-
-void kv_cache::read_k_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const {
+void kv_cache::read_row(kv_part part, uint32_t il, uint32_t stream, uint32_t cell,
+                        std::span<float> out) const {
     const uint32_t li = own_layer(il);
     cells(stream);
-    if (cell >= params_.kv_size || out.size() < storage_->e_k(li))
+    const size_t e = part == kv_part::k ? storage_->e_k(li) : storage_->e_v(li);
+    if (cell >= params_.kv_size || out.size() < e)
         throw error(errc::out_of_range,
-                    fmt::format("read_k_row: cell {} / output of {} values", cell, out.size()));
-    storage_->read_row(kv_part::k, li, row(stream, cell), out);
-}
-
-void kv_cache::read_v_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const {
-    const uint32_t li = own_layer(il);
-    cells(stream);
-    if (cell >= params_.kv_size || out.size() < storage_->e_v(li))
-        throw error(errc::out_of_range,
-                    fmt::format("read_v_row: cell {} / output of {} values", cell, out.size()));
-    storage_->read_row(kv_part::v, li, row(stream, cell), out);
+                    fmt::format("read_row: cell {} of {} / output of {} values (a row has {})", cell,
+                                params_.kv_size, out.size(), e));
+    storage_->read_row(part, li, row(stream, cell), out);
 }
 
 bool kv_cache::get_can_shift() const {

@@ -116,7 +116,7 @@ struct engine {
         ASSERT_EQ(cells.seq_pos_max(s), static_cast<pos_t>(h.size()) - 1) << "seq " << s;
         std::vector<float> k(4);
         for (const auto& [pos, cell] : cells.seq_entries(s, -1, -1)) {
-            c.read_k_row(0, stream(s), cell, k);
+            c.read_row(kvc::kv_part::k, 0, stream(s), cell, k);
             const auto f = fingerprint(h, static_cast<size_t>(pos) + 1);
             ASSERT_TRUE(std::equal(k.begin(), k.end(), f.begin()))
                 << "seq " << s << " position " << pos << " cell " << cell << " holds position " << k[0];

@@ -52,10 +52,10 @@ TEST(kv_cache, size_accounting_per_layer_and_type) {
     EXPECT_EQ(c.get_n_stream(), 2u);
     EXPECT_EQ(std::vector<uint32_t>(c.layer_ids().begin(), c.layer_ids().end()),
               (std::vector<uint32_t>{0, 2}));
-    EXPECT_EQ(c.layer_k_bytes(0), row_size(dtype::q8_0, 128) * 256 * 2);
-    EXPECT_EQ(c.layer_v_bytes(2), row_size(dtype::f16, 32) * 256 * 2);
+    EXPECT_EQ(c.layer_bytes(kv_part::k, 0), row_size(dtype::q8_0, 128) * 256 * 2);
+    EXPECT_EQ(c.layer_bytes(kv_part::v, 2), row_size(dtype::f16, 32) * 256 * 2);
     EXPECT_EQ(c.size_bytes(), (row_size(dtype::q8_0, 128) + row_size(dtype::q8_0, 64) + 256 + 64) * 512);
-    EXPECT_THROW((void)c.layer_k_bytes(1), error);
+    EXPECT_THROW((void)c.layer_bytes(kv_part::k, 1), error);
 }
 
 // -- design/kv-cache.md Appendix B --
@@ -360,8 +360,8 @@ TEST(kv_cache, seq_cp_across_streams_copies_rows_and_pending_shift) {
     const auto& to = c.cells(1);
     for (uint32_t cell = 0; cell < 8; ++cell) {
         if (to.is_empty(cell)) continue;
-        c.read_k_row(0, 1, cell, k);
-        c.read_v_row(0, 1, cell, v);
+        c.read_row(kv_part::k, 0, 1, cell, k);
+        c.read_row(kv_part::v, 0, 1, cell, v);
         const size_t tok = to.pos_get(cell) == 0 ? 0 : 1;
         EXPECT_EQ(k[0], rows[tok * 8]);
         EXPECT_EQ(v[7], rows[tok * 8 + 7]);
@@ -444,7 +444,7 @@ TEST(kv_cache, shifted_keys_equal_keys_computed_at_the_new_position) {
                 ->cpy_k(0, const_tensor_view::contiguous(
                                dtype::f32, reinterpret_cast<const std::byte*>(key.data()), 128));
             std::vector<float> stored(128);
-            c.read_k_row(0, 0, 3, stored);
+            c.read_row(kv_part::k, 0, 0, 3, stored);
             c.seq_add(0, -1, -1, d);
             auto up = c.init_update(false);
             ASSERT_EQ(up->get_status(), memory_status::success);
@@ -452,7 +452,7 @@ TEST(kv_cache, shifted_keys_equal_keys_computed_at_the_new_position) {
             EXPECT_FALSE(c.get_has_shift());
             EXPECT_EQ(c.cells(0).pos_get(3), p0 + d);
             std::vector<float> got(128);
-            c.read_k_row(0, 0, 3, got);
+            c.read_row(kv_part::k, 0, 0, 3, got);
             // tolerance: one re-encoding of the type on top of the stored key's own error
             float tol = 1e-4f;
             if (t == dtype::f16) tol = 4e-3f;
@@ -569,8 +569,8 @@ struct pending_shift {
     bool rotated() {
         want.update();
         std::vector<float> got(8), expect(8);
-        c.read_k_row(0, 0, 0, got);
-        want.read_k_row(0, 0, 0, expect);
+        c.read_row(kv_part::k, 0, 0, 0, got);
+        want.read_row(kv_part::k, 0, 0, 0, expect);
         return got == expect;
     }
 };
@@ -593,13 +593,13 @@ TEST(kv_cache, auto_update_applies_pending_shifts_before_a_batch) {
 TEST(kv_cache, auto_update_leaves_the_shift_pending_when_a_batch_does_not_fit) {
     pending_shift t(true);
     std::vector<float> before(8), got(8);
-    t.c.read_k_row(0, 0, 0, before);
+    t.c.read_row(kv_part::k, 0, 0, 0, before);
     std::vector<pos_t> pos(16);
     std::iota(pos.begin(), pos.end(), 6);
     auto fail = t.c.init_ubatches({make_ub(pos, std::vector<seq_id_t>(16, 0))}, {});  // 1 + 16 > 16 cells
     ASSERT_EQ(fail->get_status(), memory_status::failed_prepare);
     EXPECT_TRUE(t.c.get_has_shift());
-    t.c.read_k_row(0, 0, 0, got);
+    t.c.read_row(kv_part::k, 0, 0, 0, got);
     EXPECT_EQ(got, before);
     auto ctx = t.c.init_ubatches({make_ub({6}, {0})}, {});
     ASSERT_EQ(ctx->get_status(), memory_status::success);
@@ -655,8 +655,8 @@ TEST(kv_cache, k_shift_on_an_executor_gives_the_bytes_of_one_thread) {
         std::vector<float> a(64), b(64);
         for (uint32_t il : {0u, 1u})
             for (uint32_t cell = 0; cell < 40; ++cell) {
-                one.read_k_row(il, 0, cell, a);
-                many.read_k_row(il, 0, cell, b);
+                one.read_row(kv_part::k, il, 0, cell, a);
+                many.read_row(kv_part::k, il, 0, cell, b);
                 ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
                     << to_string(t) << " layer " << il << " cell " << cell;
             }
@@ -743,7 +743,7 @@ TEST(kv_cache, compaction_moves_cells_down_and_changes_nothing_visible) {
         std::vector<float> v(8);
         for (seq_id_t s : {0, 2})
             for (const auto& [pos, cell] : c.cells(0).seq_entries(s, -1, -1)) {
-                c.read_v_row(0, 0, cell, v);
+                c.read_row(kv_part::v, 0, 0, cell, v);
                 m[{s, pos}] = v;
             }
         return m;

@@ -91,7 +91,7 @@ seen_t seen_by_cache(const kv_cache& c, uint32_t n_seq) {
     for (seq_id_t s = 0; s < static_cast<seq_id_t>(n_seq); ++s) {
         const uint32_t stream = c.seq_to_stream(s);
         for (const auto& [pos, cell] : c.cells(stream).seq_entries(s, -1, -1)) {
-            c.read_v_row(0, stream, cell, v);
+            c.read_row(kv_part::v, 0, stream, cell, v);
             out[s].insert({pos, v[0]});
         }
     }

@@ -52,7 +52,7 @@ TEST(kv_storage, host_memory_follows_the_used_cells) {
     if (::sysconf(_SC_PAGESIZE) != 4096) GTEST_SKIP() << "rows are sized for 4 KiB pages";
     kv_cache c(page_rows(1024));
     ASSERT_EQ(c.storage().commit_granule(), 16u);
-    const size_t k_bytes = c.size_k_bytes(), cell = 8192;
+    const size_t k_bytes = c.size_bytes(kv_part::k), cell = 8192;
     EXPECT_EQ(c.get_memory_breakdown().committed, 0u);
     const std::byte* k = decode(c, 100);
     EXPECT_EQ(resident_pages(k, k_bytes), 100u);  // one page per written row, nothing else
@@ -78,7 +78,7 @@ TEST(kv_storage, host_memory_follows_the_used_cells) {
     EXPECT_EQ(resident_pages(k, k_bytes), 16u);  // 10 cells at 0..9, one granule
     std::vector<float> row(1024);
     for (uint32_t i = 0; i < 10; ++i) {
-        c.read_v_row(0, 0, i, row);
+        c.read_row(kv_part::v, 0, 0, i, row);
         EXPECT_EQ(row[0], 1.0f) << "cell " << i;
     }
 

@@ -239,11 +239,11 @@ TEST(kv_storage_engine, every_operation_reaches_the_engine_in_order_and_the_resu
     // inspection reads rows through the engine
     std::vector<float> a(16), b(16);
     for (uint32_t cell = 0; cell < 8; ++cell) {
-        t.host.read_v_row(2, 0, cell, a);
-        t.owned.read_v_row(2, 0, cell, b);
+        t.host.read_row(kv_part::v, 2, 0, cell, a);
+        t.owned.read_row(kv_part::v, 2, 0, cell, b);
         EXPECT_EQ(a, b) << "cell " << cell;
-        t.host.read_k_row(0, 1, cell, a);
-        t.owned.read_k_row(0, 1, cell, b);
+        t.host.read_row(kv_part::k, 0, 1, cell, a);
+        t.owned.read_row(kv_part::k, 0, 1, cell, b);
         EXPECT_EQ(a, b) << "cell " << cell;
     }
 }

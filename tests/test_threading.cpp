@@ -65,7 +65,7 @@ std::string read_everything(const kv_cache& c, const kv_cache_context& kc) {
     const uint32_t n_streams = c.params().unified ? 1 : c.params().n_seq_max;
     for (uint32_t s = 0; s < n_streams; ++s) out += c.cells(s).picture();
     std::vector<float> row(64);
-    c.read_k_row(0, 0, 0, std::span(row).first(64));
+    c.read_row(kv_part::k, 0, 0, 0, std::span(row).first(64));
     out.append(reinterpret_cast<const char*>(row.data()), 64 * sizeof(float));
     const size_t n = kc.kq_mask_elements();
     std::vector<float> mask(n);

@@ -162,7 +162,7 @@ int main() {
 
     // K rows read back as written (f16 holds these values exactly)
     std::vector<float> row(n_embd_kv);
-    cache.read_k_row(1, /*stream=*/0, /*cell=*/3, row);
+    cache.read_row(kvc::kv_part::k, 1, /*stream=*/0, /*cell=*/3, row);
     check(row[5] == kv_value(prompt[3], 3, 1, 5, false), "cell 3 holds token 3's K row");
 
     std::printf("%u cells used of %u, %s\n", cache.cells(0).get_used(), cache.get_size(),

@@ -70,10 +70,10 @@ bool rows_match(const kvc::kv_cache& cache, kvc::seq_id_t seq, kvc::seq_id_t dat
     for (uint32_t cell : cells) {
         const kvc::pos_t pos = cache.cells(0).pos_get(cell);
         for (uint32_t il = 0; il < n_layer; ++il) {
-            cache.read_k_row(il, 0, cell, row);
+            cache.read_row(kvc::kv_part::k, il, 0, cell, row);
             for (uint32_t e = 0; e < n_embd_kv; ++e)
                 if (row[e] != value(data_seq, pos, il, e, false)) return false;
-            cache.read_v_row(il, 0, cell, row);
+            cache.read_row(kvc::kv_part::v, il, 0, cell, row);
             for (uint32_t e = 0; e < n_embd_kv; ++e)
                 if (row[e] != value(data_seq, pos, il, e, true)) return false;
         }

@@ -189,19 +189,16 @@ public:
     const kv_storage& storage() const { return *storage_; }  ///< where the K/V bytes live
 
     // -- sizes --
-    size_t size_k_bytes() const;                                           ///< K storage of every layer
-    size_t size_v_bytes() const;                                           ///< V storage of every layer
-    size_t size_bytes() const { return size_k_bytes() + size_v_bytes(); }  ///< K and V storage
+    size_t size_bytes(kv_part part) const;  ///< K (or V) storage of every layer
+    size_t size_bytes() const { return size_bytes(kv_part::k) + size_bytes(kv_part::v); }  ///< K and V
     /// K/V bytes backed by memory now (memory_breakdown::committed), in O(streams): cheap enough per step.
     uint64_t committed_bytes() const;
-    size_t layer_k_bytes(uint32_t il) const;  ///< K storage of model layer il (throws if not own)
-    size_t layer_v_bytes(uint32_t il) const;  ///< V storage of model layer il (throws if not own)
+    size_t layer_bytes(kv_part part,
+                       uint32_t il) const;  ///< K (or V) storage of model layer il (throws if not own)
 
     // -- inspection --
-    /// A stored row decoded to f32 (E values; transposed V gathered), for tests and inspection.
-    void read_k_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
-    /// The same for V.
-    void read_v_row(uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
+    /// A stored K (or V) row decoded to f32 (E values; transposed V gathered), for tests and inspection.
+    void read_row(kv_part part, uint32_t il, uint32_t stream, uint32_t cell, std::span<float> out) const;
 
     /// Pending shift of every cell, [kv_size * n_stream] (0 for empty cells): the K-shift input of an engine
     /// that re-rotates keys itself.

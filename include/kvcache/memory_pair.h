@@ -3,9 +3,9 @@
 /// cache) and memory_hybrid (an attention and a recurrent part). What is the same for both is here once:
 /// the state (the first part's, unless state_seq_flag_partial_only, then the second's; both parsed before
 /// anything changes, committed both or neither), the sequence operations that go to both parts alike, the
-/// memory breakdown, the prefix cache over both parts' caches (one coordinator: design/prefix-cache.md,
-/// "The wing"), and the context over a child context of each part. What differs stays with the owner:
-/// which part holds a layer, how a batch is split, what removing a range and positions mean across the
+/// memory breakdown, the prefix cache over both parts' caches (one coordinator: design D35;
+/// docs/architecture.md), and the context over a child context of each part. What differs stays with the
+/// owner: which part holds a layer, how a batch is split, what removing a range and positions mean across the
 /// parts.
 #pragma once
 

@@ -132,8 +132,9 @@ struct prefix_stats {
 
 /// The prefix cache of a memory (kv_cache, kv_cache_iswa, memory_recurrent, memory_hybrid):
 /// memory_i::prefix_cache() gives it when the memory was made with one (null otherwise). One coordinator
-/// serves every kind of memory over its parts (design/prefix-cache.md, "The wing"): a hit needs every
-/// part's blocks, and what one part evicts the others let go too. docs/prefix-cache.md has the rules.
+/// serves every kind of memory over its parts (design D35; docs/architecture.md, "The prefix wing"): a hit
+/// needs every part's blocks, and what one part evicts the others let go too. docs/prefix-cache.md has the
+/// rules.
 class prefix_cache_i {
 public:
     virtual ~prefix_cache_i() = default;

@@ -403,16 +403,20 @@ void bind_kv_cache(py::module_& m) {
         .def_property_readonly(
             "has_shift", [](const py_kv_cache& s) { return s.locked([&] { return s.kv->get_has_shift(); }); })
         .def_property_readonly("size_bytes", [](const py_kv_cache& s) { return s.kv->size_bytes(); })
-        .def_property_readonly("size_k_bytes", [](const py_kv_cache& s) { return s.kv->size_k_bytes(); })
-        .def_property_readonly("size_v_bytes", [](const py_kv_cache& s) { return s.kv->size_v_bytes(); })
+        .def_property_readonly("size_k_bytes",
+                               [](const py_kv_cache& s) { return s.kv->size_bytes(kvc::kv_part::k); })
+        .def_property_readonly("size_v_bytes",
+                               [](const py_kv_cache& s) { return s.kv->size_bytes(kvc::kv_part::v); })
         .def_property_readonly(
             "committed_bytes",
             [](const py_kv_cache& s) { return s.locked([&] { return s.kv->committed_bytes(); }); })
         .def(
-            "layer_k_bytes", [](const py_kv_cache& s, uint32_t il) { return s.kv->layer_k_bytes(il); },
+            "layer_k_bytes",
+            [](const py_kv_cache& s, uint32_t il) { return s.kv->layer_bytes(kvc::kv_part::k, il); },
             py::arg("il"))
         .def(
-            "layer_v_bytes", [](const py_kv_cache& s, uint32_t il) { return s.kv->layer_v_bytes(il); },
+            "layer_v_bytes",
+            [](const py_kv_cache& s, uint32_t il) { return s.kv->layer_bytes(kvc::kv_part::v, il); },
             py::arg("il"))
         .def(
             "read_k_row",
@@ -422,7 +426,7 @@ void bind_kv_cache(py::module_& m) {
                 }
                 const layer_desc& l = s.kv->params().layers[il];
                 std::vector<float> out(size_t{l.n_head_kv} * l.n_embd_head_k);
-                s.locked([&] { s.kv->read_k_row(il, stream, cell, out); });
+                s.locked([&] { s.kv->read_row(kvc::kv_part::k, il, stream, cell, out); });
                 return to_numpy(out);
             },
             py::arg("il"), py::arg("stream"), py::arg("cell"), "A stored K row decoded to float32.")
@@ -434,7 +438,7 @@ void bind_kv_cache(py::module_& m) {
                 }
                 const layer_desc& l = s.kv->params().layers[il];
                 std::vector<float> out(size_t{l.n_head_kv} * l.n_embd_head_v);
-                s.locked([&] { s.kv->read_v_row(il, stream, cell, out); });
+                s.locked([&] { s.kv->read_row(kvc::kv_part::v, il, stream, cell, out); });
                 return to_numpy(out);
             },
             py::arg("il"), py::arg("stream"), py::arg("cell"), "A stored V row decoded to float32.")

@@ -1,4 +1,5 @@
-// The prefix coordinator: one prefix cache over a memory's parts (design/prefix-cache.md, "The wing").
+// The prefix coordinator: one prefix cache over a memory's parts (design D35; docs/architecture.md, "The
+// prefix wing").
 #include "prefix/prefix_coordinator.h"
 
 #include <algorithm>

@@ -1,8 +1,8 @@
-// The prefix cache of a memory, over its parts (design/prefix-cache.md, "The wing"): one coordinator
-// serves lookup, attach, publish, stats, pins and tiers for a plain memory (one part) or a composite (a
-// kv_cache_iswa's base and SWA caches, a memory_hybrid's attention and recurrent parts, or all three).
-// It finds the hit every part can give, attaches it in each, and couples the parts' evictions: a block
-// one part loses is let go by the others, as no hit can use their halves any more.
+// The prefix cache of a memory, over its parts (design D35; docs/architecture.md, "The prefix wing"): one
+// coordinator serves lookup, attach, publish, stats, pins and tiers for a plain memory (one part) or a
+// composite (a kv_cache_iswa's base and SWA caches, a memory_hybrid's attention and recurrent parts, or all
+// three). It finds the hit every part can give, attaches it in each, and couples the parts' evictions: a
+// block one part loses is let go by the others, as no hit can use their halves any more.
 #pragma once
 
 #include <cstdint>

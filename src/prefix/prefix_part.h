@@ -1,7 +1,7 @@
-// One part of a memory as the prefix cache sees it (design/prefix-cache.md, "The wing"): a kv_cache's K/V
-// blocks, with or without a sliding window, or a memory_recurrent's snapshots. The prefix coordinator
-// (prefix_coordinator.h) drives one to three of them as one prefix cache; each memory implements its
-// part next to its cells (src/kv_cache_prefix.cpp, src/memory_recurrent_prefix.cpp). Arguments are
+// One part of a memory as the prefix cache sees it (design D35; docs/architecture.md, "The prefix wing"): a
+// kv_cache's K/V blocks, with or without a sliding window, or a memory_recurrent's snapshots. The prefix
+// coordinator (prefix_coordinator.h) drives one to three of them as one prefix cache; each memory implements
+// its part next to its cells (src/kv_cache_prefix.cpp, src/memory_recurrent_prefix.cpp). Arguments are
 // checked by the coordinator, once: the parts take them as valid.
 #pragma once
 

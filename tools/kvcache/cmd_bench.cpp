@@ -338,7 +338,7 @@ private:
             fill(c, 1, cells, true, rng);
             const double s = best_of(
                 reps_, [&] { c.update(); }, [&] { c.seq_add(0, 0, -1, 1); });
-            const double bytes = static_cast<double>(c.size_k_bytes());
+            const double bytes = static_cast<double>(c.size_bytes(kvc::kv_part::k));
             const double g = bytes / s / 1e9, mc = memcpy_gbs(static_cast<size_t>(bytes), reps_);
             add({section_, fmt::format("{} K, {} cells x 4 layers x 1,024 dims", to_string(t), cells), g,
                  "GB/s", mc, "memcpy GB/s", g / mc, t == dtype::f16 ? 0.5 : 0.25});
