@@ -104,6 +104,8 @@ struct kv_cache::journal {
 
 kv_cache::kv_cache(kv_cache_params params) : params_(std::move(params)) {
     const kv_cache_params& p = params_;
+    set_shape(
+        {.n_seq_max = p.n_seq_max, .n_pos = p.n_pos, .n_layer = static_cast<uint32_t>(p.layers.size())});
     const auto bad = [](const std::string& msg) { throw error(errc::invalid_argument, "kv_cache: " + msg); };
     if (p.kv_size == 0) bad("kv_size must be positive");
     if (p.n_seq_max == 0) bad("n_seq_max must be at least 1");

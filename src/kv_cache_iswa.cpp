@@ -51,6 +51,8 @@ uint32_t iswa_swa_size(const kv_cache_iswa_params& p) {
 kv_cache_iswa::kv_cache_iswa(kv_cache_iswa_params params)
     : memory_pair("iswa", "base", "swa"), params_(std::move(params)) {
     const kv_cache_params& k = params_.kv;
+    set_shape(
+        {.n_seq_max = k.n_seq_max, .n_pos = k.n_pos, .n_layer = static_cast<uint32_t>(k.layers.size())});
     const auto bad = [](const std::string& msg) {
         throw error(errc::invalid_argument, "kv_cache_iswa: " + msg);
     };

@@ -52,10 +52,7 @@ void kv_cache::prefix_init() {
     part_ = std::make_unique<detail::kv_prefix_part>(*this);
     coord_ = std::make_unique<detail::prefix_coordinator>(params_.prefix, params_.n_seq_max);
     coord_->adopt(*part_);  // its events go to the user through the coordinator
-}
-
-prefix_cache_i* kv_cache::prefix_cache() {
-    return coord_.get();
+    set_prefix_cache(coord_.get());
 }
 
 namespace {
@@ -364,51 +361,6 @@ size_t kv_cache::publish_windowed(seq_id_t s, prefix_tracker& t) {
         ps.emit(prefix_event::kind::stored, id);
     }
     return done;
-}
-
-bool kv_cache::prefix_has_window(const prefix_event& e) const {
-    if (!prefix_ || !prefix_->windowed()) return false;
-    const prefix_state& ps = *prefix_;
-    const uint32_t d0 = ps.attach_from((e.depth + 1) * ps.bs()) / ps.bs();
-    uint64_t h = e.hash;
-    for (uint32_t d = e.depth + 1; d-- > d0;) {  // the chain's blocks by hash, from e's down
-        const uint32_t id = ps.index.find_any(h);
-        if (id == none || ps.index.at(id).depth != d) return false;
-        h = ps.index.seed(id);
-    }
-    return true;
-}
-
-uint32_t kv_cache::prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep) {
-    if (!prefix_) return 0;
-    prefix_state& ps = *prefix_;
-    uint32_t n = 0;
-    for (uint32_t id = ps.index.find_hash(e.hash, e.parent_hash, e.tokens);
-         id != none && ps.index.at(id).st == detail::prefix_index::state::queued;) {
-        const detail::prefix_index::block& b = ps.index.at(id);
-        if (keep && keep({.type = prefix_event::kind::stored,
-                          .hash = b.hash,
-                          .parent_hash = ps.index.seed(id),
-                          .depth = b.depth,
-                          .tokens = ps.index.tokens(id)}))
-            break;
-        const uint32_t parent = b.parent, stream = b.stream;
-        tier_evicting(id);  // it leaves memory as an eviction would
-        ps.index.evicting(id);
-        ps.emit(prefix_event::kind::removed, id);
-        kv_cells& cells = streams_[stream];
-        for (uint32_t c : ps.index.cells(id)) {
-            cells.unhold(c);  // no sequence holds it: empty now
-            lower_head(stream, c);
-        }
-        ps.index.remove(id);
-        ++ps.stats.evicted_blocks;
-        fit_storage(stream);
-        ++n;
-        id = parent;  // queued now if this was its last child
-    }
-    if (n > 0) tier_flush();
-    return n;
 }
 
 // seq computed the tokens of cached block id again in its own cells `mine`: it holds the block's cells

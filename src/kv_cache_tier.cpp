@@ -249,12 +249,6 @@ void kv_cache::tier_flush() {
     ps.tiers.write(ps.index, [&](uint32_t b) { return tier_encode(b, ps.tiers.layout()); });
 }
 
-void kv_cache::prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
-                            uint32_t max_tokens) {
-    prefix_publish();
-    tier_fetch(tokens, key, seq_to_stream(seq_id), max_tokens);
-}
-
 void kv_cache::prefix_tier_drain() {
     if (prefix_) prefix_->tiers.drain();
 }

@@ -16,6 +16,9 @@ namespace kvc {
 
 memory_hybrid::memory_hybrid(memory_hybrid_params params)
     : memory_pair("hybrid", "attn", "recr"), params_(std::move(params)) {
+    const kv_cache_params& a = params_.attn;
+    set_shape(
+        {.n_seq_max = a.n_seq_max, .n_pos = a.n_pos, .n_layer = static_cast<uint32_t>(a.layers.size())});
     const auto bad = [](const std::string& msg) {
         throw error(errc::invalid_argument, "memory_hybrid: " + msg);
     };

@@ -13,12 +13,9 @@ memory_pair::~memory_pair() = default;
 
 // -- prefix cache --
 
-prefix_cache_i* memory_pair::prefix_cache() {
-    return prefix_.get();
-}
-
 detail::prefix_coordinator& memory_pair::make_prefix(const prefix_cache_params& p, uint32_t n_seq_max) {
     prefix_ = std::make_unique<detail::prefix_coordinator>(p, n_seq_max);
+    set_prefix_cache(prefix_.get());
     return *prefix_;
 }
 

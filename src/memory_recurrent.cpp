@@ -47,6 +47,9 @@ uint64_t snapshot_rows(const recurrent_params& p) {
 // -- construction --
 
 memory_recurrent::memory_recurrent(recurrent_params params) : params_(std::move(params)) {
+    set_shape({.n_seq_max = params_.n_seq_max,
+               .n_pos = 1,
+               .n_layer = static_cast<uint32_t>(params_.layers.size())});
     const recurrent_params& p = params_;
     const auto bad = [](const std::string& msg) {
         throw error(errc::invalid_argument, "memory_recurrent: " + msg);

@@ -259,13 +259,10 @@ void memory_recurrent::prefix_init() {
     part_ = std::make_unique<detail::recurrent_prefix_part>(*this);
     coord_ = std::make_unique<detail::prefix_coordinator>(q, params_.n_seq_max);
     coord_->adopt(*part_);  // its events go to the user through the coordinator
+    set_prefix_cache(coord_.get());
     if (q.tiers.stores.empty()) return;
     prefix_->tiers.init(q.tiers, prefix_block_layout(q.tiers.model_id));
     prefix_->before_evict = [this](uint32_t id) { tier_evicting(id); };
-}
-
-prefix_cache_i* memory_recurrent::prefix_cache() {
-    return coord_.get();
 }
 
 uint32_t memory_recurrent::get_snapshots_used() const {
@@ -424,22 +421,6 @@ void memory_recurrent::prefix_publish() {
     ps.pending.clear();
     fit_snapshots();
     tier_flush();  // write-through
-}
-
-bool memory_recurrent::prefix_drop(const prefix_event& e) {
-    if (!prefix_) return false;
-    prefix_state& ps = *prefix_;
-    const uint32_t id = ps.index.find_hash(e.hash, e.parent_hash, e.tokens);
-    if (id == none || !ps.has_snapshot(id)) return false;
-    tier_evicting(id);  // it leaves memory as an eviction would
-    ps.drop_snapshot(id);
-    fit_snapshots();
-    tier_flush();
-    return true;
-}
-
-bool memory_recurrent::prefix_has(const prefix_event& e) const {
-    return prefix_ && prefix_->index.find_hash(e.hash, e.parent_hash, e.tokens) != none;
 }
 
 prefix_stats memory_recurrent::get_prefix_stats() const {

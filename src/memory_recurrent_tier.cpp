@@ -30,11 +30,6 @@ block_layout memory_recurrent::prefix_block_layout(uint64_t model_id) const {
     return l;
 }
 
-void memory_recurrent::prefix_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens) {
-    prefix_publish();
-    tier_fetch(tokens.first(std::min<size_t>(tokens.size(), uint64_t{max_tokens} + 1)), key);
-}
-
 void memory_recurrent::prefix_tier_drain() {
     if (prefix_) prefix_->tiers.drain();
 }

@@ -16,6 +16,7 @@ namespace {
 // A memory that only answers position queries, from a table.
 class fake_memory final : public memory_i {
 public:
+    fake_memory() { set_shape({.n_seq_max = 1, .n_pos = 1, .n_layer = 0}); }
     std::map<seq_id_t, std::pair<pos_t, pos_t>> ranges;  // seq -> [min, max]
 
     memory_context_ptr init_batch(batch_allocr&, uint32_t, bool) override { return nullptr; }
@@ -44,12 +45,8 @@ public:
     std::string state_layout() const override { return {}; }
     uint64_t state_max_bytes() const override { return 0; }  // state_write writes nothing
     memory_breakdown get_memory_breakdown() const override { return {}; }
-    uint32_t n_seq_max() const override { return 1; }
-    uint32_t n_pos() const override { return 1; }
-    uint32_t n_layer() const override { return 0; }
     kv_cache* layer_cache(uint32_t) override { return nullptr; }
     memory_recurrent* recurrent() override { return nullptr; }
-    prefix_cache_i* prefix_cache() override { return nullptr; }
 };
 
 // A batch described by value; view() points a kvc::batch at it.

@@ -161,15 +161,9 @@ public:
     uint64_t state_max_bytes() const override;
     memory_breakdown get_memory_breakdown() const override;
 
-    uint32_t n_seq_max() const override { return params_.n_seq_max; }
-    uint32_t n_pos() const override { return params_.n_pos; }
-    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.layers.size()); }
     kv_cache* layer_cache(uint32_t il) override { return has_layer(il) ? this : nullptr; }
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return nullptr; }
-    /// The prefix cache (params().prefix.enabled; docs/prefix-cache.md), or null.
-    prefix_cache_i* prefix_cache() override;
-    using memory_i::prefix_cache;
 
     /// K/V bytes a cache made from p would reserve (every cell of every stream), saturating at UINT64_MAX;
     /// p need not be valid. What creation checks against p.memory_budget.
@@ -268,10 +262,6 @@ private:
     uint32_t prefix_unpin(std::span<const token_t> tokens, uint64_t key);
     uint32_t prefix_set_priority(std::span<const token_t> tokens, uint64_t key, uint8_t priority);
     void prefix_publish();
-    // evicts the cached block e and then its ancestors while each is evictable and keep(block) is false
-    uint32_t prefix_trim(const prefix_event& e, const std::function<bool(const prefix_event&)>& keep);
-    // with a window: whether the blocks a sequence resumed at the end of block e needs are all cached
-    bool prefix_has_window(const prefix_event& e) const;
     prefix_stats get_prefix_stats() const;
     block_layout prefix_block_layout(uint64_t model_id) const;
     uint32_t prefix_store_blocks(block_store_i& store, uint64_t model_id, std::span<const token_t> tokens,
@@ -280,8 +270,6 @@ private:
                                  uint64_t key, uint32_t stream);
     std::vector<prefix_tier_stats> get_tier_stats() const;
     void prefix_tier_drain();
-    // brings back from the tiers what memory lacks of the first max_tokens of `tokens`, into seq_id's stream
-    void prefix_fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
 
     // -- prefix cache hooks (no-ops without one) --
     static void check_prefix_params(const kv_cache_params& p, uint32_t n_stream);

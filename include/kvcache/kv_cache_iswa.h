@@ -93,9 +93,6 @@ public:
     // State (memory_pair): the base cache's (unless state_seq_flag_partial_only) then the SWA cache's;
     // layout "iswa base={base layout} swa={SWA layout}".
 
-    uint32_t n_seq_max() const override { return params_.kv.n_seq_max; }
-    uint32_t n_pos() const override { return params_.kv.n_pos; }
-    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.kv.layers.size()); }
     kv_cache* layer_cache(uint32_t il) override;  ///< the base or the SWA cache
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return nullptr; }

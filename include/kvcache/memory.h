@@ -177,11 +177,11 @@ public:
     /// @{
 
     /// Sequence ids a batch may use: [0, n_seq_max()).
-    virtual uint32_t n_seq_max() const = 0;
+    uint32_t n_seq_max() const { return shape_.n_seq_max; }
     /// Positions per token a batch gives (M-RoPE: 4; 1 for a memory without attention).
-    virtual uint32_t n_pos() const = 0;
+    uint32_t n_pos() const { return shape_.n_pos; }
     /// Model layers the memory was made for (those it keeps nothing for included).
-    virtual uint32_t n_layer() const = 0;
+    uint32_t n_layer() const { return shape_.n_layer; }
     /// The attention cache that keeps model layer il's K/V: the kv_cache itself, the base or SWA cache of
     /// a kv_cache_iswa, a memory_hybrid's attention part; null when no cache keeps it.
     virtual kv_cache* layer_cache(uint32_t il) = 0;
@@ -191,10 +191,26 @@ public:
     virtual memory_recurrent* recurrent() = 0;
     /// The prefix cache (lookups, attaches, pins, priorities, statistics, tiers), or null when the memory
     /// was made without one.
-    virtual prefix_cache_i* prefix_cache() = 0;
+    prefix_cache_i* prefix_cache() { return prefix_; }
     /// The prefix cache, or null (see the non-const overload).
-    const prefix_cache_i* prefix_cache() const { return const_cast<memory_i*>(this)->prefix_cache(); }
+    const prefix_cache_i* prefix_cache() const { return prefix_; }
     /// @}
+
+protected:
+    /// What n_seq_max(), n_pos() and n_layer() report.
+    struct memory_shape {
+        uint32_t n_seq_max = 0;  ///< sequence ids [0, n_seq_max)
+        uint32_t n_pos = 1;      ///< positions per token
+        uint32_t n_layer = 0;    ///< model layers
+    };
+    /// The memory's constructor says what it was made for.
+    void set_shape(const memory_shape& s) { shape_ = s; }
+    /// The memory's prefix cache (it owns it), once made.
+    void set_prefix_cache(prefix_cache_i* p) { prefix_ = p; }
+
+private:
+    memory_shape shape_;
+    prefix_cache_i* prefix_ = nullptr;
 };
 
 using memory_ptr = std::unique_ptr<memory_i>;  ///< an owned memory

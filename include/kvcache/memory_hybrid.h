@@ -88,9 +88,6 @@ public:
     // part's, both or neither (the attention part is the only one that can lack room, and then changes
     // nothing); layout "hybrid attn={attention layout} recr={recurrent layout}".
 
-    uint32_t n_seq_max() const override { return params_.attn.n_seq_max; }
-    uint32_t n_pos() const override { return params_.attn.n_pos; }
-    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.attn.layers.size()); }
     kv_cache* layer_cache(uint32_t il) override { return attn_->layer_cache(il); }
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return recr_.get(); }

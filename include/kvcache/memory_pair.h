@@ -49,9 +49,6 @@ public:
     std::string state_layout() const override;
     uint64_t state_max_bytes() const override;               ///< the two payloads back to back
     memory_breakdown get_memory_breakdown() const override;  ///< both parts' bytes
-    /// The prefix cache over both parts' caches, or null (made without one).
-    prefix_cache_i* prefix_cache() override;
-    using memory_i::prefix_cache;
 
 protected:
     /// kind, first and second name the memory and its parts in state_layout() and in errors.

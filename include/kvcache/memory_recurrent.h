@@ -201,15 +201,9 @@ public:
     /// history planes.
     memory_breakdown get_memory_breakdown() const override;
 
-    uint32_t n_seq_max() const override { return params_.n_seq_max; }
-    uint32_t n_pos() const override { return 1; }
-    uint32_t n_layer() const override { return static_cast<uint32_t>(params_.layers.size()); }
     kv_cache* layer_cache(uint32_t /*il*/) override { return nullptr; }
     using memory_i::layer_cache;
     memory_recurrent* recurrent() override { return this; }
-    /// The prefix cache (params().prefix.enabled; see the file comment), or null.
-    prefix_cache_i* prefix_cache() override;
-    using memory_i::prefix_cache;
 
     /// State bytes a memory made from p would hold (every row of every plane), saturating at UINT64_MAX;
     /// p need not be valid. What creation checks against p.memory_budget.
@@ -320,14 +314,10 @@ private:
     uint32_t prefix_attach(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint8_t priority,
                            uint32_t max_tokens);
     void prefix_publish();
-    prefix_stats get_prefix_stats() const;         // the cell counts are 0 (it caches snapshots, not cells)
-    bool prefix_drop(const prefix_event& e);       // the snapshot of block e, if any; true if it did
-    bool prefix_has(const prefix_event& e) const;  // block e is in the index
+    prefix_stats get_prefix_stats() const;  // the cell counts are 0 (it caches snapshots, not cells)
     block_layout prefix_block_layout(uint64_t model_id) const;  // of the snapshot records in a tier
     std::vector<prefix_tier_stats> get_tier_stats() const;
     void prefix_tier_drain();
-    // brings back from the tiers a snapshot deeper than memory's for the first max_tokens + 1 of `tokens`
-    void prefix_fetch(std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens);
     // -- prefix cache hooks (no-ops without one) --
     void prefix_init();
     // Before placing ub (the context's apply): which snapshots the ubatch's sequences get, making room

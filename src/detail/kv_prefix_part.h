@@ -28,13 +28,12 @@ public:
         return c_.prefix_attach(seq_id, tokens, key, priority, max_tokens);
     }
     void cut(seq_id_t seq_id, uint32_t n) override { c_.seq_rm(seq_id, static_cast<pos_t>(n), -1); }
-    void fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens) override {
-        c_.prefix_fetch(seq_id, tokens, key, max_tokens);
-    }
+    void fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens) override;
     void publish() override { c_.prefix_publish(); }
-    uint32_t trim(const prefix_event& e, const keep_fn& keep) override { return c_.prefix_trim(e, keep); }
+    uint32_t trim(const prefix_event& e, const keep_fn& keep) override;
     bool drop(const prefix_event& /*e*/) override { return false; }
-    bool serves(const prefix_event& e) const override { return c_.prefix_has_window(e); }
+    // With a window: whether the blocks a sequence resumed at the end of block e needs are all cached.
+    bool serves(const prefix_event& e) const override;
     prefix_stats stats() const override { return c_.get_prefix_stats(); }
     std::vector<prefix_tier_stats> tier_stats() const override { return c_.get_tier_stats(); }
     void tier_drain() override { c_.prefix_tier_drain(); }

@@ -28,14 +28,12 @@ public:
         return m_.prefix_attach(seq_id, tokens, key, priority, max_tokens);
     }
     void cut(seq_id_t seq_id, uint32_t n) override { m_.seq_rm(seq_id, static_cast<pos_t>(n), -1); }
-    void fetch(seq_id_t /*seq_id*/, std::span<const token_t> tokens, uint64_t key,
-               uint32_t max_tokens) override {
-        m_.prefix_fetch(tokens, key, max_tokens);
-    }
+    void fetch(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key, uint32_t max_tokens) override;
     void publish() override { m_.prefix_publish(); }
     uint32_t trim(const prefix_event& /*e*/, const keep_fn& /*keep*/) override { return 0; }
-    bool drop(const prefix_event& e) override { return m_.prefix_drop(e); }
-    bool serves(const prefix_event& e) const override { return m_.prefix_has(e); }
+    bool drop(const prefix_event& e) override;
+    // Whether the index has block e: it leads to a snapshot, or a sequence is decoding past it.
+    bool serves(const prefix_event& e) const override;
     prefix_stats stats() const override { return m_.get_prefix_stats(); }
     std::vector<prefix_tier_stats> tier_stats() const override { return m_.get_tier_stats(); }
     void tier_drain() override { m_.prefix_tier_drain(); }

@@ -32,6 +32,7 @@ struct reader {
 
 class table_memory final : public kvc::memory_i {
 public:
+    table_memory() { set_shape({.n_seq_max = 1, .n_pos = 1, .n_layer = 0}); }
     std::map<kvc::seq_id_t, std::pair<kvc::pos_t, kvc::pos_t>> ranges;
     kvc::memory_context_ptr init_batch(kvc::batch_allocr&, uint32_t, bool) override { return nullptr; }
     kvc::memory_context_ptr init_ubatches(std::vector<kvc::ubatch>, std::vector<int32_t>) override {
@@ -63,12 +64,8 @@ public:
     std::string state_layout() const override { return {}; }
     uint64_t state_max_bytes() const override { return 0; }  // state_write writes nothing
     kvc::memory_breakdown get_memory_breakdown() const override { return {}; }
-    uint32_t n_seq_max() const override { return 1; }
-    uint32_t n_pos() const override { return 1; }
-    uint32_t n_layer() const override { return 0; }
     kvc::kv_cache* layer_cache(uint32_t) override { return nullptr; }
     kvc::memory_recurrent* recurrent() override { return nullptr; }
-    kvc::prefix_cache_i* prefix_cache() override { return nullptr; }
 };
 
 void check(bool ok) {
