@@ -46,8 +46,9 @@
 /// order (the end of every prompt, every snapshot_interval blocks, and the newest boundary of every
 /// sequence, which stays when the sequence ends) in a pool of max_snapshots rows placed after the planes
 /// of every tensor (row (1 + n_rs_seq) * size + slot). The engine writes them (step 4); they are
-/// published at the next step. prefix_attach resumes a new sequence from the deepest snapshot its prompt
-/// matches (the rows are copied into its cell), so the engine decodes only the rest.
+/// published when the engine moves past the step's last ubatch (the context's next()). The memory's
+/// prefix_cache()->prefix_attach resumes a new sequence from the deepest snapshot its prompt matches (the
+/// rows are copied into its cell), so the engine decodes only the rest.
 ///
 /// Sequence operations take [p0, p1) with p1 < 0 unbounded, and p0 < 0 unbounded below (a tail moved below
 /// 0 by seq_add is still "from the start"). Sequence ids outside [0, n_seq_max) throw kvc::error

@@ -288,8 +288,9 @@ void prefix_coordinator::prefix_tier_drain() {
 
 // -- a plain KV cache's --
 
-prefix_part_i& prefix_coordinator::single(const char* what) const {
+prefix_part_i& prefix_coordinator::single(const char* what, std::span<const token_t> tokens) const {
     if (!prefix_can_pin()) plain_kv_only(what);
+    check_prompt_tokens(tokens, n_vocab_, what);
     return *attention();
 }
 
@@ -298,42 +299,33 @@ bool prefix_coordinator::prefix_can_pin() const {
 }
 
 uint32_t prefix_coordinator::prefix_pin(std::span<const token_t> tokens, uint64_t key) {
-    prefix_part_i& p = single("prefix_pin");
-    check_prompt_tokens(tokens, n_vocab_, "prefix_pin");
-    return p.pin(tokens, key);
+    return single("prefix_pin", tokens).pin(tokens, key);
 }
 
 uint32_t prefix_coordinator::prefix_unpin(std::span<const token_t> tokens, uint64_t key) {
-    prefix_part_i& p = single("prefix_unpin");
-    check_prompt_tokens(tokens, n_vocab_, "prefix_unpin");
-    return p.unpin(tokens, key);
+    return single("prefix_unpin", tokens).unpin(tokens, key);
 }
 
 uint32_t prefix_coordinator::prefix_set_priority(std::span<const token_t> tokens, uint64_t key,
                                                  uint8_t priority) {
-    prefix_part_i& p = single("prefix_set_priority");
-    check_prompt_tokens(tokens, n_vocab_, "prefix_set_priority");
+    prefix_part_i& p = single("prefix_set_priority", tokens);
     check_prefix_priority(priority, "prefix_set_priority");
     return p.set_priority(tokens, key, priority);
 }
 
 block_layout prefix_coordinator::prefix_block_layout(uint64_t model_id) const {
-    return single("prefix_block_layout").layout(model_id);
+    return single("prefix_block_layout", {}).layout(model_id);
 }
 
 uint32_t prefix_coordinator::prefix_store_blocks(block_store_i& store, uint64_t model_id,
                                                  std::span<const token_t> tokens, uint64_t key) {
-    prefix_part_i& p = single("prefix_store_blocks");
-    check_prompt_tokens(tokens, n_vocab_, "prefix_store_blocks");
-    return p.store_blocks(store, model_id, tokens, key);
+    return single("prefix_store_blocks", tokens).store_blocks(store, model_id, tokens, key);
 }
 
 uint32_t prefix_coordinator::prefix_fetch_blocks(block_store_i& store, uint64_t model_id,
                                                  std::span<const token_t> tokens, uint64_t key,
                                                  uint32_t stream) {
-    prefix_part_i& p = single("prefix_fetch_blocks");
-    check_prompt_tokens(tokens, n_vocab_, "prefix_fetch_blocks");
-    return p.fetch_blocks(store, model_id, tokens, key, stream);
+    return single("prefix_fetch_blocks", tokens).fetch_blocks(store, model_id, tokens, key, stream);
 }
 
 }  // namespace kvc::detail

@@ -57,7 +57,8 @@ private:
     };
 
     void hear(kind from, const prefix_event& e);
-    prefix_part_i& single(const char* what) const;  // the only part, if it is an attention part
+    // the only part, if it is an attention part, once `tokens` are checked (throws kvc::error otherwise)
+    prefix_part_i& single(const char* what, std::span<const token_t> tokens) const;
     prefix_part_i* attention() const { return b_ != nullptr ? b_ : w_; }
     uint32_t lookup_attention(std::span<const token_t> tokens, uint64_t key);
     uint32_t attach_attention(seq_id_t seq_id, std::span<const token_t> tokens, uint64_t key,
